@@ -1,0 +1,130 @@
+"""Tokenizers: load a real one (local dir or hub id), find its stop ids, or build a tiny one offline.
+
+The tiny tokenizer is byte-level with no merges, so every UTF-8 string round-trips and token id
+== byte value for ids 0..255; Qwen's special tokens follow at 256.. . It exists so the offline
+`tiny` preset and the tests need nothing from the hub.
+
+    tok = load_tokenizer("../shared/qwen2-tokenizer")
+    stop_ids(tok, "../shared/qwen2-tokenizer")   # -> [151645, 151643]
+    valid_vocab_size(tok)                        # -> 151665 (< 151936 embedding rows)
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from huggingface_hub import errors as hf_errors
+import huggingface_hub
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+import transformers
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+# Special tokens in Qwen2.5's order; the tiny tokenizer gives them ids 256, 257, 258.
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Reasoning/answer tags as ordinary added tokens (special=False) so that decoding with
+# skip_special_tokens=True keeps them in the text the format reward parses.
+TAG_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
+
+# ChatML like Qwen's, but with no default system turn: the tiny model's context is short, so a
+# prompt with no system message stays just the user turn.
+TINY_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def _looks_like_path(name_or_path: str) -> bool:
+  # Hub ids are 'name' or 'owner/name'; anything else is meant as a filesystem path.
+  return (os.path.exists(name_or_path) or name_or_path.startswith((".", "/", "~"))
+          or name_or_path.count("/") > 1 or os.sep != "/" and os.sep in name_or_path)
+
+
+def load_tokenizer(name_or_path: str) -> transformers.PreTrainedTokenizerBase:
+  """Loads a tokenizer from a local directory or a hub id (hub ids need network or the HF cache)."""
+  if _looks_like_path(name_or_path):
+    path = os.path.expanduser(name_or_path)
+    if not os.path.isdir(path):
+      raise FileNotFoundError(f"tokenizer directory {name_or_path!r} does not exist")
+    return transformers.AutoTokenizer.from_pretrained(path)
+  try:
+    return transformers.AutoTokenizer.from_pretrained(name_or_path)
+  except OSError as e:
+    raise OSError(
+        f"could not load tokenizer {name_or_path!r} from the Hugging Face hub: it is not a local "
+        "directory, and it is not in the local HF cache or the hub cannot be reached (offline?). "
+        "Pass a local path to a tokenizer directory instead.") from e
+
+
+def _generation_config_path(name_or_path: str) -> str | None:
+  if _looks_like_path(name_or_path):
+    path = os.path.join(os.path.expanduser(name_or_path), "generation_config.json")
+    return path if os.path.isfile(path) else None
+  try:
+    return huggingface_hub.hf_hub_download(name_or_path, "generation_config.json")
+  except (OSError, hf_errors.EntryNotFoundError):
+    return None  # Not cached / offline / the repo has none: fall back to the tokenizer's eos.
+
+
+def stop_ids(tokenizer, name_or_path: str) -> list[int]:
+  """Token ids that end a completion: generation_config.json's eos_token_id, else tokenizer eos.
+
+  Qwen2.5-Instruct's generation config lists [151645 <|im_end|>, 151643 <|endoftext|>]; the order
+  of the file is kept and duplicates dropped.
+  """
+  ids = []
+  path = _generation_config_path(name_or_path)
+  if path is not None:
+    with open(path) as f:
+      eos = json.load(f).get("eos_token_id")
+    if isinstance(eos, int):
+      eos = [eos]
+    if eos is not None and not (isinstance(eos, list) and all(isinstance(i, int) for i in eos)):
+      raise ValueError(f"{path}: field eos_token_id must be an int or a list of ints, got {eos!r}")
+    ids = list(eos or [])
+  if not ids and tokenizer.eos_token_id is not None:
+    ids = [tokenizer.eos_token_id]
+  if not ids:
+    raise ValueError(f"tokenizer {name_or_path!r} has no eos token and no generation_config.json "
+                     "eos_token_id: cannot tell when a completion ends")
+  return list(dict.fromkeys(ids))
+
+
+def valid_vocab_size(tokenizer) -> int:
+  """Number of ids the tokenizer can produce; embedding rows at or above it must never be sampled.
+
+  Qwen2.5: 151665 ids against 151936 embedding rows (rows padded for hardware efficiency).
+  """
+  return len(tokenizer)
+
+
+def build_tiny_tokenizer(out_dir: str) -> str:
+  """Builds a byte-level tokenizer (263 ids) with Qwen's special tokens into out_dir.
+
+  Returns out_dir, loadable with `load_tokenizer(out_dir)` / AutoTokenizer.from_pretrained.
+  """
+  # Same byte -> printable-char map as GPT-2/Qwen, so token id b is byte b.
+  byte_to_char = bytes_to_unicode()
+  vocab = {byte_to_char[b]: b for b in range(256)}
+  tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+  # use_regex=False: no word splitting is needed when there are no merges.
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.add_special_tokens(
+      [tokenizers.AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS])
+  tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+
+  fast = transformers.PreTrainedTokenizerFast(
+      tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+      clean_up_tokenization_spaces=False, model_max_length=1 << 20)
+  fast.chat_template = TINY_CHAT_TEMPLATE
+  os.makedirs(out_dir, exist_ok=True)
+  fast.save_pretrained(out_dir)
+  stop = [fast.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+  with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+    json.dump({"eos_token_id": stop, "pad_token_id": fast.pad_token_id,
+               "bos_token_id": fast.convert_tokens_to_ids("<|endoftext|>")}, f, indent=2)
+  return out_dir
+
