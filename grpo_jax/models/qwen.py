@@ -1,0 +1,381 @@
+"""Qwen2 / Qwen2.5 / Qwen3 decoder in Flax linen, used functionally.
+
+One code path serves the family; the checkpoint's config.json switches the differences:
+q/k/v bias (Qwen2), q_norm/k_norm and an explicit head_dim (Qwen3), tied or untied lm_head.
+
+Shape legend: B batch, T query length, S key slots (T without a cache, the cache length with
+one), D model width, N query heads, K key/value heads, G = N // K heads per kv head, H head dim,
+I MLP width, V vocabulary, L layers.
+
+    cfg = QwenConfig.from_hf(json.load(open("config.json")))
+    model = Qwen(cfg)
+    params = init_params(cfg, jax.random.key(0))
+    hidden_BTD, _ = model.apply({"params": params}, tokens_BT, positions_BT, mask_BT)
+    logits_BTV = model.apply({"params": params}, hidden_BTD, method=Qwen.logits)
+
+Masks are explicit: `attn_mask_BS` is 1 where a key slot holds a real token. A query at slot t
+sees the key slots s <= t whose mask is 1, so left-padded batches are exact. Positions (RoPE)
+are passed separately; `positions_from_mask` gives them for left-padded prompts.
+
+Parameters carry logical axis names ('vocab', 'embed', 'q_heads', 'kv_heads', 'head_dim',
+'mlp', 'norm', 'layers'); grpo_jax.sharding maps them onto the device mesh with one table.
+Parameter names follow the Hugging Face checkpoint so the weight map stays readable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Cache = dict[str, Array]  # {'k': [L, B, S, K, H], 'v': [L, B, S, K, H]}
+
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenConfig:
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 1_000_000.0
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  qkv_bias: bool = True  # Qwen2: bias on q/k/v projections only.
+  o_bias: bool = False  # Qwen3's attention_bias covers o_proj too.
+  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE.
+  max_position_embeddings: int = 32768
+  model_type: str = "qwen2"
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+  @classmethod
+  def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "QwenConfig":
+    """Builds the config from a Hugging Face config.json dict (transformers 4.x or 5.x)."""
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+      raise ValueError(
+          f"{source}: unsupported model_type {model_type!r} (architectures="
+          f"{hf.get('architectures')}); grpo_jax supports {sorted(ARCHITECTURES)}")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads"):
+      if key not in hf:
+        raise ValueError(f"{source}: missing field {key!r}")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+      raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only 'default')")
+    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if hf.get("use_sliding_window"):
+      raise ValueError(f"{source}: use_sliding_window=true is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+      raise ValueError(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported")
+    heads = hf["num_attention_heads"]
+    qwen3 = model_type == "qwen3"
+    attention_bias = bool(hf.get("attention_bias", False))
+    return cls(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rope_theta=float(rope_theta),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=attention_bias if qwen3 else True,
+        o_bias=attention_bias if qwen3 else False,
+        qk_norm=qwen3,
+        max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        model_type=model_type,
+    )
+
+  def to_hf(self) -> dict[str, Any]:
+    """The config.json fields transformers needs to rebuild this model."""
+    hf = {
+        "architectures": [ARCHITECTURES[self.model_type]],
+        "model_type": self.model_type,
+        "vocab_size": self.vocab_size,
+        "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size,
+        "num_hidden_layers": self.num_layers,
+        "num_attention_heads": self.num_heads,
+        "num_key_value_heads": self.num_kv_heads,
+        "head_dim": self.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": self.max_position_embeddings,
+        "rms_norm_eps": self.rms_norm_eps,
+        "rope_theta": self.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+        "tie_word_embeddings": self.tie_word_embeddings,
+        "use_sliding_window": False,
+    }
+    if self.model_type == "qwen3":
+      hf["attention_bias"] = self.qkv_bias
+    elif self.o_bias or not self.qkv_bias:
+      raise ValueError("a qwen2 config must have qkv_bias=True and o_bias=False")
+    return hf
+
+
+def positions_from_mask(mask_BT: Array) -> Array:
+  """RoPE positions for left-padded rows: 0 at each row's first real token.
+
+  >>> positions_from_mask(jnp.array([[0, 0, 1, 1, 1]]))
+  Array([[0, 0, 0, 1, 2]], dtype=int32)
+  """
+  return jnp.maximum(jnp.cumsum(mask_BT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def init_cache(cfg: QwenConfig, batch: int, max_len: int, dtype=jnp.float32) -> Cache:
+  shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def _param(module: nn.Module, name: str, shape, axes, init, dtype):
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+def _dense_init(scale: float = 0.02):
+  return nn.initializers.normal(stddev=scale)
+
+
+class RMSNorm(nn.Module):
+  """x / rms(x) * weight, computed in fp32 and cast back before the weight (as transformers)."""
+  eps: float
+  dtype: Any
+  param_dtype: Any
+  axis_name: str = "norm"
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    weight = _param(self, "weight", (x.shape[-1],), (self.axis_name,), nn.initializers.ones,
+                    self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return weight.astype(self.dtype) * x32.astype(self.dtype)
+
+
+def rope(x_BTnH: Array, positions_BT: Array, theta: float) -> Array:
+  """Rotary embedding in transformers' convention (halves rotated, not interleaved pairs)."""
+  h = x_BTnH.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+  freqs_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
+  emb = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(emb).astype(x_BTnH.dtype), jnp.sin(emb).astype(x_BTnH.dtype)
+  x1, x2 = jnp.split(x_BTnH, 2, axis=-1)
+  return x_BTnH * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+class Linear(nn.Module):
+  """y = einsum(spec, x, kernel) (+ bias): one transformers nn.Linear, kernel laid out by axes."""
+  spec: str
+  shape: tuple[int, ...]
+  axes: tuple[str, ...]
+  bias_ndim: int  # 0: no bias; else the bias covers the kernel's last bias_ndim axes
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    w = _param(self, "kernel", self.shape, self.axes, _dense_init(), self.param_dtype)
+    y = jnp.einsum(self.spec, x, w.astype(self.dtype))
+    if self.bias_ndim:
+      b = _param(self, "bias", self.shape[-self.bias_ndim:], self.axes[-self.bias_ndim:],
+                 nn.initializers.zeros, self.param_dtype)
+      y = y + b.astype(self.dtype)
+    return y
+
+
+class Attention(nn.Module):
+  cfg: QwenConfig
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x_BTD, positions_BT, attn_mask_BS, layer_cache, cache_index):
+    cfg = self.cfg
+    d, h = cfg.hidden_size, cfg.head_dim
+
+    def proj(name, heads, axis):
+      return Linear("BTD,DnH->BTnH", (d, heads, h), ("embed", axis, "head_dim"),
+                    2 if cfg.qkv_bias else 0, self.dtype, self.param_dtype, name=name)(x_BTD)
+
+    q = proj("q_proj", cfg.num_heads, "q_heads")
+    k = proj("k_proj", cfg.num_kv_heads, "kv_heads")
+    v = proj("v_proj", cfg.num_kv_heads, "kv_heads")
+    if cfg.qk_norm:
+      q = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "head_dim", name="q_norm")(q)
+      k = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "head_dim", name="k_norm")(k)
+    q = rope(q, positions_BT, cfg.rope_theta)
+    k = rope(k, positions_BT, cfg.rope_theta)
+
+    if layer_cache is None:
+      keys, values, start = k, v, 0
+    else:
+      # Write this call's k/v at slots [cache_index, cache_index + T) of every row.
+      ck, cv = layer_cache
+      idx = (0, cache_index, 0, 0)
+      ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), idx)
+      cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), idx)
+      layer_cache = (ck, cv)
+      keys, values, start = ck.astype(self.dtype), cv.astype(self.dtype), cache_index
+    out_BTNH = attend(q, keys, values, attn_mask_BS, start)
+    y = Linear("BTNH,NHD->BTD", (cfg.num_heads, h, d), ("q_heads", "head_dim", "embed"),
+               1 if cfg.o_bias else 0, self.dtype, self.param_dtype, name="o_proj")(out_BTNH)
+    return y, layer_cache
+
+
+def attend(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, attn_mask_BS: Array,
+           start: Array | int) -> Array:
+  """Grouped-query attention; the query at row t sits at key slot start + t.
+
+  Scores and softmax are fp32. A masked score is the most negative finite fp32 rather than
+  -inf, so a query that sees no key (a left-pad position) gets a uniform, finite row.
+  """
+  b, t, n, h = q_BTNH.shape
+  s, kh = k_BSKH.shape[1], k_BSKH.shape[2]
+  q = q_BTNH.reshape(b, t, kh, n // kh, h)
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_BSKH,
+                      preferred_element_type=jnp.float32) * (h ** -0.5)
+  q_slot = start + jnp.arange(t)
+  visible_TS = jnp.arange(s)[None, :] <= q_slot[:, None]
+  visible_BTS = visible_TS[None] & (attn_mask_BS[:, None, :] > 0)
+  scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)
+  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_BSKH)
+  return out.reshape(b, t, n, h)
+
+
+class MLP(nn.Module):
+  cfg: QwenConfig
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x_BTD):
+    d, i = self.cfg.hidden_size, self.cfg.intermediate_size
+
+    def linear(name, spec, shape, axes):
+      return Linear(spec, shape, axes, 0, self.dtype, self.param_dtype, name=name)
+
+    g = linear("gate_proj", "BTD,DI->BTI", (d, i), ("embed", "mlp"))(x_BTD)
+    u = linear("up_proj", "BTD,DI->BTI", (d, i), ("embed", "mlp"))(x_BTD)
+    return linear("down_proj", "BTI,ID->BTD", (i, d), ("mlp", "embed"))(jax.nn.silu(g) * u)
+
+
+class DecoderLayer(nn.Module):
+  """One pre-norm block, written as a scan body over layers: carry = (x, cache, layer index)."""
+  cfg: QwenConfig
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, carry, _):
+    x, cache, layer, positions_BT, attn_mask_BS, cache_index = carry
+    cfg = self.cfg
+    layer_cache = None
+    if cache is not None:
+      layer_cache = (cache["k"][layer], cache["v"][layer])
+    h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "norm",
+                name="input_layernorm")(x)
+    h, layer_cache = Attention(cfg, self.dtype, self.param_dtype, name="self_attn")(
+        h, positions_BT, attn_mask_BS, layer_cache, cache_index)
+    x = x + h
+    h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "norm",
+                name="post_attention_layernorm")(x)
+    x = x + MLP(cfg, self.dtype, self.param_dtype, name="mlp")(h)
+    if cache is not None:
+      # Updating the stacked cache in place (one slot range of one layer) keeps the decode loop
+      # from copying the whole cache every step.
+      cache = {
+          "k": jax.lax.dynamic_update_index_in_dim(cache["k"], layer_cache[0], layer, 0),
+          "v": jax.lax.dynamic_update_index_in_dim(cache["v"], layer_cache[1], layer, 0),
+      }
+    return (x, cache, layer + 1, positions_BT, attn_mask_BS, cache_index), None
+
+
+class Qwen(nn.Module):
+  cfg: QwenConfig
+  dtype: Any = jnp.float32  # compute dtype
+  param_dtype: Any = jnp.float32
+  remat: bool = False  # rematerialise each layer in the backward pass (training memory)
+
+  def setup(self):
+    cfg = self.cfg
+    self.embed_tokens = nn.Embed(
+        cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
+        embedding_init=nn.with_logical_partitioning(_dense_init(), ("vocab", "embed")))
+    layer = DecoderLayer
+    if self.remat:
+      layer = nn.remat(layer, prevent_cse=False)
+    self.layers = nn.scan(
+        layer, variable_axes={"params": 0}, split_rngs={"params": True},
+        length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"},
+    )(cfg, self.dtype, self.param_dtype)
+    self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = self.param(
+          "lm_head", nn.with_logical_partitioning(_dense_init(), ("embed", "vocab")),
+          (cfg.hidden_size, cfg.vocab_size), self.param_dtype)
+
+  def __call__(self, tokens_BT: Array, positions_BT: Array, attn_mask_BS: Array,
+               cache: Cache | None = None, cache_index: Array | int | None = None):
+    """Returns (hidden_BTD after the final norm, updated cache or None)."""
+    if cache is not None and cache_index is None:
+      raise ValueError("a cache needs a cache_index (the slot of the first token)")
+    x = self.embed_tokens(tokens_BT)
+    carry = (x, cache, jnp.int32(0), positions_BT, attn_mask_BS,
+             None if cache is None else jnp.asarray(cache_index, jnp.int32))
+    (x, cache, *_), _ = self.layers(carry, None)
+    return self.norm(x), cache
+
+  def logits(self, hidden_BTD: Array) -> Array:
+    """fp32 logits; for training use grpo_jax.grpo's chunked log-probs instead of this."""
+    if self.cfg.tie_word_embeddings:
+      head = self.embed_tokens.embedding.T
+    else:
+      head = self.lm_head
+    return jnp.einsum("BTD,DV->BTV", hidden_BTD, head.astype(self.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def head_kernel(params, cfg: QwenConfig) -> Array:
+  """The [D, V] output projection: the embedding transposed when tied."""
+  if cfg.tie_word_embeddings:
+    return params["embed_tokens"]["embedding"].T
+  return params["lm_head"]
+
+
+def _init_variables(cfg: QwenConfig, key, param_dtype):
+  model = Qwen(cfg, param_dtype=param_dtype)
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  return model.init(key, tokens, tokens, jnp.ones((1, 1), jnp.int32))
+
+
+def init_params(cfg: QwenConfig, key, param_dtype=jnp.float32):
+  """Random params (normal(0.02) weights, unit norms, zero biases) as a plain pytree."""
+  return nn.unbox(_init_variables(cfg, key, param_dtype))["params"]
+
+
+def abstract_params(cfg: QwenConfig, param_dtype=jnp.float32):
+  """ShapeDtypeStructs of the params: no memory is allocated."""
+  boxed = jax.eval_shape(lambda k: _init_variables(cfg, k, param_dtype), jax.random.key(0))
+  return nn.unbox(boxed)["params"]
+
+
+def logical_axes(cfg: QwenConfig):
+  """A pytree (same structure as params) of PartitionSpecs of logical axis names."""
+  boxed = jax.eval_shape(lambda k: _init_variables(cfg, k, jnp.float32), jax.random.key(0))
+  return nn.get_partition_spec(boxed)["params"]

@@ -1,0 +1,307 @@
+"""Hugging Face safetensors checkpoints <-> the params pytree of grpo_jax.models.qwen.
+
+The key map is one table (`_layer_map`, `_top_map`): each entry names the HF tensor and how its
+[out, in] Linear layout is reshaped/transposed into ours. Loading reads one tensor at a time
+(per layer for stacked weights), casts it to the param dtype and places it straight into its
+target sharding, so the host never holds more than one parameter of the model.
+
+    params, cfg = load_checkpoint("Qwen/Qwen2.5-0.5B-Instruct")         # hub id (online or cached)
+    params, cfg = load_checkpoint("/ckpts/qwen", mesh=make_mesh((1, 8, 1)))
+    save_checkpoint(params, cfg, "/out/policy", max_shard_bytes=2**30)   # transformers-loadable
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from grpo_jax import sharding as sharding_lib
+from grpo_jax.models import qwen
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+  """A checkpoint is missing, malformed or does not match its config."""
+
+
+# --- the key map -------------------------------------------------------------------------------
+# Each entry: our path inside params (tuple of keys), HF name, to_ours(hf_array, cfg),
+# to_hf(our_array, cfg). Layer entries use "{i}" in the HF name and are stacked on axis 0.
+
+def _qkv(heads_attr):
+  def to_ours(w, cfg):  # HF [heads*H, D] -> [D, heads, H]
+    return w.reshape(getattr(cfg, heads_attr), cfg.head_dim, cfg.hidden_size).transpose(2, 0, 1)
+
+  def to_hf(w, cfg):
+    return w.transpose(1, 2, 0).reshape(-1, cfg.hidden_size)
+  return to_ours, to_hf
+
+
+def _qkv_bias(heads_attr):
+  return (lambda b, cfg: b.reshape(getattr(cfg, heads_attr), cfg.head_dim),
+          lambda b, cfg: b.reshape(-1))
+
+
+_o = (lambda w, cfg: w.T.reshape(cfg.num_heads, cfg.head_dim, cfg.hidden_size),  # [D, N*H]
+      lambda w, cfg: w.reshape(-1, cfg.hidden_size).T)
+_t = (lambda w, cfg: w.T, lambda w, cfg: w.T)
+_same = (lambda w, cfg: w, lambda w, cfg: w)
+
+
+def _layer_map(cfg: qwen.QwenConfig):
+  p = "model.layers.{i}."
+  m = [
+      (("input_layernorm", "weight"), p + "input_layernorm.weight", _same),
+      (("post_attention_layernorm", "weight"), p + "post_attention_layernorm.weight", _same),
+      (("self_attn", "q_proj", "kernel"), p + "self_attn.q_proj.weight", _qkv("num_heads")),
+      (("self_attn", "k_proj", "kernel"), p + "self_attn.k_proj.weight", _qkv("num_kv_heads")),
+      (("self_attn", "v_proj", "kernel"), p + "self_attn.v_proj.weight", _qkv("num_kv_heads")),
+      (("self_attn", "o_proj", "kernel"), p + "self_attn.o_proj.weight", _o),
+      (("mlp", "gate_proj", "kernel"), p + "mlp.gate_proj.weight", _t),
+      (("mlp", "up_proj", "kernel"), p + "mlp.up_proj.weight", _t),
+      (("mlp", "down_proj", "kernel"), p + "mlp.down_proj.weight", _t),
+  ]
+  if cfg.qkv_bias:
+    m += [
+        (("self_attn", "q_proj", "bias"), p + "self_attn.q_proj.bias", _qkv_bias("num_heads")),
+        (("self_attn", "k_proj", "bias"), p + "self_attn.k_proj.bias", _qkv_bias("num_kv_heads")),
+        (("self_attn", "v_proj", "bias"), p + "self_attn.v_proj.bias", _qkv_bias("num_kv_heads")),
+    ]
+  if cfg.o_bias:
+    m.append((("self_attn", "o_proj", "bias"), p + "self_attn.o_proj.bias", _same))
+  if cfg.qk_norm:
+    m += [(("self_attn", "q_norm", "weight"), p + "self_attn.q_norm.weight", _same),
+          (("self_attn", "k_norm", "weight"), p + "self_attn.k_norm.weight", _same)]
+  return m
+
+
+def _top_map(cfg: qwen.QwenConfig):
+  m = [(("embed_tokens", "embedding"), "model.embed_tokens.weight", _same),
+       (("norm", "weight"), "model.norm.weight", _same)]
+  if not cfg.tie_word_embeddings:
+    m.append((("lm_head",), "lm_head.weight", _t))
+  return m
+
+
+def _get(tree, path):
+  for k in path:
+    tree = tree[k]
+  return tree
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+def resolve(path_or_id: str | os.PathLike) -> Path:
+  """A local checkpoint directory, or a hub id downloaded (or found in the cache) via
+  huggingface_hub. Offline and not cached gives an error that says so."""
+  path = Path(path_or_id).expanduser()
+  if path.is_dir():
+    return path
+  name = str(path_or_id)
+  if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+    raise CheckpointError(f"checkpoint directory {name!r} does not exist")
+  from huggingface_hub import snapshot_download  # only needed for hub ids
+  try:
+    return Path(snapshot_download(
+        name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"]))
+  except Exception as e:  # offline, unknown repo, gated, ...
+    raise CheckpointError(
+        f"could not fetch {name!r} from the Hugging Face hub and it is not in the local cache "
+        f"({type(e).__name__}: {e}). Download it where there is network "
+        f"(huggingface-cli download {name}) or pass a local directory.") from e
+
+
+def read_config(ckpt: Path) -> qwen.QwenConfig:
+  cfg_file = ckpt / "config.json"
+  if not cfg_file.is_file():
+    raise CheckpointError(f"{cfg_file}: missing (every checkpoint needs its config.json)")
+  try:
+    hf = json.loads(cfg_file.read_text())
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
+  try:
+    return qwen.QwenConfig.from_hf(hf, source=str(cfg_file))
+  except ValueError as e:
+    raise CheckpointError(str(e)) from e
+
+
+def _weight_files(ckpt: Path) -> dict[str, Path]:
+  """HF tensor name -> the safetensors file that holds it."""
+  index = ckpt / INDEX_FILE
+  if index.is_file():
+    try:
+      weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as e:
+      raise CheckpointError(f"{index}: malformed index ({e})") from e
+    files = {name: ckpt / f for name, f in weight_map.items()}
+    for f in set(files.values()):
+      if not f.is_file():
+        raise CheckpointError(f"{f}: shard listed in {index.name} is missing")
+    return files
+  single = ckpt / SINGLE_FILE
+  if not single.is_file():
+    raise CheckpointError(f"{ckpt}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+  try:
+    with safe_open(single, framework="numpy") as f:
+      return {name: single for name in f.keys()}
+  except (SafetensorError, OSError) as e:
+    raise CheckpointError(f"{single}: unreadable safetensors file ({e})") from e
+
+
+class _Reader:
+  """Keeps shard files open while loading; names the file in every error."""
+
+  def __init__(self, files: dict[str, Path]):
+    self.files, self.handles = files, {}
+
+  def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if name not in self.files:
+      raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
+    path = self.files[name]
+    try:
+      if path not in self.handles:
+        self.handles[path] = safe_open(path, framework="numpy").__enter__()
+      arr = self.handles[path].get_tensor(name)
+    except (SafetensorError, OSError) as e:
+      raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from e
+    if tuple(arr.shape) != tuple(shape):
+      raise CheckpointError(
+          f"{path}: tensor {name!r} has shape {tuple(arr.shape)}, config.json implies "
+          f"{tuple(shape)}")
+    return arr
+
+  def close(self):
+    for h in self.handles.values():
+      h.__exit__(None, None, None)
+
+
+def _hf_shape(to_hf: Callable, shape, cfg) -> tuple[int, ...]:
+  return jax.eval_shape(lambda x: to_hf(x, cfg), jax.ShapeDtypeStruct(shape, jnp.float32)).shape
+
+
+def read_generation_config(ckpt: Path) -> dict | None:
+  """generation_config.json as a dict (stop ids live here), or None if the checkpoint has none."""
+  f = Path(ckpt) / "generation_config.json"
+  return json.loads(f.read_text()) if f.is_file() else None
+
+
+def load_checkpoint(path_or_id, param_dtype=jnp.float32, mesh=None):
+  """Loads (params, QwenConfig). With a mesh, each param lands in its logical sharding.
+
+  Tensors stored in bf16/fp16/fp32 are cast to `param_dtype`. A tied checkpoint (no
+  lm_head.weight) uses the embedding as the head. Extra rows of the embedding beyond the
+  tokenizer's vocabulary are kept (the sampler masks them, see grpo_jax.tokenizer).
+  """
+  ckpt = resolve(path_or_id)
+  cfg = read_config(ckpt)
+  abstract = qwen.abstract_params(cfg, param_dtype)
+  if mesh is not None:
+    shardings = sharding_lib.param_shardings(qwen.logical_axes(cfg), abstract, mesh)
+  else:
+    shardings = jax.tree.map(lambda _: None, abstract)
+  files = _weight_files(ckpt)
+  read = _Reader(files)
+  params: dict = {}
+
+  def place(path, host_array):
+    leaf = _get(abstract, path)
+    arr = np.asarray(host_array).astype(param_dtype)
+    target = _get(shardings, path)
+    value = jax.device_put(arr, target) if target is not None else jnp.asarray(arr)
+    node = params
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+    node[path[-1]] = value
+    assert value.shape == leaf.shape, (path, value.shape, leaf.shape)
+
+  try:
+    for path, hf_name, (to_ours, to_hf) in _top_map(cfg):
+      shape = _get(abstract, path).shape
+      place(path, to_ours(read(hf_name, _hf_shape(to_hf, shape, cfg)), cfg))
+    for path, hf_name, (to_ours, to_hf) in _layer_map(cfg):
+      shape = _get(abstract["layers"], path).shape[1:]
+      hf_shape = _hf_shape(to_hf, shape, cfg)
+      stacked = np.stack([to_ours(read(hf_name.format(i=i), hf_shape), cfg)
+                          for i in range(cfg.num_layers)])
+      place(("layers",) + path, stacked)
+  finally:
+    read.close()
+  return params, cfg
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+_DTYPE_NAMES = {np.dtype(jnp.float32): "float32", np.dtype(jnp.bfloat16): "bfloat16",
+                np.dtype(jnp.float16): "float16"}
+
+
+def save_checkpoint(params, cfg: qwen.QwenConfig, out_dir, max_shard_bytes: int = 4 << 30,
+                    generation_config: dict | None = None, dtype=None) -> Path:
+  """Writes a Hugging Face checkpoint directory that transformers (and vLLM) load.
+
+  Tensors are stored in `dtype` (default: the params' dtype). Past `max_shard_bytes` the
+  weights are split into model-0000k-of-0000n.safetensors with an index. The directory is
+  written beside its final place and renamed into it, so a crash never leaves half a checkpoint.
+  """
+  out_dir = Path(out_dir)
+  tensors: list[tuple[str, np.ndarray]] = []
+  for path, hf_name, (_, to_hf) in _top_map(cfg):
+    tensors.append((hf_name, np.asarray(jax.device_get(_get(params, path)))))
+    tensors[-1] = (hf_name, to_hf(tensors[-1][1], cfg))
+  for path, hf_name, (_, to_hf) in _layer_map(cfg):
+    stacked = np.asarray(jax.device_get(_get(params["layers"], path)))
+    tensors += [(hf_name.format(i=i), to_hf(stacked[i], cfg)) for i in range(cfg.num_layers)]
+  if dtype is not None:
+    tensors = [(n, t.astype(dtype)) for n, t in tensors]
+  tensors = [(n, np.ascontiguousarray(t)) for n, t in tensors]
+
+  shards: list[list[tuple[str, np.ndarray]]] = [[]]
+  size = 0
+  for name, t in tensors:
+    if shards[-1] and size + t.nbytes > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append((name, t))
+    size += t.nbytes
+
+  out_dir.parent.mkdir(parents=True, exist_ok=True)
+  tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+  try:
+    weight_map = {}
+    for k, shard in enumerate(shards):
+      fname = SINGLE_FILE if len(shards) == 1 else (
+          f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors")
+      save_file(dict(shard), tmp / fname, metadata={"format": "pt"})
+      weight_map.update({name: fname for name, _ in shard})
+    if len(shards) > 1:
+      total = sum(t.nbytes for _, t in tensors)
+      (tmp / INDEX_FILE).write_text(json.dumps(
+          {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    hf = cfg.to_hf()
+    hf["torch_dtype"] = hf["dtype"] = _DTYPE_NAMES.get(tensors[0][1].dtype, "float32")
+    (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+    if generation_config is not None:
+      (tmp / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
+    if out_dir.exists():
+      old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+      out_dir.rename(old)
+      tmp.rename(out_dir)
+      shutil.rmtree(old)
+    else:
+      tmp.rename(out_dir)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return out_dir

@@ -1,0 +1,66 @@
+"""Tiny Qwen checkpoints built offline with transformers (random init), for tests.
+
+Each kind exercises one switch of the model code: tied vs untied head, Qwen3's q/k norms with
+head_dim != hidden / heads, a checkpoint saved in several shards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+REAL_TOKENIZER = SHARED / "qwen2-tokenizer"
+GSM8K = SHARED / "gsm8k"
+
+KINDS = ("qwen2_tied", "qwen2_untied", "qwen3", "qwen2_sharded")
+
+
+def hf_config(kind: str, vocab_size: int = 128):
+  import transformers
+
+  common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rms_norm_eps=1e-6, rope_theta=10000.0)
+  if kind == "qwen3":
+    # head_dim 24 != 64 / 4: Qwen3 sets it explicitly.
+    return transformers.Qwen3Config(head_dim=24, tie_word_embeddings=False, **common)
+  if kind in ("qwen2_tied", "qwen2_sharded"):
+    return transformers.Qwen2Config(tie_word_embeddings=True, **common)
+  if kind == "qwen2_untied":
+    return transformers.Qwen2Config(tie_word_embeddings=False, **common)
+  raise ValueError(f"unknown fixture kind {kind!r}; known: {KINDS}")
+
+
+def make_checkpoint(directory, kind: str, vocab_size: int = 128, seed: int = 0,
+                    dtype=None) -> Path:
+  """Saves a random tiny transformers model of `kind` into directory/kind and returns the path.
+
+  Biases and norm weights are randomised too (transformers inits them to 0 / 1), so a
+  mis-mapped bias or norm cannot hide.
+  """
+  import torch
+  import transformers
+
+  torch.manual_seed(seed)
+  cfg = hf_config(kind, vocab_size)
+  model = transformers.AutoModelForCausalLM.from_config(cfg)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("bias"):
+        p.normal_(0, 0.1)
+      elif "norm" in name:
+        p.uniform_(0.5, 1.5)
+  if dtype is not None:
+    model = model.to(dtype)
+  out = Path(directory) / kind
+  model.save_pretrained(out, max_shard_size="60KB" if kind == "qwen2_sharded" else "2GB")
+  model.generation_config.eos_token_id = [vocab_size - 1, vocab_size - 2]
+  model.generation_config.save_pretrained(out)
+  return out
+
+
+def hf_model(path):
+  import torch
+  import transformers
+
+  return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
