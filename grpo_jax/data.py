@@ -1,0 +1,195 @@
+"""GSM8K-style problems → chat prompts → left-padded token buckets, in a resumable order.
+
+Rows are plain dicts in GSM8K's schema, whatever the source's field names were:
+
+    rows = load_rows("../shared/gsm8k", split="test")   # or "openai/gsm8k", config_name="main"
+    rows[0]  # {"question": "Janet’s ducks lay 16 eggs ...", "answer": "... #### 18"}
+    gold_answer(rows[0]["answer"])  # -> "18"
+
+    it = PromptIterator(len(rows), batch_size=8, seed=0)
+    batch = [rows[i] for i in it.next_indices()]
+    saved = it.position()                 # {"epoch": 0, "index": 8, "num_rows": 1319, "seed": 0}
+    ids = [tokenizer(build_prompt(tokenizer, r["question"]), add_special_tokens=False).input_ids
+           for r in batch]
+    tokens_BP, mask_BP = pad_to_bucket(ids, buckets=(128, 256), pad_id=tokenizer.pad_token_id)
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# "#### 1,080" -> "1080"; GSM8K gold answers are integers, possibly negative, with commas.
+_GOLD_RE = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*$")
+
+
+def gold_answer(answer_text: str) -> str:
+  """The number after GSM8K's final '#### ', commas removed: '... #### 1,080' -> '1080'."""
+  match = _GOLD_RE.search(answer_text)
+  if match is None:
+    tail = answer_text[-60:]
+    raise ValueError(f"answer does not end in '#### <number>': ...{tail!r}")
+  return match.group(1).replace(",", "")
+
+
+def _local_files(source: str, split: str) -> list[str] | None:
+  """Files for a local source: a file, a glob, or a directory holding `<split>.<ext>`."""
+  if os.path.isdir(source):
+    found = [os.path.join(source, split + ext) for ext in _LOCAL_BUILDERS
+             if os.path.isfile(os.path.join(source, split + ext))]
+    if not found:
+      raise FileNotFoundError(
+          f"data directory {source!r} has no {split}.json, {split}.jsonl or {split}.parquet")
+    return found[:1]
+  if any(source.endswith(ext) for ext in _LOCAL_BUILDERS) or glob.has_magic(source):
+    files = sorted(glob.glob(os.path.expanduser(source)))
+    if not files:
+      raise FileNotFoundError(f"no data file matches {source!r}")
+    return files
+  return None  # Not local: a hub dataset id.
+
+
+def load_rows(source: str, split: str = "train", *, config_name: str | None = None,
+              question_field: str = "question", answer_field: str = "answer",
+              cache_dir: str | None = None) -> list[dict[str, str]]:
+  """Loads problems as [{"question": ..., "answer": ...}] from local files or the hub.
+
+  source: a .json/.jsonl/.parquet file or glob, a directory with `<split>.jsonl` (etc.), or a hub
+  id such as "openai/gsm8k" (with config_name="main"). Every answer must end in '#### N'.
+  """
+  import datasets  # Heavy import, only needed here.
+
+  files = _local_files(source, split)
+  try:
+    if files is not None:
+      ext = os.path.splitext(files[0])[1]
+      if ext not in _LOCAL_BUILDERS:
+        raise ValueError(f"data file {files[0]!r}: expected .json, .jsonl or .parquet")
+      ds = datasets.load_dataset(_LOCAL_BUILDERS[ext], data_files=files, split="train",
+                                 cache_dir=cache_dir)
+    else:
+      ds = datasets.load_dataset(source, config_name, split=split, cache_dir=cache_dir)
+  except (ConnectionError, FileNotFoundError) as e:
+    if files is not None:
+      raise
+    raise ConnectionError(
+        f"could not load dataset {source!r} (config {config_name!r}, split {split!r}) from the "
+        "hub: not cached or no network. Pass a local .jsonl/.parquet file or directory.") from e
+
+  where = ", ".join(files) if files is not None else f"{source} [{split}]"
+  for field in (question_field, answer_field):
+    if field not in ds.column_names:
+      raise KeyError(f"{where}: field {field!r} is missing (columns: {ds.column_names}); "
+                     "set the question/answer field names to match the data")
+  rows = [{"question": q, "answer": a}
+          for q, a in zip(ds[question_field], ds[answer_field], strict=True)]
+  for i, row in enumerate(rows):
+    for key, field in (("question", question_field), ("answer", answer_field)):
+      if not isinstance(row[key], str):
+        raise TypeError(f"{where}: row {i}, field {field!r} is {row[key]!r}, not a string")
+    try:
+      gold_answer(row["answer"])
+    except ValueError as e:
+      raise ValueError(f"{where}: row {i}, field {answer_field!r}: {e}") from None
+  return rows
+
+
+def build_prompt(tokenizer, question: str, system_prompt: str | None = None,
+                 user_template: str = "{question}") -> str:
+  """The chat-templated prompt text, ending with the assistant turn's header.
+
+  system_prompt=None leaves the system turn to the template (Qwen2.5 inserts its default one).
+  """
+  messages = [{"role": "user", "content": user_template.format(question=question)}]
+  if system_prompt is not None:
+    messages.insert(0, {"role": "system", "content": system_prompt})
+  return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
+  # The chat template already holds every special token; the tokenizer must not add a BOS.
+  return [list(ids) for ids in tokenizer(list(prompts), add_special_tokens=False).input_ids]
+
+
+def pad_to_bucket(ids_list: Sequence[Sequence[int]], buckets: Sequence[int],
+                  pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """Left-pads prompts to the smallest bucket that holds the longest one.
+
+  Left padding puts every prompt's last token in the last column, so decoding starts at the same
+  position for all rows. A fixed set of buckets bounds the number of compiled shapes.
+
+    pad_to_bucket([[5, 6, 7], [8]], buckets=(4, 8), pad_id=0)
+    -> tokens_BP [[0, 5, 6, 7], [0, 0, 0, 8]] (int32), mask_BP [[0, 1, 1, 1], [0, 0, 0, 1]] (bool)
+  """
+  if not ids_list:
+    raise ValueError("pad_to_bucket: no prompts")
+  longest = max(len(ids) for ids in ids_list)
+  fitting = [b for b in sorted(buckets) if b >= longest]
+  if not fitting:
+    raise ValueError(f"a prompt has {longest} tokens, more than the largest prompt bucket "
+                     f"{max(buckets)} (buckets: {sorted(buckets)}); raise the buckets or "
+                     "filter long prompts")
+  length = fitting[0]
+  tokens_BP = np.full((len(ids_list), length), pad_id, dtype=np.int32)
+  mask_BP = np.zeros((len(ids_list), length), dtype=bool)
+  for row, ids in enumerate(ids_list):
+    if ids:
+      tokens_BP[row, length - len(ids):] = ids
+      mask_BP[row, length - len(ids):] = True
+  return tokens_BP, mask_BP
+
+
+class PromptIterator:
+  """Row indices in a shuffled order, fresh each epoch, resumable from `position()`.
+
+  Epoch e's order is a permutation seeded by (seed, e), so it depends only on the seed and the
+  epoch: a restored position replays exactly the batches an uninterrupted run would have seen.
+  A batch that runs past the end of an epoch is completed from the next epoch's order, so every
+  row is seen once per epoch and every batch is full.
+  """
+
+  def __init__(self, num_rows: int, batch_size: int, seed: int, position: dict | None = None):
+    if num_rows <= 0:
+      raise ValueError(f"PromptIterator: the dataset is empty (num_rows={num_rows})")
+    if batch_size <= 0:
+      raise ValueError(f"PromptIterator: prompts_per_step must be positive, got {batch_size}")
+    self.num_rows, self.batch_size, self.seed = num_rows, batch_size, seed
+    self._epoch, self._index = 0, 0
+    self._order = self._permutation(0)
+    if position is not None:
+      self.restore(position)
+
+  def _permutation(self, epoch: int) -> np.ndarray:
+    return np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+
+  def position(self) -> dict[str, int]:
+    """JSON-able; num_rows and seed ride along so a resume on other data fails loudly."""
+    return {"epoch": self._epoch, "index": self._index, "num_rows": self.num_rows,
+            "seed": self.seed}
+
+  def restore(self, position: dict) -> None:
+    for key in ("num_rows", "seed"):
+      if position.get(key) != getattr(self, key):
+        raise ValueError(f"data position was saved with {key}={position.get(key)!r}, but this "
+                         f"run has {key}={getattr(self, key)!r}: resuming would change the data")
+    epoch, index = int(position["epoch"]), int(position["index"])
+    if epoch < 0 or not 0 <= index < self.num_rows:
+      raise ValueError(f"data position {position} is out of range for {self.num_rows} rows")
+    self._epoch, self._index = epoch, index
+    self._order = self._permutation(epoch)
+
+  def next_indices(self) -> np.ndarray:
+    """The next batch_size row indices (int64 array)."""
+    out = []
+    while len(out) < self.batch_size:
+      take = min(self.batch_size - len(out), self.num_rows - self._index)
+      out.extend(self._order[self._index:self._index + take])
+      self._index += take
+      if self._index == self.num_rows:
+        self._epoch, self._index = self._epoch + 1, 0
+        self._order = self._permutation(self._epoch)
+    return np.asarray(out, dtype=np.int64)

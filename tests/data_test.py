@@ -1,0 +1,146 @@
+"""GSM8K loading, prompts, bucketing and resumable order, on the real ../shared/gsm8k files."""
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from grpo_jax import data
+from grpo_jax import tokenizer as tokenizer_lib
+
+SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
+GSM8K = SHARED / "gsm8k"
+
+
+def _read_jsonl(path):
+  return [json.loads(line) for line in open(path)]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("hf_datasets_cache"))
+
+
+@pytest.mark.parametrize("split,num_rows", [("train", 7473), ("test", 1319)])
+def test_real_gsm8k_loads_whole_and_every_gold_answer_parses(split, num_rows, cache_dir):
+  rows = data.load_rows(str(GSM8K), split=split, cache_dir=cache_dir)
+  reference = _read_jsonl(GSM8K / f"{split}.jsonl")
+  assert len(rows) == num_rows == len(reference)
+  assert rows == [{"question": r["question"], "answer": r["answer"]} for r in reference]
+  for row in reference:
+    # Independent parse: the text after the last '####', commas dropped.
+    expected = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")
+    gold = data.gold_answer(row["answer"])
+    assert gold == expected
+    assert float(gold) == float(expected)
+
+
+def test_gold_answer_examples_and_error():
+  assert data.gold_answer("48+24 = <<48+24=72>>72 clips.\n#### 72") == "72"
+  assert data.gold_answer("so\n#### 1,080") == "1080"
+  assert data.gold_answer("#### -3") == "-3"
+  assert data.gold_answer("#### 2.5\n") == "2.5"
+  with pytest.raises(ValueError, match="####"):
+    data.gold_answer("The answer is 7.")
+
+
+def test_file_path_custom_fields_and_parquet(tmp_path, cache_dir):
+  reference = _read_jsonl(GSM8K / "test.jsonl")[:20]
+  path = tmp_path / "mine.jsonl"
+  path.write_text("".join(json.dumps({"problem": r["question"], "solution": r["answer"]}) + "\n"
+                          for r in reference))
+  rows = data.load_rows(str(path), question_field="problem", answer_field="solution",
+                        cache_dir=cache_dir)
+  assert rows == reference
+
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  pq.write_table(pa.Table.from_pylist(reference), tmp_path / "test.parquet")
+  assert data.load_rows(str(tmp_path / "test.parquet"), cache_dir=cache_dir) == reference
+
+
+def test_bad_input_errors_name_file_and_field(tmp_path, cache_dir):
+  path = tmp_path / "renamed.jsonl"
+  path.write_text(json.dumps({"problem": "1+1?", "answer": "#### 2"}) + "\n")
+  with pytest.raises(KeyError, match=r"renamed\.jsonl.*'question' is missing.*problem"):
+    data.load_rows(str(path), cache_dir=cache_dir)
+
+  path = tmp_path / "noanswer.jsonl"
+  path.write_text(json.dumps({"question": "a", "answer": "#### 2"}) + "\n"
+                  + json.dumps({"question": "b", "answer": "two"}) + "\n")
+  with pytest.raises(ValueError, match=r"noanswer\.jsonl: row 1, field 'answer'"):
+    data.load_rows(str(path), cache_dir=cache_dir)
+
+  with pytest.raises(FileNotFoundError, match="has no validation.json"):
+    data.load_rows(str(GSM8K), split="validation", cache_dir=cache_dir)
+  with pytest.raises(FileNotFoundError, match="nothere"):
+    data.load_rows(str(tmp_path / "nothere.jsonl"), cache_dir=cache_dir)
+  # conftest sets HF_HUB_OFFLINE=1: a hub id that is not cached says so and names itself.
+  with pytest.raises(ConnectionError, match="'grpo-jax-test/no-such-dataset'.*local"):
+    data.load_rows("grpo-jax-test/no-such-dataset", config_name="main", cache_dir=cache_dir)
+
+
+def test_prompts_with_real_tokenizer():
+  tok = tokenizer_lib.load_tokenizer(str(SHARED / "qwen2-tokenizer"))
+  q = "Natalia sold clips to 48 of her friends in April."
+  default = data.build_prompt(tok, q)
+  assert default == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a "
+                     f"helpful assistant.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n"
+                     "<|im_start|>assistant\n")
+  custom = data.build_prompt(tok, q, system_prompt="Reason step by step.",
+                             user_template="Q: {question}\nA:")
+  assert custom == ("<|im_start|>system\nReason step by step.<|im_end|>\n"
+                    f"<|im_start|>user\nQ: {q}\nA:<|im_end|>\n<|im_start|>assistant\n")
+  ids = data.encode_prompts(tok, [default, custom])
+  # README-documented start of a default-system prompt; no BOS is prepended.
+  assert ids[0][:7] == [151644, 8948, 198, 2610, 525, 1207, 16948]
+  assert ids[1][:3] == [151644, 8948, 198]
+  assert ids[0][-3:] == ids[1][-3:] == [151644, 77091, 198]
+
+
+def test_pad_to_bucket_left_pads_to_smallest_fitting_bucket():
+  rng = np.random.default_rng(0)
+  ids_list = [list(rng.integers(1, 100, size=n)) for n in (3, 9, 1, 7)]
+  tokens, mask = data.pad_to_bucket(ids_list, buckets=(16, 8, 32), pad_id=0)
+  assert tokens.shape == mask.shape == (4, 16) and tokens.dtype == np.int32
+  for row, ids in enumerate(ids_list):
+    expected = [0] * (16 - len(ids)) + ids
+    assert tokens[row].tolist() == expected
+    assert mask[row].tolist() == [False] * (16 - len(ids)) + [True] * len(ids)
+  tokens, _ = data.pad_to_bucket([[1, 2, 3, 4, 5, 6, 7, 8]], buckets=(16, 8, 32), pad_id=-1)
+  assert tokens.shape == (1, 8)
+  with pytest.raises(ValueError, match="prompt has 33 tokens.*largest prompt bucket 32"):
+    data.pad_to_bucket([[1] * 33, [1]], buckets=(16, 32), pad_id=0)
+
+
+def test_iterator_epochs_are_permutations_and_seeded():
+  it = data.PromptIterator(num_rows=10, batch_size=4, seed=3)
+  batches = [it.next_indices() for _ in range(5)]  # 20 indices = 2 epochs exactly
+  flat = np.concatenate(batches)
+  assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:]) == list(range(10))
+  assert not np.array_equal(flat[:10], flat[10:])  # reshuffled each epoch
+  assert it.position() == {"epoch": 2, "index": 0, "num_rows": 10, "seed": 3}
+  again = data.PromptIterator(num_rows=10, batch_size=4, seed=3)
+  assert np.array_equal(np.concatenate([again.next_indices() for _ in range(5)]), flat)
+  other = data.PromptIterator(num_rows=10, batch_size=4, seed=4)
+  assert not np.array_equal(np.concatenate([other.next_indices() for _ in range(5)]), flat)
+
+
+@pytest.mark.parametrize("steps_before_save", [3, 467, 468])  # mid-epoch, at and past a boundary
+def test_resume_reproduces_batch_order_on_real_train_size(steps_before_save):
+  num_rows, batch = 7473, 16  # 7473 = 467*16 + 1: batch 468 straddles epochs 0 and 1
+  straight = data.PromptIterator(num_rows, batch, seed=0)
+  expected = [straight.next_indices() for _ in range(steps_before_save + 30)]
+
+  first = data.PromptIterator(num_rows, batch, seed=0)
+  for _ in range(steps_before_save):
+    first.next_indices()
+  saved = json.loads(json.dumps(first.position()))  # as a checkpoint stores it
+  resumed = data.PromptIterator(num_rows, batch, seed=0, position=saved)
+  for step in range(30):
+    assert np.array_equal(resumed.next_indices(), expected[steps_before_save + step])
+
+  with pytest.raises(ValueError, match="num_rows=7473.*num_rows=1319"):
+    data.PromptIterator(1319, batch, seed=0, position=saved)
+  with pytest.raises(ValueError, match="seed"):
+    data.PromptIterator(num_rows, batch, seed=1, position=saved)
