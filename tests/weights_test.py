@@ -1,0 +1,163 @@
+"""Loading and exporting Hugging Face checkpoints: round trips, dtypes, and errors that name
+the bad file or tensor."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+
+import fixtures
+from grpo_jax.models import qwen, weights
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+  root = tmp_path_factory.mktemp("ckpts")
+  return {kind: fixtures.make_checkpoint(root, kind, VOCAB) for kind in fixtures.KINDS}
+
+
+def _hf_logits(path, tokens):
+  with torch.no_grad():
+    return fixtures.hf_model(path)(input_ids=torch.tensor(tokens)).logits.numpy()
+
+
+def _trees_equal(a, b):
+  return jax.tree.all(jax.tree.map(
+      lambda x, y: x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)), a, b))
+
+
+@pytest.mark.parametrize("kind", ["qwen2_tied", "qwen2_untied", "qwen3"])
+def test_export_loads_in_transformers_with_identical_logits(ckpts, kind, tmp_path):
+  params, cfg = weights.load_checkpoint(ckpts[kind])
+  gen = weights.read_generation_config(ckpts[kind])
+  out = weights.save_checkpoint(params, cfg, tmp_path / "export", generation_config=gen)
+  tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 7))
+  np.testing.assert_array_equal(_hf_logits(out, tokens), _hf_logits(ckpts[kind], tokens))
+  assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [127, 126]
+  # load -> export -> load is bit-identical, and so are the tensors on disk.
+  again, cfg2 = weights.load_checkpoint(out)
+  assert cfg2 == cfg and _trees_equal(params, again)
+  original, exported = load_file(ckpts[kind] / "model.safetensors"), load_file(
+      out / "model.safetensors")
+  assert set(exported) == set(original)
+  for name, t in exported.items():
+    np.testing.assert_array_equal(t, original[name])
+
+
+def test_sharded_checkpoints_load_and_export(ckpts, tmp_path):
+  sharded, _ = weights.load_checkpoint(ckpts["qwen2_sharded"])
+  out = weights.save_checkpoint(sharded, weights.read_config(ckpts["qwen2_sharded"]),
+                                tmp_path / "resharded", max_shard_bytes=40_000)
+  index = json.loads((out / weights.INDEX_FILE).read_text())
+  assert len(set(index["weight_map"].values())) > 2
+  again, _ = weights.load_checkpoint(out)
+  assert _trees_equal(sharded, again)
+  tokens = np.arange(12).reshape(2, 6)
+  np.testing.assert_array_equal(_hf_logits(out, tokens), _hf_logits(ckpts["qwen2_sharded"], tokens))
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+def test_half_precision_storage_is_cast_to_param_dtype(tmp_path, stored):
+  path = fixtures.make_checkpoint(tmp_path, "qwen2_untied", VOCAB, dtype=stored)
+  params, _ = weights.load_checkpoint(path, param_dtype=jnp.float32)
+  emb = params["embed_tokens"]["embedding"]
+  assert emb.dtype == jnp.float32
+  ref = fixtures.hf_model(path).model.embed_tokens.weight.detach().float().numpy()
+  np.testing.assert_array_equal(np.asarray(emb), ref)  # half -> fp32 is exact
+  bf16, _ = weights.load_checkpoint(path, param_dtype=jnp.bfloat16)
+  assert bf16["lm_head"].dtype == jnp.bfloat16
+  # bf16 export keeps bf16 on disk and round-trips bit for bit.
+  out = weights.save_checkpoint(bf16, weights.read_config(path), tmp_path / "bf16")
+  assert _trees_equal(bf16, weights.load_checkpoint(out, param_dtype=jnp.bfloat16)[0])
+  assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_real_tokenizer_vocab_and_151936_row_embedding(tmp_path):
+  """The real Qwen2.5 tokenizer (151,665 ids) with a checkpoint of 151,936 embedding rows."""
+  from transformers import AutoTokenizer
+
+  tok = AutoTokenizer.from_pretrained(fixtures.REAL_TOKENIZER)
+  assert len(tok) == 151_665
+  path = fixtures.make_checkpoint(tmp_path, "qwen2_tied", vocab_size=151_936)
+  params, cfg = weights.load_checkpoint(path)
+  assert params["embed_tokens"]["embedding"].shape[0] == cfg.vocab_size == 151_936
+  text = tok.apply_chat_template([{"role": "user", "content": "What is 12 * 7?"}],
+                                 add_generation_prompt=True, tokenize=False)
+  ids = np.asarray(tok(text).input_ids)[None]
+  assert ids.max() < len(tok) and ids[0, 0] == 151644
+  model = qwen.Qwen(cfg)
+  mask = jnp.ones_like(ids)
+  hidden, _ = model.apply({"params": params}, ids, qwen.positions_from_mask(mask), mask)
+  ours = np.asarray(model.apply({"params": params}, hidden, method=qwen.Qwen.logits))
+  assert ours.shape[-1] == 151_936  # rows past the tokenizer are carried, not dropped
+  assert np.abs(ours - _hf_logits(path, ids)).max() <= 1e-4
+
+
+# --- errors name the bad file or tensor --------------------------------------------------------
+
+@pytest.fixture
+def broken(ckpts, tmp_path):
+  path = tmp_path / "broken"
+  shutil.copytree(ckpts["qwen2_untied"], path)
+  return path
+
+
+def test_missing_directory_and_files(broken, tmp_path):
+  with pytest.raises(weights.CheckpointError, match="does not exist"):
+    weights.load_checkpoint(tmp_path / "nowhere")
+  (broken / "model.safetensors").unlink()
+  with pytest.raises(weights.CheckpointError, match="neither model.safetensors"):
+    weights.load_checkpoint(broken)
+  (broken / "config.json").unlink()
+  with pytest.raises(weights.CheckpointError, match=r"config\.json: missing"):
+    weights.load_checkpoint(broken)
+
+
+def test_missing_shard_file(ckpts, tmp_path):
+  path = tmp_path / "sharded"
+  shutil.copytree(ckpts["qwen2_sharded"], path)
+  (path / "model-00002-of-00006.safetensors").unlink()
+  with pytest.raises(weights.CheckpointError, match="model-00002-of-00006.safetensors"):
+    weights.load_checkpoint(path)
+
+
+def test_unknown_architecture(broken):
+  cfg = json.loads((broken / "config.json").read_text())
+  (broken / "config.json").write_text(json.dumps(cfg | {"model_type": "llama"}))
+  with pytest.raises(weights.CheckpointError, match="config.json: unsupported model_type 'llama'"):
+    weights.load_checkpoint(broken)
+
+
+def test_wrong_shape_and_missing_tensor(broken):
+  tensors = load_file(broken / "model.safetensors")
+  name = "model.layers.1.mlp.up_proj.weight"
+  wrong = dict(tensors, **{name: tensors[name][:-1]})
+  save_file(wrong, broken / "model.safetensors")
+  with pytest.raises(weights.CheckpointError, match=rf"{name}.*shape \(95, 64\).*\(96, 64\)"):
+    weights.load_checkpoint(broken)
+  del wrong[name]
+  save_file(wrong, broken / "model.safetensors")
+  with pytest.raises(weights.CheckpointError, match=rf"tensor '{name}' is missing"):
+    weights.load_checkpoint(broken)
+
+
+def test_corrupt_safetensors_header(broken):
+  f = broken / "model.safetensors"
+  data = bytearray(f.read_bytes())
+  data[8:40] = b"{not json at all" + b"\x00" * 16
+  f.write_bytes(bytes(data))
+  with pytest.raises(weights.CheckpointError, match=r"model\.safetensors"):
+    weights.load_checkpoint(broken)
+
+
+def test_hub_id_offline_gives_a_clear_error(monkeypatch):
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  with pytest.raises(weights.CheckpointError, match="not in the local cache"):
+    weights.load_checkpoint("Qwen/definitely-not-cached-model")
