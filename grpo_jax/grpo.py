@@ -1,0 +1,375 @@
+"""GRPO maths in pure jnp: token log-probs, group advantages, KL estimators, the loss family.
+
+Nothing here knows about models, meshes or optimizers; `train_step.py` wires these functions to
+the Qwen forward pass (and documents the batch dict the training loop builds).
+
+Legend: B sequences (prompt × G completions, group-major), G group size, R reward components,
+C completion length (the fixed max_completion_length), T any sequence length, D model width,
+V vocabulary, N chunks.
+
+Which paper defines what:
+  * GRPO, group-normalised advantages, k3 KL in the loss: DeepSeekMath (Shao et al. 2024).
+  * scale_rewards='batch' (group mean, batch std): Lite PPO, "Tricks or Traps?" (Liu et al. 2025).
+  * scale_rewards='none' and loss_type='dr_grpo': Dr. GRPO, "Understanding R1-Zero-Like
+    Training" (Liu et al. 2025).
+  * reward_aggregation='normalize_then_sum': GDPO (group reward-decoupled normalisation).
+  * loss_type='dapo' (token mean over the generation batch) and clip-higher (epsilon_high): DAPO
+    (Yu et al. 2025). loss_type='bnpo': batch-normalised PO (Xiao et al. 2025).
+  * delta, the two-sided cap of the unclipped ratio: INTELLECT-2 (Prime Intellect 2025).
+  * importance_sampling_level='sequence': GSPO (Zheng et al. 2025).
+  * KL estimators k1, k2, k3: J. Schulman, "Approximating KL Divergence" (2020).
+
+Every loss type is written as one weighted token sum, `sum(weight_BC * per_token_loss_BC)`, whose
+weights use normalisers of the whole optimizer step (or generation batch), so gradient
+accumulation over micro-batches adds up to exactly the full-batch loss:
+
+  grpo     weight = mask / (len_b · B_step)        mean over tokens, then over sequences
+  bnpo     weight = mask / tokens_step             token mean over the optimizer step's batch
+  dr_grpo  weight = mask / (B_step · C)            token sum over batch × max completion length
+  dapo     weight = mask / tokens_generation       token mean over the whole generation batch
+
+TRL's bnpo normalises by the tokens of each micro-batch on each process; here it is the step's
+batch, so that it is invariant to micro-batching (dapo differs from it only when one generation
+batch feeds several optimizer steps).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from ml_collections import config_dict
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+IS_LEVELS = ("token", "sequence")
+SCALE_REWARDS = ("group", "batch", "none")
+REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+# A group whose reward spread is below this is reported as giving no learning signal.
+_ZERO_STD_ATOL = 1e-6
+
+
+def default_loss_config() -> config_dict.ConfigDict:
+  """The loss settings, with TRL-like defaults (DAPO token aggregation, no KL)."""
+  return config_dict.ConfigDict(dict(
+      loss_type="dapo",              # one of LOSS_TYPES
+      beta=0.0,                      # KL coefficient; 0 skips the reference forward entirely
+      kl_estimator="k3",             # one of KL_ESTIMATORS
+      epsilon=0.2,                   # lower clip: ratio >= 1 - epsilon
+      epsilon_high=0.2,              # upper clip: ratio <= 1 + epsilon_high (DAPO uses 0.28)
+      delta=config_dict.placeholder(float),  # None, or cap of the unclipped ratio (> 1 + eps_high)
+      importance_sampling_level="token",     # 'token' or 'sequence' (GSPO)
+      num_iterations=1,              # μ: optimizer steps per generation batch
+      scale_rewards="group",         # one of SCALE_REWARDS
+      reward_aggregation="sum_then_normalize",  # one of REWARD_AGGREGATIONS
+      mask_truncated_completions=False,  # drop completions that hit max length from the loss
+      temperature=1.0,               # sampling temperature; logits are divided by it
+      logprob_chunk_size=128,        # completion positions per log-prob chunk; 0 = unchunked
+  ))
+
+
+def _one_of(cfg, name, allowed):
+  value = cfg[name]
+  if value not in allowed:
+    raise ValueError(f"loss.{name}={value!r} is not one of {allowed}")
+
+
+def validate_loss_config(cfg) -> None:
+  """Raises ValueError naming the first bad setting of a loss config."""
+  _one_of(cfg, "loss_type", LOSS_TYPES)
+  _one_of(cfg, "kl_estimator", KL_ESTIMATORS)
+  _one_of(cfg, "importance_sampling_level", IS_LEVELS)
+  _one_of(cfg, "scale_rewards", SCALE_REWARDS)
+  _one_of(cfg, "reward_aggregation", REWARD_AGGREGATIONS)
+  if not cfg.beta >= 0:
+    raise ValueError(f"loss.beta={cfg.beta!r} must be >= 0")
+  if not 0 < cfg.epsilon < 1:
+    raise ValueError(f"loss.epsilon={cfg.epsilon!r} must be in (0, 1)")
+  if not cfg.epsilon_high > 0:
+    raise ValueError(f"loss.epsilon_high={cfg.epsilon_high!r} must be > 0")
+  if cfg.delta is not None and not cfg.delta > 1 + cfg.epsilon_high:
+    raise ValueError(f"loss.delta={cfg.delta!r} must be None or > 1 + epsilon_high "
+                     f"= {1 + cfg.epsilon_high}")
+  if not (isinstance(cfg.num_iterations, int) and cfg.num_iterations >= 1):
+    raise ValueError(f"loss.num_iterations={cfg.num_iterations!r} must be an int >= 1")
+  if not cfg.temperature > 0:
+    raise ValueError(f"loss.temperature={cfg.temperature!r} must be > 0")
+  chunk = cfg.logprob_chunk_size
+  if chunk is not None and not (isinstance(chunk, int) and chunk >= 0):
+    raise ValueError(f"loss.logprob_chunk_size={chunk!r} must be an int >= 0 (0 = unchunked)")
+
+
+def needs_reference(cfg) -> bool:
+  """Whether the loop must compute reference log-probs at all (β = 0 skips that forward)."""
+  return cfg.beta != 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Token log-probs.
+
+
+def token_logprobs(hidden_BTD, head_DV, targets_BT, *, temperature=1.0, chunk_size=None):
+  """log softmax(hidden @ head / temperature)[target] and the entropy, per position, in fp32.
+
+  The [B, T, V] logits are never materialised: positions are processed `chunk_size` at a time
+  in a scan whose body is rematerialised, so the backward pass also holds one chunk's logits.
+
+  Example: hidden_BTD [2, 5, 8], head_DV [8, 11], targets_BT int [2, 5] with chunk_size=2
+  → (logp_BT [2, 5] float32, entropy_BT [2, 5] float32). The entropy carries no gradient.
+  """
+  B, T, D = hidden_BTD.shape
+  chunk = T if not chunk_size or chunk_size >= T else int(chunk_size)
+  num_chunks = -(-T // chunk)
+  pad = num_chunks * chunk - T
+  if pad:  # Zero hidden rows give finite logits; their outputs are sliced off below.
+    hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
+    targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
+  hidden_NBcD = hidden_BTD.reshape(B, num_chunks, chunk, D).swapaxes(0, 1)
+  targets_NBc = targets_BT.reshape(B, num_chunks, chunk).swapaxes(0, 1)
+  inv_temperature = 1.0 / temperature
+
+  @jax.checkpoint
+  def one_chunk(h_BcD, y_Bc):
+    logits_BcV = jnp.einsum("BcD,DV->BcV", h_BcD, head_DV,
+                            preferred_element_type=jnp.float32) * inv_temperature
+    lse_Bc = jax.nn.logsumexp(logits_BcV, axis=-1)
+    target_Bc = jnp.take_along_axis(logits_BcV, y_Bc[..., None], axis=-1)[..., 0]
+    logits_BcV = jax.lax.stop_gradient(logits_BcV)
+    probs_BcV = jnp.exp(logits_BcV - jax.lax.stop_gradient(lse_Bc)[..., None])
+    entropy_Bc = jax.lax.stop_gradient(lse_Bc) - jnp.sum(probs_BcV * logits_BcV, axis=-1)
+    return target_Bc - lse_Bc, entropy_Bc
+
+  if num_chunks == 1:
+    logp_NBc, entropy_NBc = jax.tree.map(lambda x: x[None], one_chunk(hidden_NBcD[0],
+                                                                      targets_NBc[0]))
+  else:
+    logp_NBc, entropy_NBc = jax.lax.map(lambda xs: one_chunk(*xs), (hidden_NBcD, targets_NBc))
+  unchunk = lambda x_NBc: x_NBc.swapaxes(0, 1).reshape(B, num_chunks * chunk)[:, :T]
+  return unchunk(logp_NBc), unchunk(entropy_NBc)
+
+
+# ------------------------------------------------------------------------------------------------
+# Advantages.
+
+
+def _centre_and_scale(r_B, valid_B, group_size, scale_rewards, eps):
+  """(r − mean_g) / (std_g + eps) over the valid entries of each group; invalid → 0.
+
+  std is the unbiased (ddof = 1) one, as torch.std in TRL; a group with < 2 valid entries has
+  std 0. Returns the advantages and the per-group std (for the zero-spread statistic).
+  """
+  r_GN = jnp.where(valid_B, r_B, 0.0).reshape(-1, group_size)
+  v_GN = valid_B.reshape(-1, group_size)
+  n_G = v_GN.sum(-1)
+  # Centre on a valid member first: a constant group then gets advantages of exactly 0
+  # (a plain sum / n can round away from the common value).
+  first_G1 = jnp.take_along_axis(r_GN, jnp.argmax(v_GN, -1)[:, None], -1)
+  shifted_GN = jnp.where(v_GN, r_GN - first_G1, 0.0)
+  dev_GN = jnp.where(v_GN, shifted_GN - shifted_GN.sum(-1, keepdims=True)
+                     / jnp.maximum(n_G, 1)[:, None], 0.0)
+  std_G = jnp.sqrt((dev_GN ** 2).sum(-1) / jnp.maximum(n_G - 1, 1))
+  if scale_rewards == "group":
+    dev_GN = _safe_divide(dev_GN, std_G[:, None] + eps)
+  elif scale_rewards == "batch":  # Lite PPO: group mean, but the std of the whole batch's rewards
+    dev_GN = _safe_divide(dev_GN, _masked_std(r_B, valid_B) + eps)
+  elif scale_rewards != "none":
+    raise ValueError(f"scale_rewards={scale_rewards!r} is not one of {SCALE_REWARDS}")
+  return dev_GN.reshape(-1), std_G
+
+
+def _safe_divide(num, den):
+  """num / den, with 0 where den is 0 (then num is exactly 0 too: a group without spread)."""
+  return num / jnp.where(den > 0, den, 1.0)
+
+
+def _masked_std(x_B, valid_B):
+  n = valid_B.sum()
+  mean = jnp.where(valid_B, x_B, 0.0).sum() / jnp.maximum(n, 1)
+  dev_B = jnp.where(valid_B, x_B - mean, 0.0)
+  return jnp.sqrt((dev_B ** 2).sum() / jnp.maximum(n - 1, 1))
+
+
+def group_advantages(rewards_BR, group_size, *, weights_R=None, scale_rewards="group",
+                     aggregation="sum_then_normalize", eps=1e-4):
+  """Group-relative advantages from a reward matrix with NaN for missing rewards.
+
+  Rows are group-major: rows [g·G, (g+1)·G) are the G completions of prompt g.
+  * sum_then_normalize: r = Σ_k w_k r_k over the present components (TRL's nansum), then
+    (r − mean_g) / (std_g + eps), std per `scale_rewards`.
+  * normalize_then_sum (GDPO): each component normalised within its group as above, weighted
+    sum, then normalised over the batch: (s − mean) / (std + eps).
+  A row whose every component is missing is left out of all statistics and gets advantage 0.
+
+  Example: rewards_BR [[1.], [0.], [nan], [1.]] with group_size=2 → advantages [0.707, -0.707,
+  0, 0] (eps aside) and stats {'frac_reward_zero_std': 0.5}.
+  Returns (advantages_B float32, stats dict of scalars).
+  """
+  rewards_BR = jnp.asarray(rewards_BR, jnp.float32)
+  if rewards_BR.ndim == 1:
+    rewards_BR = rewards_BR[:, None]
+  B, R = rewards_BR.shape
+  if group_size < 1 or B % group_size:
+    raise ValueError(f"group_size={group_size} must be >= 1 and divide the batch of {B} rows")
+  if aggregation not in REWARD_AGGREGATIONS:
+    raise ValueError(f"reward_aggregation={aggregation!r} is not one of {REWARD_AGGREGATIONS}")
+  if not eps >= 0:
+    raise ValueError(f"advantage eps={eps!r} must be >= 0")
+  if scale_rewards not in SCALE_REWARDS:
+    raise ValueError(f"scale_rewards={scale_rewards!r} is not one of {SCALE_REWARDS}")
+  weights_R = jnp.ones((R,), jnp.float32) if weights_R is None else jnp.asarray(
+      weights_R, jnp.float32)
+  if weights_R.shape != (R,):
+    raise ValueError(f"reward weights have shape {weights_R.shape}, expected ({R},)")
+  valid_BR = ~jnp.isnan(rewards_BR)
+  valid_B = valid_BR.any(-1)
+  if aggregation == "sum_then_normalize":
+    r_B = jnp.where(valid_BR, rewards_BR * weights_R, 0.0).sum(-1)
+    adv_B, std_G = _centre_and_scale(r_B, valid_B, group_size, scale_rewards, eps)
+  else:
+    a_RB, _ = jax.vmap(_centre_and_scale, in_axes=(1, 1, None, None, None))(
+        rewards_BR, valid_BR, group_size, scale_rewards, eps)
+    s_B = (a_RB * weights_R[:, None]).sum(0)
+    # The within-group spread of the summed signal, measured before the batch normalisation.
+    _, std_G = _centre_and_scale(s_B, valid_B, group_size, "none", eps)
+    mean = jnp.where(valid_B, s_B, 0.0).sum() / jnp.maximum(valid_B.sum(), 1)
+    adv_B = jnp.where(valid_B, _safe_divide(s_B - mean, _masked_std(s_B, valid_B) + eps), 0.0)
+  stats = {"frac_reward_zero_std": jnp.mean((std_G < _ZERO_STD_ATOL).astype(jnp.float32)),
+           "frac_reward_missing": 1.0 - jnp.mean(valid_B.astype(jnp.float32))}
+  return adv_B, stats
+
+
+# ------------------------------------------------------------------------------------------------
+# KL and the policy loss.
+
+
+def kl_estimate(logp, ref_logp, estimator="k3"):
+  """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ (Schulman 2020).
+
+  With log r = ref_logp − logp: k1 = −log r, k2 = ½ (log r)², k3 = r − 1 − log r (unbiased and
+  non-negative; DeepSeekMath's choice).
+  """
+  log_r = ref_logp - logp
+  if estimator == "k1":
+    return -log_r
+  if estimator == "k2":
+    return 0.5 * log_r ** 2
+  if estimator == "k3":
+    return jnp.exp(log_r) - 1.0 - log_r
+  raise ValueError(f"kl_estimator={estimator!r} is not one of {KL_ESTIMATORS}")
+
+
+def loss_mask(completion_mask_BC, truncated_B=None, mask_truncated_completions=False):
+  """The tokens that enter the loss: the completion mask, minus truncated rows if asked."""
+  mask_BC = jnp.asarray(completion_mask_BC, jnp.float32)
+  if mask_truncated_completions:
+    if truncated_B is None:
+      raise ValueError("loss.mask_truncated_completions=True needs batch['truncated_B']")
+    mask_BC = mask_BC * (1.0 - jnp.asarray(truncated_B, jnp.float32))[:, None]
+  return mask_BC
+
+
+def token_weights(mask_BC, loss_type, *, num_sequences, num_tokens):
+  """Per-token weights that turn a token sum into the loss_type's aggregation.
+
+  num_sequences: sequences in the optimizer step's batch (all micro-batches).
+  num_tokens: loss tokens in the step's batch (bnpo) or in the whole generation batch (dapo).
+  C, the completion width, is taken as the max completion length (dr_grpo).
+  """
+  C = mask_BC.shape[-1]
+  if loss_type == "grpo":
+    return mask_BC / (jnp.maximum(mask_BC.sum(-1, keepdims=True), 1.0) * num_sequences)
+  if loss_type in ("bnpo", "dapo"):
+    return mask_BC / jnp.maximum(num_tokens, 1.0)
+  if loss_type == "dr_grpo":
+    return mask_BC / (num_sequences * C)
+  raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}")
+
+
+def log_importance_ratio(logp_BC, old_logp_BC, mask_BC, level):
+  """log π_θ/π_old per token ('token') or GSPO's length-normalised sequence ratio, broadcast."""
+  log_ratio_BC = logp_BC - old_logp_BC
+  if level == "token":
+    return log_ratio_BC
+  if level == "sequence":
+    seq_B = (log_ratio_BC * mask_BC).sum(-1) / jnp.maximum(mask_BC.sum(-1), 1.0)
+    return jnp.broadcast_to(seq_B[:, None], log_ratio_BC.shape)
+  raise ValueError(f"importance_sampling_level={level!r} is not one of {IS_LEVELS}")
+
+
+def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights_BC, cfg):
+  """The weighted-sum loss of one (micro-)batch, and its metric sums.
+
+  old_logp_BC None → on-policy: stop_gradient(logp), so the ratio is exactly 1 (μ = 1).
+  ref_logp_BC is read only when cfg.beta > 0.
+  Returns (loss scalar, sums) where `sums` holds token-summed quantities the caller divides by
+  the step's loss-token count (clip counts, ratio sum, loss-masked token count) and the
+  already-normalised 'loss/policy', 'loss/kl'; plus 'ratio/min', 'ratio/max'.
+  """
+  if old_logp_BC is None:
+    old_logp_BC = jax.lax.stop_gradient(logp_BC)
+  log_ratio_BC = log_importance_ratio(logp_BC, old_logp_BC, mask_BC,
+                                      cfg.importance_sampling_level)
+  ratio_BC = jnp.exp(log_ratio_BC)
+  adv_B1 = advantages_B[:, None].astype(jnp.float32)
+  clipped_BC = jnp.clip(ratio_BC, 1.0 - cfg.epsilon, 1.0 + cfg.epsilon_high)
+  capped_BC = ratio_BC if cfg.delta is None else jnp.minimum(ratio_BC, cfg.delta)
+  policy_BC = -jnp.minimum(capped_BC * adv_B1, clipped_BC * adv_B1)
+  policy_loss = jnp.sum(weights_BC * policy_BC)
+  if needs_reference(cfg):
+    if ref_logp_BC is None:
+      raise ValueError(f"loss.beta={cfg.beta} > 0 needs batch['ref_logp_BC']")
+    kl = jnp.sum(weights_BC * kl_estimate(logp_BC, ref_logp_BC, cfg.kl_estimator))
+  else:
+    kl = jnp.zeros((), jnp.float32)
+  loss = policy_loss + cfg.beta * kl
+
+  # DAPO's clip metrics: a token is clipped when the clipped branch is the active one.
+  ratio_BC = jax.lax.stop_gradient(ratio_BC)
+  low_BC = (ratio_BC < 1.0 - cfg.epsilon) & (adv_B1 < 0)
+  high_BC = (ratio_BC > 1.0 + cfg.epsilon_high) & (adv_B1 > 0)
+  on_BC = mask_BC > 0
+  sums = {
+      "loss/policy": jax.lax.stop_gradient(policy_loss),
+      "loss/kl": jax.lax.stop_gradient(kl),
+      "clip/low_count": jnp.sum(low_BC & on_BC),
+      "clip/high_count": jnp.sum(high_BC & on_BC),
+      "ratio/sum": jnp.sum(jnp.where(on_BC, ratio_BC, 0.0)),
+      "ratio/min": jnp.min(jnp.where(on_BC, ratio_BC, jnp.inf)),
+      "ratio/max": jnp.max(jnp.where(on_BC, ratio_BC, -jnp.inf)),
+  }
+  return loss, sums
+
+
+def finalize_metrics(sums, num_tokens):
+  """Turns accumulated `loss_terms` sums (over a step's micro-batches) into flat metrics."""
+  n = jnp.maximum(num_tokens, 1.0)
+  low = sums["clip/low_count"] / n
+  high = sums["clip/high_count"] / n
+  has_tokens = num_tokens > 0
+  return {
+      "loss/policy": sums["loss/policy"],
+      "loss/kl": sums["loss/kl"],
+      "clip/low_frac": low,
+      "clip/high_frac": high,
+      "clip/region_frac": low + high,  # disjoint: low needs A < 0, high needs A > 0
+      "ratio/min": jnp.where(has_tokens, sums["ratio/min"], jnp.nan),
+      "ratio/mean": jnp.where(has_tokens, sums["ratio/sum"] / n, jnp.nan),
+      "ratio/max": jnp.where(has_tokens, sums["ratio/max"], jnp.nan),
+  }
+
+
+def grpo_loss(logp_BC, advantages_B, mask_BC, cfg, *, old_logp_BC=None, ref_logp_BC=None,
+              num_tokens=None):
+  """The whole-batch loss and metrics of one un-accumulated step (convenience for tests/tools).
+
+  num_tokens: the dapo normaliser (loss tokens of the generation batch); default: this batch's.
+  """
+  mask_BC = jnp.asarray(mask_BC, jnp.float32)
+  step_tokens = mask_BC.sum()
+  if num_tokens is None or cfg.loss_type != "dapo":
+    num_tokens = step_tokens
+  weights_BC = token_weights(mask_BC, cfg.loss_type, num_sequences=mask_BC.shape[0],
+                             num_tokens=num_tokens)
+  loss, sums = loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC,
+                          weights_BC, cfg)
+  return loss, finalize_metrics(sums, step_tokens)
+

@@ -1,0 +1,369 @@
+"""grpo.py against direct NumPy (float64) implementations of each formula, written per sequence
+and per group with loops so they share no structure with the vectorised code; gradients against
+central finite differences of those NumPy references."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_jax import grpo
+
+# ------------------------------------------------------------------------------------------------
+# NumPy references.
+
+
+def np_log_softmax_gather(hidden, head, targets, temperature):
+  logits = hidden.astype(np.float64) @ head.astype(np.float64) / temperature
+  m = logits.max(-1, keepdims=True)
+  lse = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
+  probs = np.exp(logits - lse[..., None])
+  logp = np.take_along_axis(logits, targets[..., None], -1)[..., 0] - lse
+  entropy = -(probs * np.log(probs)).sum(-1)
+  return logp, entropy, probs
+
+
+def np_advantages(rewards, group_size, weights, scale, aggregation, eps):
+  """Loops over groups; NaN = missing; std with ddof=1 over present entries (0 if < 2)."""
+  B, R = rewards.shape
+
+  def std(xs):
+    return float(np.std(xs, ddof=1)) if len(xs) > 1 else 0.0
+
+  def normalise(r, present):
+    out = np.zeros(B)
+    batch_std = std([r[i] for i in range(B) if present[i]])
+    for g in range(B // group_size):
+      idx = [i for i in range(g * group_size, (g + 1) * group_size) if present[i]]
+      vals = [r[i] for i in idx]
+      for i in idx:
+        centred = r[i] - np.mean(vals)
+        out[i] = {"group": centred / (std(vals) + eps), "batch": centred / (batch_std + eps),
+                  "none": centred}[scale]
+    return out
+
+  present = [not np.all(np.isnan(rewards[i])) for i in range(B)]
+  if aggregation == "sum_then_normalize":
+    r = np.array([np.nansum(rewards[i] * weights) for i in range(B)])
+    return normalise(r, present), r
+  per_k = [normalise(rewards[:, k], ~np.isnan(rewards[:, k])) for k in range(R)]
+  s = sum(weights[k] * per_k[k] for k in range(R))
+  vals = [s[i] for i in range(B) if present[i]]
+  adv = np.array([(s[i] - np.mean(vals)) / (std(vals) + eps) if present[i] else 0.0
+                  for i in range(B)])
+  return adv, s
+
+
+def np_kl(logp, ref, estimator):
+  x = ref - logp
+  return {"k1": -x, "k2": 0.5 * x * x, "k3": np.exp(x) - 1 - x}[estimator]
+
+
+def np_loss(logp, old, ref, adv, mask, cfg, gen_tokens=None):
+  """Loss and metrics of one batch, straight from the papers' formulas."""
+  B, C = logp.shape
+  per_seq_loss, per_tok = [], []
+  low = high = 0
+  ratios = []
+  for b in range(B):
+    toks = [t for t in range(C) if mask[b, t]]
+    if cfg.importance_sampling_level == "sequence":  # GSPO: exp(mean log ratio), per sequence
+      s = np.mean([logp[b, t] - old[b, t] for t in toks]) if toks else 0.0
+      r_t = {t: np.exp(s) for t in toks}
+    else:
+      r_t = {t: np.exp(logp[b, t] - old[b, t]) for t in toks}
+    losses = []
+    for t in toks:
+      r = r_t[t]
+      ratios.append(r)
+      clipped = min(max(r, 1 - cfg.epsilon), 1 + cfg.epsilon_high)
+      capped = r if cfg.delta is None else min(r, cfg.delta)
+      l = -min(capped * adv[b], clipped * adv[b])
+      kl = np_kl(logp[b, t], ref[b, t], cfg.kl_estimator) if cfg.beta else 0.0
+      losses.append((l, kl))
+      low += (r < 1 - cfg.epsilon) and adv[b] < 0
+      high += (r > 1 + cfg.epsilon_high) and adv[b] > 0
+    per_seq_loss.append(losses)
+    per_tok.extend(losses)
+  n_tok = len(per_tok)
+
+  def aggregate(i):
+    if cfg.loss_type == "grpo":
+      return np.mean([np.mean([x[i] for x in s]) if s else 0.0 for s in per_seq_loss])
+    total = sum(x[i] for x in per_tok)
+    if cfg.loss_type == "bnpo":
+      return total / max(n_tok, 1)
+    if cfg.loss_type == "dr_grpo":
+      return total / (B * C)
+    return total / (gen_tokens if gen_tokens is not None else max(n_tok, 1))
+
+  pol, kl = aggregate(0), aggregate(1)
+  metrics = {"loss/policy": pol, "loss/kl": kl, "clip/low_frac": low / n_tok,
+             "clip/high_frac": high / n_tok, "clip/region_frac": (low + high) / n_tok,
+             "ratio/min": min(ratios), "ratio/mean": np.mean(ratios), "ratio/max": max(ratios)}
+  return pol + cfg.beta * kl, metrics
+
+
+def finite_diff_grad(f, x, h=1e-6):
+  g = np.zeros_like(x)
+  for idx in np.ndindex(x.shape):
+    xp, xm = x.copy(), x.copy()
+    xp[idx] += h
+    xm[idx] -= h
+    g[idx] = (f(xp) - f(xm)) / (2 * h)
+  return g
+
+
+# ------------------------------------------------------------------------------------------------
+# Token log-probs.
+
+
+@pytest.fixture(scope="module")
+def lm_case():
+  rng = np.random.default_rng(0)
+  B, T, D, V = 2, 7, 6, 13
+  hidden = rng.normal(size=(B, T, D)).astype(np.float32)
+  head = rng.normal(size=(D, V)).astype(np.float32)
+  targets = rng.integers(0, V, size=(B, T)).astype(np.int32)
+  weights = rng.normal(size=(B, T)).astype(np.float32)
+  return hidden, head, targets, weights
+
+
+@pytest.mark.parametrize("chunk_size,temperature", [(0, 1.0), (1, 0.7), (3, 1.0), (7, 0.7),
+                                                    (100, 1.3)])
+def test_token_logprobs_value_and_grad_match_dense_numpy(lm_case, chunk_size, temperature):
+  hidden, head, targets, w = lm_case
+  logp, ent = grpo.token_logprobs(jnp.asarray(hidden), jnp.asarray(head), jnp.asarray(targets),
+                                  temperature=temperature, chunk_size=chunk_size)
+  np_logp, np_ent, probs = np_log_softmax_gather(hidden, head, targets, temperature)
+  np.testing.assert_allclose(np.asarray(logp), np_logp, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(ent), np_ent, rtol=1e-5, atol=1e-5)
+  assert logp.dtype == jnp.float32 and ent.dtype == jnp.float32
+
+  # d Σ w·logp / d logits = w (onehot − p) / temperature; chain to hidden and head by hand.
+  onehot = np.eye(head.shape[1])[targets]
+  dlogits = w[..., None] * (onehot - probs) / temperature
+  f = lambda h_, W_: jnp.sum(jnp.asarray(w) * grpo.token_logprobs(
+      h_, W_, jnp.asarray(targets), temperature=temperature, chunk_size=chunk_size)[0])
+  g_hidden, g_head = jax.grad(f, argnums=(0, 1))(jnp.asarray(hidden), jnp.asarray(head))
+  np.testing.assert_allclose(np.asarray(g_hidden), dlogits @ head.T.astype(np.float64),
+                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(g_head), np.einsum("btd,btv->dv", hidden, dlogits),
+                             rtol=1e-4, atol=1e-5)
+
+
+def test_token_logprobs_entropy_carries_no_gradient(lm_case):
+  hidden, head, targets, _ = lm_case
+  g = jax.grad(lambda h_: jnp.sum(grpo.token_logprobs(h_, jnp.asarray(head),
+                                                      jnp.asarray(targets), chunk_size=3)[1]))(
+                                                          jnp.asarray(hidden))
+  assert not np.any(np.asarray(g))
+
+
+def test_token_logprobs_bf16_inputs_give_fp32_logprobs(lm_case):
+  hidden, head, targets, _ = lm_case
+  h16, w16 = jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(head, jnp.bfloat16)
+  logp, _ = grpo.token_logprobs(h16, w16, jnp.asarray(targets), chunk_size=3)
+  assert logp.dtype == jnp.float32
+  # Reference on the bf16-rounded inputs: only the inputs are rounded, not the maths.
+  np_logp, _, _ = np_log_softmax_gather(np.asarray(h16, np.float32), np.asarray(w16, np.float32),
+                                        targets, 1.0)
+  np.testing.assert_allclose(np.asarray(logp), np_logp, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Advantages.
+
+
+def _reward_matrix(R):
+  rng = np.random.default_rng(R)
+  G, n_groups = 4, 5
+  r = rng.normal(size=(G * n_groups, R))
+  r[4:8] = r[4]                 # group 1: constant reward in every component
+  r[9, 0] = np.nan              # group 2: one component missing for one row
+  r[13, :] = np.nan             # group 3: one row missing entirely
+  r[16:19, :] = np.nan          # group 4: a single present row
+  return r, G
+
+
+@pytest.mark.parametrize("R,scale,aggregation", list(itertools.product(
+    [1, 3], grpo.SCALE_REWARDS, grpo.REWARD_AGGREGATIONS)))
+def test_group_advantages_match_numpy(R, scale, aggregation):
+  rewards, G = _reward_matrix(R)
+  weights = np.array([1.0, 0.5, 2.0][:R])
+  adv, stats = grpo.group_advantages(rewards, G, weights_R=weights, scale_rewards=scale,
+                                     aggregation=aggregation, eps=1e-4)
+  np_adv, signal = np_advantages(rewards, G, weights, scale, aggregation, 1e-4)
+  np.testing.assert_allclose(np.asarray(adv), np_adv, rtol=1e-5, atol=1e-5)
+  # Groups with no spread in the (pre-batch-normalisation) signal: group 1 and the lone row.
+  present = [~np.all(np.isnan(rewards[g * G:(g + 1) * G]), -1) for g in range(5)]
+  zero = [np.std(signal[g * G:(g + 1) * G][present[g]]) < 1e-6 for g in range(5)]
+  assert zero == [False, True, False, False, True]
+  assert float(stats["frac_reward_zero_std"]) == pytest.approx(0.4)
+  missing = np.all(np.isnan(rewards), -1)  # rows 13, 16-18, and row 9 when R = 1
+  assert missing.sum() == (5 if R == 1 else 4) and np.all(np.asarray(adv)[missing] == 0)
+  assert float(stats["frac_reward_missing"]) == pytest.approx(missing.mean())
+
+
+def test_group_advantages_worked_example():
+  adv, stats = grpo.group_advantages(np.array([[1.0], [0.0], [np.nan], [1.0]]), 2, eps=0.0)
+  # ddof=1: std of {1, 0} is sqrt(1/2); the lone present row in group 2 has no spread → 0.
+  np.testing.assert_allclose(np.asarray(adv), [0.5 / np.sqrt(0.5), -0.5 / np.sqrt(0.5), 0, 0],
+                             rtol=1e-6)
+  assert float(stats["frac_reward_zero_std"]) == 0.5
+
+
+@pytest.mark.parametrize("scale", grpo.SCALE_REWARDS)
+def test_constant_group_has_exactly_zero_advantage_and_policy_gradient(scale):
+  rng = np.random.default_rng(1)
+  rewards = rng.normal(size=(12, 1))
+  rewards[3:6] = 0.1  # 0.1 + 0.1 + 0.1 != 0.3 in floating point: the mean must not round
+  adv, _ = grpo.group_advantages(rewards, 3, scale_rewards=scale)
+  assert np.all(np.asarray(adv[3:6]) == 0.0)
+  cfg = grpo.default_loss_config()
+  logp = jnp.asarray(rng.normal(size=(12, 5)) - 2, jnp.float32)
+  old = logp + jnp.asarray(rng.normal(scale=0.3, size=(12, 5)), jnp.float32)
+  mask = jnp.ones((12, 5))
+  for loss_type in grpo.LOSS_TYPES:
+    cfg.loss_type = loss_type
+    g = jax.grad(lambda lp: grpo.grpo_loss(lp, adv, mask, cfg, old_logp_BC=old)[0])(logp)
+    assert np.all(np.asarray(g[3:6]) == 0.0) and np.any(np.asarray(g) != 0.0)
+
+
+def test_group_advantages_rejects_bad_shapes():
+  with pytest.raises(ValueError, match="group_size=3"):
+    grpo.group_advantages(np.zeros((8, 1)), 3)
+  with pytest.raises(ValueError, match="scale_rewards='std'"):
+    grpo.group_advantages(np.zeros((8, 1)), 4, scale_rewards="std")
+  with pytest.raises(ValueError, match="reward_aggregation"):
+    grpo.group_advantages(np.zeros((8, 1)), 4, aggregation="mean")
+  with pytest.raises(ValueError, match="weights"):
+    grpo.group_advantages(np.zeros((8, 2)), 4, weights_R=[1.0])
+
+
+# ------------------------------------------------------------------------------------------------
+# KL and the loss.
+
+
+@pytest.mark.parametrize("estimator", grpo.KL_ESTIMATORS)
+def test_kl_estimators_value_and_grad(estimator):
+  rng = np.random.default_rng(2)
+  logp, ref = rng.normal(size=(2, 10)) - 1
+  kl = grpo.kl_estimate(jnp.asarray(logp), jnp.asarray(ref), estimator)
+  np.testing.assert_allclose(np.asarray(kl), np_kl(logp, ref, estimator), rtol=1e-6, atol=1e-6)
+  g = jax.grad(lambda lp: jnp.sum(grpo.kl_estimate(lp, jnp.asarray(ref), estimator)))(
+      jnp.asarray(logp))
+  fd = finite_diff_grad(lambda lp: np.sum(np_kl(lp, ref, estimator)), logp)
+  np.testing.assert_allclose(np.asarray(g), fd, rtol=1e-4, atol=1e-6)
+
+
+def _loss_case(seed=3, B=6, C=5):
+  rng = np.random.default_rng(seed)
+  logp = rng.normal(size=(B, C)) - 2.0
+  old = logp + rng.normal(scale=0.4, size=(B, C))   # ratios spread over both clip edges
+  ref = logp + rng.normal(scale=0.5, size=(B, C))
+  adv = np.abs(rng.normal(size=B)) * np.resize([-1.0, 1.0, 1.0], B)  # both signs for both clips
+  mask = (rng.random((B, C)) < 0.8).astype(np.float64)
+  mask[2] = 0.0                                     # a fully masked row
+  mask[0, 0] = 1.0
+  return logp, old, ref, adv, mask
+
+
+def _check_loss(cfg, case, gen_tokens=None):
+  logp, old, ref, adv, mask = case
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  jloss = lambda lp: grpo.grpo_loss(lp, f32(adv), f32(mask), cfg, old_logp_BC=f32(old),
+                                    ref_logp_BC=f32(ref), num_tokens=gen_tokens)
+  (loss, metrics), g = jax.value_and_grad(jloss, has_aux=True)(f32(logp))
+  np_value, np_metrics = np_loss(logp, old, ref, adv, mask, cfg, gen_tokens)
+  np.testing.assert_allclose(float(loss), np_value, rtol=1e-5, atol=1e-6)
+  for k, v in np_metrics.items():
+    np.testing.assert_allclose(float(metrics[k]), v, rtol=1e-5, atol=1e-6, err_msg=k)
+  fd = finite_diff_grad(lambda lp: np_loss(lp, old, ref, adv, mask, cfg, gen_tokens)[0], logp)
+  np.testing.assert_allclose(np.asarray(g), fd, rtol=1e-4, atol=1e-6)
+  return np_metrics
+
+
+@pytest.mark.parametrize("loss_type,level", list(itertools.product(grpo.LOSS_TYPES,
+                                                                   grpo.IS_LEVELS)))
+def test_loss_types_and_is_levels_match_numpy(loss_type, level):
+  cfg = grpo.default_loss_config()
+  cfg.update(loss_type=loss_type, importance_sampling_level=level, beta=0.04, epsilon_high=0.28)
+  case = _loss_case()
+  metrics = _check_loss(cfg, case)
+  if level == "token":  # the case must exercise both clip edges to test anything
+    assert metrics["clip/low_frac"] > 0 and metrics["clip/high_frac"] > 0
+
+
+@pytest.mark.parametrize("estimator,delta", [("k1", None), ("k2", 1.5), ("k3", 1.5)])
+def test_kl_estimators_and_delta_in_loss_match_numpy(estimator, delta):
+  cfg = grpo.default_loss_config()
+  cfg.update(loss_type="grpo", beta=0.1, kl_estimator=estimator, delta=delta)
+  case = _loss_case(seed=4)
+  logp, old, _, adv, mask = case
+  if delta is not None:  # the cap must bind on some token for this case to mean anything
+    assert np.any((np.exp(logp - old) > delta) & (adv[:, None] < 0) & (mask > 0))
+  _check_loss(cfg, case)
+
+
+def test_dapo_uses_the_generation_batch_token_count():
+  cfg = grpo.default_loss_config()
+  cfg.loss_type = "dapo"
+  case = _loss_case(seed=5)
+  _check_loss(cfg, case, gen_tokens=57.0)
+
+
+def test_truncated_completions_are_masked_out():
+  cfg = grpo.default_loss_config()
+  cfg.update(loss_type="bnpo", mask_truncated_completions=True)
+  logp, old, ref, adv, mask = _loss_case(seed=6)
+  truncated = np.array([0, 1, 0, 0, 1, 0], bool)
+  m = grpo.loss_mask(mask, truncated, True)
+  np.testing.assert_array_equal(np.asarray(m), mask * ~truncated[:, None])
+  _check_loss(cfg, (logp, old, ref, adv, np.asarray(m)))
+  np.testing.assert_array_equal(np.asarray(grpo.loss_mask(mask, truncated, False)), mask)
+  with pytest.raises(ValueError, match="mask_truncated_completions"):
+    grpo.loss_mask(mask, None, True)
+
+
+@pytest.mark.parametrize("level", grpo.IS_LEVELS)
+def test_on_policy_ratio_is_exactly_one_with_no_clipping(level):
+  cfg = grpo.default_loss_config()
+  cfg.update(loss_type="grpo", importance_sampling_level=level)
+  logp, _, _, adv, mask = _loss_case(seed=7)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  (loss, m), g = jax.value_and_grad(
+      lambda lp: grpo.grpo_loss(lp, f32(adv), f32(mask), cfg), has_aux=True)(f32(logp))
+  assert float(m["ratio/min"]) == 1.0 and float(m["ratio/max"]) == 1.0
+  assert float(m["ratio/mean"]) == pytest.approx(1.0, abs=1e-6)
+  assert float(m["clip/region_frac"]) == 0.0
+  # The on-policy gradient is the old-fixed-at-current one: −A ∂(mean of ratios) at ratio 1.
+  fd = finite_diff_grad(lambda lp: np_loss(lp, logp, logp, adv, mask, cfg)[0], logp)
+  np.testing.assert_allclose(np.asarray(g), fd, rtol=1e-4, atol=1e-6)
+
+
+def test_beta_zero_needs_no_reference_and_positive_beta_requires_one():
+  cfg = grpo.default_loss_config()
+  assert cfg.beta == 0 and not grpo.needs_reference(cfg)
+  logp, old, _, adv, mask = _loss_case()
+  loss, m = grpo.grpo_loss(jnp.asarray(logp), jnp.asarray(adv), jnp.asarray(mask), cfg,
+                           old_logp_BC=jnp.asarray(old))
+  assert float(m["loss/kl"]) == 0.0
+  cfg.beta = 0.1
+  assert grpo.needs_reference(cfg)
+  with pytest.raises(ValueError, match="beta"):
+    grpo.grpo_loss(jnp.asarray(logp), jnp.asarray(adv), jnp.asarray(mask), cfg)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("loss_type", "ppo"), ("kl_estimator", "k4"), ("importance_sampling_level", "chunk"),
+    ("scale_rewards", "std"), ("reward_aggregation", "max"), ("beta", -0.1), ("epsilon", 1.5),
+    ("epsilon_high", 0.0), ("delta", 1.1), ("num_iterations", 0), ("temperature", 0.0),
+    ("logprob_chunk_size", -4)])
+def test_bad_loss_config_names_the_setting(name, value):
+  cfg = grpo.default_loss_config()
+  grpo.validate_loss_config(cfg)
+  cfg[name] = value
+  with pytest.raises(ValueError, match=f"loss.{name}="):
+    grpo.validate_loss_config(cfg)
