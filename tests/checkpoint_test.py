@@ -1,0 +1,151 @@
+"""Checkpoints: bit-identical round trip into chosen shardings, keep-last-K, crash mid-save."""
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from grpo_jax import checkpoint
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _state(seed=0):
+  """A small train state like the loop's: bf16 params sharded over 8 devices, adamw, typed key.
+
+  Built from NumPy values and device_put (no jitted ops): compiling costs seconds on 2 cores.
+  """
+  mesh = jax.make_mesh((8,), ("fsdp",))
+  rng = np.random.default_rng(seed)
+  params = {
+      "w": jax.device_put(rng.normal(size=(16, 8)).astype(jnp.bfloat16),
+                          NamedSharding(mesh, P("fsdp"))),
+      "b": jax.device_put(rng.normal(size=(8,)).astype(np.float32), NamedSharding(mesh, P())),
+  }
+  # adamw's real state structure (count, mu, nu, empty states), filled with non-trivial values.
+  opt_state = jax.tree.map(
+      lambda x: jax.device_put((rng.normal(size=x.shape) * 100).astype(x.dtype), x.sharding),
+      optax.adamw(1e-2).init(params))
+  key = jax.random.wrap_key_data(rng.integers(0, 2**32, size=2, dtype=np.uint32))
+  return {"params": params, "opt_state": opt_state, "rng": key, "step": jnp.int32(3)}
+
+
+def _bits(x):
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  x = np.asarray(x)
+  return x.shape, str(x.dtype), x.tobytes()
+
+
+def _assert_bit_identical(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert x.dtype == y.dtype
+    assert _bits(x) == _bits(y)
+
+
+def test_round_trip_bit_identical_into_requested_shardings(tmp_path):
+  state = _state()
+  position = {"epoch": 2, "index": 17, "num_rows": 7473, "seed": 0}
+  assert not checkpoint.has_checkpoint(str(tmp_path))
+  with checkpoint.Checkpointer(str(tmp_path)) as ckpt:
+    assert ckpt.save(3, state, position)
+    assert not ckpt.save(3, state, position)  # already saved: skipped, not overwritten
+  assert checkpoint.latest_step(str(tmp_path)) == 3
+
+  # Restore into a different layout than the one saved: w split on its second axis.
+  other = jax.make_mesh((2, 4), ("data", "tensor"))
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(other, P())),
+      state)
+  abstract["params"]["w"] = jax.ShapeDtypeStruct(
+      (16, 8), jnp.bfloat16, sharding=NamedSharding(other, P(None, "tensor")))
+  restored = checkpoint.restore(str(tmp_path), abstract)
+  assert restored.step == 3
+  assert restored.data_position == position
+  _assert_bit_identical(restored.state, state)
+  # The key comes back as a typed key that draws the same numbers.
+  assert restored.state["rng"].dtype == state["rng"].dtype
+  assert jnp.array_equal(jax.random.uniform(restored.state["rng"], (4,)),
+                         jax.random.uniform(state["rng"], (4,)))
+  for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(abstract)):
+    assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+  assert restored.state["params"]["w"].sharding.spec == P(None, "tensor")
+
+
+def test_restore_errors_are_clear(tmp_path):
+  state = _state()
+  with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+    checkpoint.restore(str(tmp_path), state)
+  with checkpoint.Checkpointer(str(tmp_path), async_save=False) as ckpt:
+    ckpt.save(1, state, {})
+    with pytest.raises(FileNotFoundError, match=r"step 2 .*have \[1\]"):
+      ckpt.restore(state, step=2)
+  bad = dict(state, params={"w": state["params"]["w"]})  # a leaf missing
+  with pytest.raises(ValueError, match="does not match abstract_state"):
+    checkpoint.restore(str(tmp_path), bad)
+  with pytest.raises(ValueError, match=r"abstract_state\['step'\] has no sharding"):
+    checkpoint.restore(str(tmp_path), dict(state, step=jax.ShapeDtypeStruct((), jnp.int32)))
+
+
+def test_keeps_last_k(tmp_path):
+  state = _state()
+  with checkpoint.Checkpointer(str(tmp_path), max_to_keep=2) as ckpt:
+    for step in range(1, 6):
+      ckpt.save(step, jax.tree.map(lambda x: x, state), {"index": step})
+    ckpt.wait()
+    assert ckpt.all_steps() == [4, 5]
+  steps_on_disk = sorted(int(n) for n in os.listdir(checkpoint.checkpoint_dir(str(tmp_path)))
+                         if n.isdigit())
+  assert steps_on_disk == [4, 5]
+  assert checkpoint.restore(str(tmp_path), state, step=4).data_position == {"index": 4}
+
+
+# Saves step 1, then dies inside step 2's commit (after its files are written, before the rename
+# that publishes them), as a preemption or OOM kill would.
+_CRASH_SCRIPT = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
+    import checkpoint_test as t
+    from grpo_jax import checkpoint
+    from orbax.checkpoint._src.path import atomicity
+    ckpt = checkpoint.Checkpointer({workdir!r})
+    ckpt.save(1, t._state(0), {{"index": 1}})
+    ckpt.wait()
+    async def die(self, *a, **k):
+      os._exit(17)
+    atomicity.AtomicRenameTemporaryPath.finalize = die
+    ckpt.save(2, t._state(1), {{"index": 2}})
+    ckpt.wait()
+    os._exit(0)  # not reached if the crash happened
+""")
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
+  workdir = str(tmp_path / "run")
+  script = _CRASH_SCRIPT.format(repo=str(REPO), tests=str(REPO / "tests"), workdir=workdir)
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 17, proc.stderr[-3000:]
+  ckpt_dir = checkpoint.checkpoint_dir(workdir)
+  leftovers = [n for n in os.listdir(ckpt_dir) if n.startswith("2.")]
+  assert leftovers and "orbax-checkpoint-tmp" in leftovers[0]  # step 2 was half-written
+
+  assert checkpoint.latest_step(workdir) == 1
+  restored = checkpoint.restore(workdir, _state(0))
+  assert restored.step == 1 and restored.data_position == {"index": 1}
+  _assert_bit_identical(restored.state, _state(0))
+
+  # The next run clears the debris and saves step 2 for real.
+  with checkpoint.Checkpointer(workdir) as ckpt:
+    ckpt.save(2, _state(1), {"index": 2})
+  assert not [n for n in os.listdir(ckpt_dir) if "tmp" in n]
+  assert checkpoint.latest_step(workdir) == 2
+  _assert_bit_identical(checkpoint.restore(workdir, _state(1)).state, _state(1))
