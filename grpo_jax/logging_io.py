@@ -1,0 +1,207 @@
+"""Run logs in the workdir: metrics.jsonl (+ TensorBoard, optional wandb) and sampled completions.
+
+    metrics.jsonl   one JSON object per write, flat namespaced keys, non-finite values as null:
+                    {"step": 12, "reward/math_accuracy/mean": 0.41, "loss/kl": null}
+    tensorboard/    the same scalars, for `tensorboard --logdir WORKDIR`
+    samples.jsonl   one sampled completion per line, with its reward components (the record)
+    samples.md      the same samples rendered for reading; rebuilt from samples.jsonl on resume
+
+Samples are kept as JSONL because it can be cut at a step exactly and parsed back whatever the
+completion text holds; the Markdown is a view of it, so the two never disagree.
+
+Resume: pass the step the run continues from (the restored checkpoint's step, 0 for a fresh
+start) as resume_step; lines for later steps, written after that checkpoint by a run that then
+died, are dropped so each step appears once.
+"""
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+SAMPLES_MD_FILE = "samples.md"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def _scalar(key: str, value: Any) -> float | int | bool | str | None:
+  """A JSON-safe scalar; NaN/inf become None (JSON has no NaN; strict parsers reject it)."""
+  if isinstance(value, (str, bool)) or value is None:
+    return value
+  if isinstance(value, numbers.Integral):
+    return int(value)
+  if isinstance(value, numbers.Real):
+    return float(value) if math.isfinite(value) else None
+  array = np.asarray(value)  # numpy / jax scalars and 0-d arrays
+  if array.ndim != 0 or array.dtype.kind not in "biuf":
+    raise ValueError(f"metric {key!r} must be a scalar, got {type(value).__name__} with shape "
+                     f"{array.shape} and dtype {array.dtype}")
+  return _scalar(key, array.item())
+
+
+def read_jsonl(path: str) -> list[dict]:
+  """Records of a JSONL log; a torn last line (a crash mid-write) is ignored."""
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    lines = f.read().split("\n")
+  records = []
+  for number, line in enumerate(lines, start=1):
+    if not line.strip():
+      continue
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if number == len(lines):  # the last line has no newline: it was never finished
+        break
+      raise ValueError(f"{path}:{number}: not valid JSON ({e}); fix or delete that line") from e
+  return records
+
+
+def _truncate_after(path: str, step: int) -> list[dict]:
+  """Keeps the records with record['step'] <= step; rewrites atomically; returns them."""
+  kept = [r for r in read_jsonl(path) if r.get("step", -1) <= step]
+  if os.path.exists(path):
+    with open(path + ".tmp", "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(path + ".tmp", path)  # A crash here leaves the old or the new file, never half.
+  return kept
+
+
+class MetricsWriter:
+  """Writes one flat metrics dict per call to metrics.jsonl, TensorBoard and (optionally) wandb."""
+
+  def __init__(self, workdir: str, *, resume_step: int | None = None, tensorboard: bool = True,
+               wandb: bool = False, wandb_kwargs: Mapping[str, Any] | None = None):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, METRICS_FILE)
+    if resume_step is not None:
+      _truncate_after(self.path, resume_step)
+    # Line-buffered: each record reaches the OS as soon as it is written.
+    self._file = open(self.path, "a", buffering=1)
+    self._tb = None
+    if tensorboard:
+      import tensorboardX
+      # purge_step hides events a crashed run logged after the restored step.
+      self._tb = tensorboardX.SummaryWriter(
+          os.path.join(workdir, TENSORBOARD_DIR),
+          purge_step=None if resume_step is None else resume_step + 1)
+    self._wandb = None
+    if wandb:
+      try:
+        import wandb as wandb_lib
+      except ImportError as e:
+        raise ImportError("wandb logging is enabled but the wandb package is not installed: "
+                          "`pip install wandb`, or turn wandb logging off") from e
+      self._wandb = wandb_lib.init(dir=workdir, resume="allow", **dict(wandb_kwargs or {}))
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
+    """Logs metrics for `step`; returns the JSON record written. Values: Python/NumPy/JAX scalars."""
+    record = {"step": int(step)}
+    for key, value in metrics.items():
+      if not isinstance(key, str) or key == "step":
+        raise ValueError(f"metric key {key!r} must be a string other than 'step'")
+      record[key] = _scalar(key, value)
+    self._file.write(json.dumps(record) + "\n")
+    if self._tb is not None:
+      for key, value in record.items():
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+          self._tb.add_scalar(key, value, global_step=step)
+    if self._wandb is not None:
+      self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
+    return record
+
+  def flush(self) -> None:
+    self._file.flush()
+    if self._tb is not None:
+      self._tb.flush()
+
+  def close(self) -> None:
+    self._file.close()
+    if self._tb is not None:
+      self._tb.close()
+    if self._wandb is not None:
+      self._wandb.finish()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def _fence(text: str) -> str:
+  """A ~~~ fence longer than any run of ~ in text, so a completion cannot close its own block."""
+  longest, run = 0, 0
+  for ch in text:
+    run = run + 1 if ch == "~" else 0
+    longest = max(longest, run)
+  return "~" * max(4, longest + 1)
+
+
+def _render_sample(number: int, record: Mapping[str, Any]) -> str:
+  rewards = record.get("rewards") or {}
+  fields = [f"{k}={'missing' if v is None else f'{v:g}' if isinstance(v, float) else v}"
+            for k, v in rewards.items()]
+  fields += [f"{k}={v}" for k, v in record.items()
+             if k not in ("step", "prompt", "completion", "rewards")]
+  out = [f"### sample {number}: {', '.join(fields)}\n"]
+  for part in ("prompt", "completion"):
+    if part in record:
+      fence = _fence(record[part])
+      out.append(f"**{part}**\n\n{fence}text\n{record[part]}\n{fence}\n")
+  return "\n".join(out) + "\n"
+
+
+class SamplesWriter:
+  """Appends a few sampled completions per step to samples.jsonl and samples.md.
+
+    writer.write(12, [{"prompt": "...", "completion": "<think>..</think><answer>72</answer>",
+                       "rewards": {"math_accuracy": 1.0, "format": 0.1}, "gold": "72"}])
+  """
+
+  def __init__(self, workdir: str, *, resume_step: int | None = None):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, SAMPLES_FILE)
+    self.md_path = os.path.join(workdir, SAMPLES_MD_FILE)
+    if resume_step is not None:
+      kept = _truncate_after(self.path, resume_step)
+      with open(self.md_path + ".tmp", "w") as f:
+        f.write(_render_steps(kept))
+      os.replace(self.md_path + ".tmp", self.md_path)
+
+  def write(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
+    records = []
+    for i, sample in enumerate(samples):
+      if "completion" not in sample:
+        raise ValueError(f"sample {i} at step {step} has no 'completion' field")
+      record = {"step": int(step)}
+      for key, value in sample.items():
+        if key in ("prompt", "completion"):
+          record[key] = str(value)
+        elif key == "rewards":
+          record[key] = {k: _scalar(f"rewards/{k}", v) for k, v in value.items()}
+        else:
+          record[key] = _scalar(key, value)
+      records.append(record)
+    with open(self.path, "a") as f:
+      f.writelines(json.dumps(r) + "\n" for r in records)
+    with open(self.md_path, "a") as f:
+      f.write(_render_steps(records))
+
+
+def _render_steps(records: Sequence[Mapping[str, Any]]) -> str:
+  out, step, number = [], None, 0
+  for record in records:
+    if record["step"] != step:
+      step, number = record["step"], 0
+      out.append(f"## step {step}\n\n")
+    number += 1
+    out.append(_render_sample(number, record))
+  return "".join(out)

@@ -1,0 +1,121 @@
+"""metrics.jsonl / TensorBoard / samples files: strict JSON, NaN-safe, resume-safe."""
+import glob
+import json
+import math
+import os
+import struct
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from grpo_jax import logging_io
+
+
+def _strict_lines(path):
+  """Parses each line with a parser that rejects NaN/Infinity tokens, as strict JSON readers do."""
+  def reject(token):
+    raise AssertionError(f"non-standard JSON constant {token} in {path}")
+  with open(path) as f:
+    return [json.loads(line, parse_constant=reject) for line in f]
+
+
+def _tb_events(logdir):
+  """All events in a TensorBoard logdir, read from the TFRecord framing directly."""
+  events = []
+  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+    data = open(path, "rb").read()
+    pos = 0
+    while pos < len(data):
+      (length,) = struct.unpack("<Q", data[pos:pos + 8])
+      events.append(event_pb2.Event.FromString(data[pos + 12:pos + 12 + length]))
+      pos += 12 + length + 4  # length, its crc, payload, payload crc
+  return events
+
+
+def test_metrics_are_strict_json_with_nan_as_null(tmp_path):
+  with logging_io.MetricsWriter(str(tmp_path), tensorboard=False) as writer:
+    writer.write(1, {"reward/math_accuracy/mean": 0.25, "loss/kl": float("nan"),
+                     "loss/total": np.float32(1.5), "sampler/tokens_per_s": jnp.asarray(3e4),
+                     "clip/high_frac": np.float64("inf"), "sampler/num_truncated": np.int32(2),
+                     "eval/ran": True})
+    writer.write(2, {"loss/kl": jnp.float32(0.125)})
+  assert _strict_lines(tmp_path / "metrics.jsonl") == [
+      {"step": 1, "reward/math_accuracy/mean": 0.25, "loss/kl": None, "loss/total": 1.5,
+       "sampler/tokens_per_s": 30000.0, "clip/high_frac": None, "sampler/num_truncated": 2,
+       "eval/ran": True},
+      {"step": 2, "loss/kl": 0.125}]
+  with logging_io.MetricsWriter(str(tmp_path), tensorboard=False) as writer:
+    with pytest.raises(ValueError, match="'loss/per_token' must be a scalar.*shape \\(3,\\)"):
+      writer.write(3, {"loss/per_token": np.zeros(3)})
+
+
+def test_tensorboard_gets_the_finite_scalars(tmp_path):
+  with logging_io.MetricsWriter(str(tmp_path)) as writer:
+    for step in range(1, 4):
+      writer.write(step, {"loss/kl": step / 8, "loss/nan": math.nan, "note": "text"})
+  scalars = [(e.step, v.tag, v.simple_value)
+             for e in _tb_events(tmp_path / "tensorboard") for v in e.summary.value]
+  assert scalars == [(1, "loss/kl", 0.125), (2, "loss/kl", 0.25), (3, "loss/kl", 0.375)]
+
+
+def test_resume_drops_steps_after_the_checkpoint(tmp_path):
+  with logging_io.MetricsWriter(str(tmp_path)) as writer:
+    for step in range(1, 6):
+      writer.write(step, {"loss/kl": float(step)})
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 6, "loss/k')  # the crash came mid-line
+  assert [r["step"] for r in logging_io.read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1, 2, 3,
+                                                                                       4, 5]
+  with logging_io.MetricsWriter(str(tmp_path), resume_step=3) as writer:
+    writer.write(4, {"loss/kl": 40.0})
+  assert _strict_lines(tmp_path / "metrics.jsonl") == [
+      {"step": 1, "loss/kl": 1.0}, {"step": 2, "loss/kl": 2.0}, {"step": 3, "loss/kl": 3.0},
+      {"step": 4, "loss/kl": 40.0}]
+  # TensorBoard is told to purge what the dead run logged from step 4 on.
+  starts = [e.step for e in _tb_events(tmp_path / "tensorboard")
+            if e.HasField("session_log") and e.session_log.status == e.session_log.START]
+  assert starts == [4]
+
+
+def test_corrupt_middle_line_is_an_error_naming_the_line(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+  with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not valid JSON"):
+    logging_io.MetricsWriter(str(tmp_path), resume_step=2, tensorboard=False)
+  assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\nnot json\n{"step": 3}\n'
+
+
+def test_wandb_is_optional(tmp_path):
+  try:
+    import wandb  # noqa: F401
+    pytest.skip("wandb is installed here; this checks the error when it is not")
+  except ImportError:
+    pass
+  with pytest.raises(ImportError, match="wandb logging is enabled.*pip install wandb"):
+    logging_io.MetricsWriter(str(tmp_path), tensorboard=False, wandb=True)
+
+
+def test_samples_jsonl_and_markdown_resume(tmp_path):
+  nasty = "<think>~~~~\n## step 99\n</think><answer>72</answer>"
+  writer = logging_io.SamplesWriter(str(tmp_path))
+  writer.write(1, [{"prompt": "Q1", "completion": nasty, "gold": "72",
+                    "rewards": {"math_accuracy": np.float32(1.0), "format": float("nan")}}])
+  writer.write(2, [{"prompt": "Q2", "completion": "no", "rewards": {"math_accuracy": 0.0}},
+                   {"prompt": "Q2", "completion": "yes", "rewards": {"math_accuracy": 1.0}}])
+  assert [(r["step"], r["completion"]) for r in _strict_lines(tmp_path / "samples.jsonl")] == [
+      (1, nasty), (2, "no"), (2, "yes")]
+  md = (tmp_path / "samples.md").read_text()
+  assert md.count("## step 1\n") == 1 and md.count("## step 2\n") == 1
+  # The completion sits verbatim inside a fence longer than its own "~~~~".
+  assert f"~~~~~text\n{nasty}\n~~~~~\n" in md
+  assert "### sample 1: math_accuracy=1, format=missing, gold=72" in md
+
+  logging_io.SamplesWriter(str(tmp_path), resume_step=1).write(
+      2, [{"prompt": "Q2", "completion": "again", "rewards": {}}])
+  assert [(r["step"], r["completion"]) for r in _strict_lines(tmp_path / "samples.jsonl")] == [
+      (1, nasty), (2, "again")]
+  md = (tmp_path / "samples.md").read_text()
+  assert "no\n" not in md and "yes\n" not in md and "again\n" in md
+  with pytest.raises(ValueError, match="sample 0 at step 3 has no 'completion'"):
+    writer.write(3, [{"prompt": "Q3"}])
