@@ -1,0 +1,370 @@
+"""The GRPO outer loop: sample -> reward -> advantages -> num_iterations updates, with eval,
+checkpoints, metrics, samples and plots. `run(config, workdir)` is the whole program.
+
+Resuming is automatic: a workdir holding a checkpoint continues from it. Every source of
+randomness is a pure function of (seed, step) and the data order of (seed, epoch), so on one
+machine a resumed run reproduces an uninterrupted one bit for bit.
+
+Files in the workdir: see README ("What a run writes").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from tqdm.auto import tqdm
+
+from grpo_jax import (checkpoint, data, grpo, logging_io, plots, sampler as sampler_lib,
+                      sft, sharding, synthetic, tokenizer as tokenizer_lib, train_step, validate)
+from grpo_jax.models import qwen, weights
+from grpo_jax.rewards import build_rewards, score
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+SUMMARY_FILE = "summary.json"
+
+
+class TooManyBadSteps(RuntimeError):
+  pass
+
+
+# --- set-up ------------------------------------------------------------------------------------
+
+def _tokenizer(config, workdir):
+  name = config.model.tokenizer or config.model.checkpoint
+  if name == "tiny":
+    name = tokenizer_lib.build_tiny_tokenizer(os.path.join(workdir, "tokenizer"))
+  tok = tokenizer_lib.load_tokenizer(name)
+  return tok, tokenizer_lib.stop_ids(tok, name)
+
+
+def _datasets(config, workdir):
+  d = config.data
+  if d.source == "synthetic":
+    spec = synthetic.ProblemSpec(num_operands=d.synthetic_operands, digits=d.synthetic_digits)
+    source = synthetic.write_splits(os.path.join(workdir, "data"), d.synthetic_train,
+                                    d.synthetic_test, seed=config.seed, spec=spec)
+  else:
+    source = d.source
+  kw = dict(config_name=d.config_name or None, question_field=d.question_field,
+            answer_field=d.answer_field)
+  return (data.load_rows(source, d.train_split, **kw), data.load_rows(source, d.eval_split, **kw))
+
+
+def _model(config, tokenizer, mesh):
+  m = config.model
+  param_dtype = DTYPES[m.param_dtype]
+  if m.random_init:
+    t = m.tiny
+    vocab = -(-len(tokenizer) // 64) * 64  # padded like Qwen's own embeddings
+    cfg = qwen.QwenConfig(
+        vocab_size=vocab, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_layers=t.num_layers, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
+        head_dim=t.head_dim, rope_theta=t.rope_theta, tie_word_embeddings=t.tie_word_embeddings,
+        max_position_embeddings=4096)
+    params = qwen.init_params(cfg, jax.random.key(config.seed), param_dtype)
+    shard = sharding.param_shardings(qwen.logical_axes(cfg), qwen.abstract_params(cfg), mesh)
+    params, generation_config = jax.device_put(params, shard), None
+  else:
+    params, cfg = weights.load_checkpoint(m.checkpoint, param_dtype=param_dtype, mesh=mesh)
+    generation_config = weights.read_generation_config(weights.resolve(m.checkpoint))
+  if cfg.vocab_size < len(tokenizer):
+    raise validate.ConfigError(
+        f"config.model: the model's vocabulary ({cfg.vocab_size}) is smaller than the "
+        f"tokenizer's ({len(tokenizer)}); they do not belong together")
+  return params, cfg, generation_config
+
+
+@dataclasses.dataclass
+class Prompts:
+  """One batch of prompts, tokenised, with the dataset rows they came from."""
+  rows: list[dict]
+  texts: list[str]
+  tokens_BP: np.ndarray
+  mask_BP: np.ndarray
+
+
+def _prompts(config, tokenizer, rows) -> Prompts:
+  d = config.data
+  texts = [data.build_prompt(tokenizer, r["question"], d.system_prompt, d.user_template)
+           for r in rows]
+  ids = data.encode_prompts(tokenizer, texts)
+  tokens, mask = data.pad_to_bucket(ids, d.prompt_buckets, tokenizer.pad_token_id)
+  return Prompts(rows, texts, tokens, mask)
+
+
+# --- the program -------------------------------------------------------------------------------
+
+def run(config, workdir: str) -> dict:
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  os.makedirs(workdir, exist_ok=True)
+  validate.validate(config, jax.device_count())
+  (open(os.path.join(workdir, "config.json"), "w")).write(config.to_json_best_effort(indent=2))
+
+  mesh = sharding.make_mesh(tuple(config.mesh))
+  tokenizer, stop_ids = _tokenizer(config, workdir)
+  train_rows, eval_rows = _datasets(config, workdir)
+  if config.train.eval_examples:
+    eval_rows = eval_rows[:config.train.eval_examples]
+  rewards = build_rewards(config.rewards)
+  params, cfg, generation_config = _model(config, tokenizer, mesh)
+  trainer = Trainer(config, cfg, mesh, tokenizer, stop_ids)
+  print(f"grpo_jax: {cfg.model_type} {cfg.num_layers}x{cfg.hidden_size}, "
+        f"{sum(x.size for x in jax.tree.leaves(params)) / 1e6:.2f}M params, "
+        f"{len(train_rows)} train / {len(eval_rows)} eval prompts, mesh {dict(mesh.shape)}, "
+        f"workdir {workdir}", flush=True)
+
+  latest = checkpoint.latest_step(workdir)
+  if latest is None:
+    if config.sft.steps:
+      params = run_sft(config, trainer, params, train_rows)
+    state = trainer.init_state(params)
+    ref_params = params if grpo.needs_reference(config.loss) else None
+    start = 0
+    it = data.PromptIterator(len(train_rows), config.train.prompts_per_step, config.seed)
+  else:
+    restored = checkpoint.restore(workdir, trainer.abstract_checkpoint())
+    state, ref_params = restored.state["train"], restored.state.get("ref")
+    start = restored.step
+    it = data.PromptIterator(len(train_rows), config.train.prompts_per_step, config.seed,
+                             position=restored.data_position)
+    print(f"grpo_jax: resumed from step {start}", flush=True)
+
+  metrics_writer = logging_io.MetricsWriter(
+      workdir, resume_step=None if latest is None else start, tensorboard=config.train.tensorboard,
+      wandb=config.train.wandb)
+  samples_writer = logging_io.SamplesWriter(workdir,
+                                            resume_step=None if latest is None else start)
+  stop = {"requested": False}
+  previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
+  ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.train.keep_checkpoints)
+
+  def save(step):
+    ckpt_state = {"train": state}
+    if ref_params is not None:
+      ckpt_state["ref"] = ref_params
+    ckpt.save(step, ckpt_state, it.position())
+
+  try:
+    if latest is None:
+      acc = evaluate(config, trainer, state["params"], tokenizer, eval_rows)
+      metrics_writer.write(0, {"eval/accuracy": acc})
+      print(f"grpo_jax: held-out greedy accuracy at GRPO step 0: {acc:.1%}", flush=True)
+      save(0)
+    bad = 0
+    bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps,
+               desc="grpo", dynamic_ncols=True, disable=None)
+    for step in bar:
+      rows = [train_rows[i] for i in it.next_indices()]
+      new_state, m, samples = trainer.grpo_step(state, ref_params, rows, rewards, step)
+      if not np.isfinite(m["loss/total"]):
+        bad += 1
+        m["train/skipped_nonfinite"] = 1
+        if bad >= config.train.max_bad_steps:
+          raise TooManyBadSteps(
+              f"{bad} consecutive non-finite steps up to step {step + 1}; the last good "
+              f"checkpoint is in {checkpoint.checkpoint_dir(workdir)}")
+      else:
+        bad, state = 0, new_state
+      done = step + 1
+      if config.train.eval_every and done % config.train.eval_every == 0 or done == (
+          config.train.steps):
+        m["eval/accuracy"] = evaluate(config, trainer, state["params"], tokenizer, eval_rows)
+      metrics_writer.write(done, m)
+      samples_writer.write(done, samples)
+      bar.set_postfix(reward=f"{m['reward/total/mean']:.3f}",
+                      acc=f"{m['reward/math_accuracy/mean']:.2f}"
+                      if "reward/math_accuracy/mean" in m else "-",
+                      eval=f"{m['eval/accuracy']:.2f}" if "eval/accuracy" in m else None)
+      if done % config.train.checkpoint_every == 0 or done == config.train.steps:
+        save(done)
+      if stop["requested"]:
+        save(done)
+        print(f"grpo_jax: SIGTERM: saved step {done}, exiting", flush=True)
+        break
+  finally:
+    ckpt.close()
+    metrics_writer.close()
+    signal.signal(signal.SIGTERM, previous)
+
+  summary = _summary(workdir)
+  plots.plot_metrics(workdir)
+  if generation_config is None:
+    generation_config = {"eos_token_id": stop_ids}
+  if not stop["requested"]:
+    weights.save_checkpoint(state["params"], cfg, os.path.join(workdir, "final_model"),
+                            generation_config=generation_config)
+  return summary
+
+
+def _summary(workdir):
+  evals = [r for r in logging_io.read_jsonl(os.path.join(workdir, logging_io.METRICS_FILE))
+           if r.get("eval/accuracy") is not None]
+  summary = {}
+  if evals:
+    summary = {"eval_accuracy_start": evals[0]["eval/accuracy"], "start_step": evals[0]["step"],
+               "eval_accuracy_end": evals[-1]["eval/accuracy"], "end_step": evals[-1]["step"]}
+    summary["eval_accuracy_gain_points"] = 100 * (summary["eval_accuracy_end"]
+                                                  - summary["eval_accuracy_start"])
+    with open(os.path.join(workdir, SUMMARY_FILE), "w") as f:
+      json.dump(summary, f, indent=2)
+    print(f"grpo_jax: held-out greedy accuracy {summary['eval_accuracy_start']:.1%} (step "
+          f"{summary['start_step']}) -> {summary['eval_accuracy_end']:.1%} (step "
+          f"{summary['end_step']}): {summary['eval_accuracy_gain_points']:+.1f} points", flush=True)
+  return summary
+
+
+# --- the pieces of one step --------------------------------------------------------------------
+
+class Trainer:
+  """Holds the compiled functions of a run: sampler, log-prob forward, train step, SFT step."""
+
+  def __init__(self, config, cfg: qwen.QwenConfig, mesh, tokenizer, stop_ids):
+    self.config, self.cfg, self.mesh, self.tokenizer = config, cfg, mesh, tokenizer
+    optim = config.optim.copy_and_resolve_references()
+    if optim.schedule == "cosine" and not optim.total_steps:
+      optim.total_steps = config.train.steps * config.loss.num_iterations
+    self.optim = optim
+    self.step_fn = train_step.make_train_step(cfg, config.loss, optim, mesh)
+    self.logprob_fn = train_step.make_logprob_fn(cfg, config.loss, optim, mesh)
+    s = config.sampling
+    self.sampler = sampler_lib.Sampler(
+        cfg, stop_ids=stop_ids, max_new_tokens=s.max_new_tokens,
+        buckets=tuple(config.data.prompt_buckets),
+        valid_vocab_size=tokenizer_lib.valid_vocab_size(tokenizer), mesh=mesh,
+        dtype=jnp.dtype(optim.compute_dtype), pad_id=tokenizer.pad_token_id)
+    self.sampling = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+    self.base_key = jax.random.key(config.seed)
+
+  def init_state(self, params):
+    return train_step.create_train_state(params, self.cfg, self.optim, self.mesh)
+
+  def abstract_checkpoint(self):
+    abstract = {"train": train_step.abstract_state(self.cfg, self.optim, self.mesh)}
+    if grpo.needs_reference(self.config.loss):
+      abstract["ref"] = abstract["train"]["params"]
+    return abstract
+
+  def grpo_step(self, state, ref_params, rows, rewards, step):
+    """One generation batch: sample, score, advantages, num_iterations updates."""
+    cfg, g = self.config, self.config.sampling.num_generations
+    t0 = time.perf_counter()
+    prompts = _prompts(cfg, self.tokenizer, rows)
+    key = jax.random.fold_in(self.base_key, step)
+    out = self.sampler.generate(state["params"], prompts.tokens_BP, prompts.mask_BP,
+                                num_samples=g, key=key, **self.sampling)
+    completion_ids = np.asarray(out.tokens)
+    lengths = np.asarray(out.lengths)
+    truncated = np.asarray(out.truncated)
+    t_sample = time.perf_counter() - t0
+
+    texts = self.tokenizer.batch_decode(
+        [ids[:n] for ids, n in zip(completion_ids, lengths)], skip_special_tokens=True)
+    prompt_texts = [p for p in prompts.texts for _ in range(g)]
+    columns = {"answer": [r["answer"] for r in rows for _ in range(g)],
+               "question": [r["question"] for r in rows for _ in range(g)]}
+    reward_BR, reward_metrics = score(rewards, prompt_texts, texts, g, columns)
+    weights_R = np.asarray([r.weight for r in rewards], np.float32)
+    adv_B, adv_stats = grpo.group_advantages(
+        reward_BR, g, weights_R=weights_R, scale_rewards=cfg.loss.scale_rewards,
+        aggregation=cfg.loss.reward_aggregation)
+    t_reward = time.perf_counter() - t0 - t_sample
+
+    c = completion_ids.shape[1]
+    prompt_BP = np.repeat(prompts.tokens_BP, g, axis=0)
+    pmask_BP = np.repeat(prompts.mask_BP, g, axis=0)
+    cmask_BC = (np.arange(c)[None, :] < lengths[:, None]).astype(np.int32)
+    batch = {
+        "tokens_BS": np.concatenate([prompt_BP, completion_ids], 1).astype(np.int32),
+        "attn_mask_BS": np.concatenate([pmask_BP, cmask_BC], 1).astype(np.int32),
+        "completion_mask_BC": cmask_BC,
+        "advantages_B": np.asarray(adv_B, np.float32),
+    }
+    if cfg.loss.mask_truncated_completions:
+      batch["truncated_B"] = truncated
+    if cfg.loss.num_iterations > 1:
+      batch["old_logp_BC"] = self.logprob_fn(state["params"], batch["tokens_BS"],
+                                             batch["attn_mask_BS"], c)
+    if ref_params is not None:
+      batch["ref_logp_BC"] = self.logprob_fn(ref_params, batch["tokens_BS"],
+                                             batch["attn_mask_BS"], c)
+    train_metrics = []
+    for _ in range(cfg.loss.num_iterations):
+      state, m = self.step_fn(state, batch)
+      train_metrics.append(m)
+    m = {k: float(v) for k, v in jax.device_get(train_metrics[-1]).items()}
+    t_train = time.perf_counter() - t0 - t_sample - t_reward
+
+    total = np.nansum(reward_BR * weights_R, axis=1)
+    m.update(reward_metrics)
+    m.update({f"advantages/{k}": float(v) for k, v in adv_stats.items()})
+    m.update({
+        "reward/total/mean": float(total.mean()), "reward/total/std": float(total.std()),
+        "completion/mean_length": float(lengths.mean()),
+        "completion/max_length": int(lengths.max()),
+        "completion/truncated_frac": float(truncated.mean()),
+        "time/sample_s": t_sample, "time/reward_s": t_reward, "time/train_s": t_train,
+        "sampler/tokens_per_s": float(lengths.sum() / max(t_sample, 1e-9)),
+        "data/epoch_step": step,
+    })
+    if "loss/total" not in m:
+      m["loss/total"] = m.get("loss", float("nan"))
+    n = min(cfg.train.samples_per_step, len(texts))
+    samples = [{"prompt": prompt_texts[i], "completion": texts[i],
+                "rewards": {r.name: float(reward_BR[i, k]) for k, r in enumerate(rewards)},
+                "advantage": float(adv_B[i]), "gold": data.gold_answer(columns["answer"][i])}
+               for i in range(0, n * g, g)][:n]
+    return state, m, samples
+
+
+def evaluate(config, trainer: Trainer, params, tokenizer, rows) -> float:
+  """Greedy pass@1 with the math_accuracy reward on `rows`."""
+  from grpo_jax.rewards import math_accuracy
+  correct = 0
+  bs = config.train.eval_batch_size
+  for i in range(0, len(rows), bs):
+    chunk = rows[i:i + bs]
+    prompts = _prompts(config, tokenizer, chunk)
+    out = trainer.sampler.generate(params, prompts.tokens_BP, prompts.mask_BP, num_samples=1,
+                                   key=jax.random.key(0), temperature=0.0)
+    ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    texts = tokenizer.batch_decode([t[:n] for t, n in zip(ids, lengths)],
+                                   skip_special_tokens=True)
+    scores = math_accuracy.math_accuracy(
+        prompts.texts, texts, group_size=1, answer=[r["answer"] for r in chunk])
+    correct += sum(s == 1.0 for s in scores)
+  return correct / max(len(rows), 1)
+
+
+def run_sft(config, trainer: Trainer, params, rows):
+  """The supervised warm start; deterministic in the seed, never checkpointed (it is short)."""
+  s, tok = config.sft, trainer.tokenizer
+  model = qwen.Qwen(trainer.cfg, dtype=jnp.dtype(trainer.optim.compute_dtype))
+  optimizer = optax.adam(s.lr)
+  opt_state = optimizer.init(params)
+  step_fn = sft.make_sft_step(model, trainer.cfg, optimizer)
+  order = data.PromptIterator(len(rows), s.batch_size, config.seed + 1)
+  stop = tok.convert_tokens_to_ids(tok.eos_token)
+  length = max(config.data.prompt_buckets) + config.sampling.max_new_tokens
+  bar = tqdm(range(s.steps), desc="sft warm start", dynamic_ncols=True, disable=None)
+  for _ in bar:
+    batch_rows = [rows[i] for i in order.next_indices()]
+    prompts = data.encode_prompts(tok, [data.build_prompt(tok, r["question"],
+                                                          config.data.system_prompt,
+                                                          config.data.user_template)
+                                        for r in batch_rows])
+    completions = [tok(sft.reference_completion(r["answer"]),
+                       add_special_tokens=False).input_ids + [stop] for r in batch_rows]
+    tokens, mask, loss_mask = sft.sft_batch(prompts, completions, length, tok.pad_token_id)
+    params, opt_state, loss = step_fn(params, opt_state, tokens, mask, loss_mask)
+    bar.set_postfix(loss=f"{float(loss):.3f}")
+  return params

@@ -1,0 +1,91 @@
+"""Config validation before anything loads or compiles: each error names the setting."""
+
+from __future__ import annotations
+
+import math
+
+from grpo_jax import grpo, train_step
+from grpo_jax.rewards import KNOWN_REWARDS
+
+
+class ConfigError(ValueError):
+  pass
+
+
+def _check(ok: bool, setting: str, message: str) -> None:
+  if not ok:
+    raise ConfigError(f"config.{setting}: {message}")
+
+
+def batch_devices(config, num_devices: int) -> int:
+  """How many ways the batch is split: the data × fsdp extent of the configured mesh."""
+  shape = list(config.mesh)
+  _check(len(shape) == 3, "mesh", f"needs 3 entries (data, fsdp, tensor), got {tuple(shape)}")
+  _check(all(isinstance(s, int) and (s >= 1 or s == -1) for s in shape) and shape.count(-1) <= 1,
+         "mesh", f"entries must be >= 1, with at most one -1; got {tuple(shape)}")
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape:
+    _check(num_devices % known == 0, "mesh",
+           f"{tuple(shape)} does not divide the {num_devices} devices")
+    shape[shape.index(-1)] = num_devices // known
+  _check(math.prod(shape) <= num_devices, "mesh",
+         f"{tuple(shape)} needs {math.prod(shape)} devices, only {num_devices} present")
+  return shape[0] * shape[1]
+
+
+def validate(config, num_devices: int) -> None:
+  s, t, o, lc = config.sampling, config.train, config.optim, config.loss
+  g = s.num_generations
+  _check(isinstance(g, int) and g >= 2, "sampling.num_generations",
+         f"must be an int >= 2 (group-relative advantages need a group), got {g!r}")
+  _check(s.max_new_tokens >= 1, "sampling.max_new_tokens", f"must be >= 1, got {s.max_new_tokens}")
+  _check(s.temperature > 0, "sampling.temperature", f"must be > 0, got {s.temperature}")
+  _check(0 < s.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {s.top_p}")
+  _check(s.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 = off), got {s.top_k}")
+  _check(0 <= s.min_p < 1, "sampling.min_p", f"must be in [0, 1), got {s.min_p}")
+  _check(lc.temperature == s.temperature, "loss.temperature",
+         f"{lc.temperature} differs from sampling.temperature={s.temperature}: the loss must "
+         "score completions under the distribution they were sampled from")
+  try:
+    grpo.validate_loss_config(lc)
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
+
+  for name in config.rewards.names:
+    _check(name in KNOWN_REWARDS, "rewards.names",
+           f"unknown reward {name!r}; known rewards: {list(KNOWN_REWARDS)}")
+  _check(len(config.rewards.names) == len(config.rewards.weights), "rewards.weights",
+         f"{len(config.rewards.weights)} weights for {len(config.rewards.names)} rewards")
+  _check(len(config.rewards.names) >= 1, "rewards.names", "at least one reward is needed")
+
+  try:
+    train_step.validate_optim_config(o)
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
+  _check(o.schedule != "cosine" or o.total_steps in (0, t.steps), "optim.total_steps",
+         "leave it 0: the cosine schedule spans train.steps")
+
+  rows = t.prompts_per_step * g
+  _check(t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
+  _check(rows % o.grad_accum_steps == 0, "optim.grad_accum_steps",
+         f"{o.grad_accum_steps} does not divide the {rows} completions of a step "
+         f"(train.prompts_per_step={t.prompts_per_step} × G={g})")
+  split = batch_devices(config, num_devices)
+  micro = rows // o.grad_accum_steps
+  _check(micro % split == 0, "train.prompts_per_step",
+         f"a micro-batch of {micro} completions (prompts_per_step × G / grad_accum_steps) is not "
+         f"divisible by the {split} devices the mesh {tuple(config.mesh)} splits the batch over")
+  _check(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
+  _check(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
+  _check(t.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
+  _check(t.eval_every >= 0, "train.eval_every", "must be >= 0")
+  _check(t.eval_batch_size >= 1, "train.eval_batch_size", "must be >= 1")
+  _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
+  _check(config.sft.steps >= 0, "sft.steps", "must be >= 0")
+  if config.model.random_init:
+    _check(config.model.tokenizer != "", "model.tokenizer",
+           "a randomly initialised model needs a tokenizer ('tiny' or a path)")
+  else:
+    _check(bool(config.model.checkpoint), "model.checkpoint",
+           "set a local directory or hub id (or model.random_init=True)")
+  _check(len(config.data.prompt_buckets) >= 1, "data.prompt_buckets", "needs at least one length")
