@@ -18,6 +18,7 @@ rewraps them with the abstract leaf's key type) and numpy arrays.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -68,6 +69,10 @@ class Checkpointer:
 
   def save(self, step: int, state, data_position: dict) -> bool:
     """Starts saving (async by default); False when `step` is not after the latest saved step."""
+    try:
+      json.dumps(data_position)  # Fail here, not later in the background save thread.
+    except TypeError as e:
+      raise TypeError(f"checkpoint data_position must be JSON-serialisable: {e}") from e
     return self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         meta=ocp.args.JsonSave({"step": int(step), "data_position": data_position})))

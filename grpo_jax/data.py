@@ -50,6 +50,8 @@ def _local_files(source: str, split: str) -> list[str] | None:
     if not files:
       raise FileNotFoundError(f"no data file matches {source!r}")
     return files
+  if source.startswith((".", "/", "~")):
+    raise FileNotFoundError(f"data path {source!r} does not exist")
   return None  # Not local: a hub dataset id.
 
 

@@ -88,6 +88,8 @@ def test_restore_errors_are_clear(tmp_path):
     ckpt.save(1, state, {})
     with pytest.raises(FileNotFoundError, match=r"step 2 .*have \[1\]"):
       ckpt.restore(state, step=2)
+    with pytest.raises(TypeError, match="data_position must be JSON-serialisable"):
+      ckpt.save(2, state, {"index": np.arange(2)})
   bad = dict(state, params={"w": state["params"]["w"]})  # a leaf missing
   with pytest.raises(ValueError, match="does not match abstract_state"):
     checkpoint.restore(str(tmp_path), bad)

@@ -75,6 +75,8 @@ def test_bad_input_errors_name_file_and_field(tmp_path, cache_dir):
     data.load_rows(str(GSM8K), split="validation", cache_dir=cache_dir)
   with pytest.raises(FileNotFoundError, match="nothere"):
     data.load_rows(str(tmp_path / "nothere.jsonl"), cache_dir=cache_dir)
+  with pytest.raises(FileNotFoundError, match="data path .*no_dir' does not exist"):
+    data.load_rows(str(tmp_path / "no_dir"), cache_dir=cache_dir)
   # conftest sets HF_HUB_OFFLINE=1: a hub id that is not cached says so and names itself.
   with pytest.raises(ConnectionError, match="'grpo-jax-test/no-such-dataset'.*local"):
     data.load_rows("grpo-jax-test/no-such-dataset", config_name="main", cache_dir=cache_dir)
