@@ -1,0 +1,76 @@
+"""Rewards for GRPO: each is `fn(prompts, completions, group_size=G, **columns) -> [float | None]`.
+
+Completions of one prompt are contiguous (groups of G); dataset columns arrive repeated per
+completion (e.g. `answer=[...]`). None means "could not score" and becomes NaN in the matrix.
+
+  cfg = default_rewards_config()            # names=('math_accuracy', 'format'), weights=(1., 1.)
+  rewards = build_rewards(cfg)
+  R, metrics = score(rewards, prompts, completions, group_size=G, columns={"answer": answers})
+
+Ranges: math_accuracy {0, 1}; format {-0.1, +0.1}; quality [0.2, 1]; verifier [0, 1];
+diversity [0, 2].
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import ml_collections
+
+from grpo_jax.rewards import format_reward, math_accuracy, model_options, options, quality
+from grpo_jax.rewards.scoring import Reward, score
+
+__all__ = ["Reward", "build_rewards", "default_rewards_config", "score", "KNOWN_REWARDS"]
+
+_OPTIONS = {
+    "math_accuracy": math_accuracy.MathAccuracyOptions,
+    "format": format_reward.FormatOptions,
+    "quality": quality.QualityOptions,
+    "verifier": model_options.VerifierOptions,
+    "diversity": model_options.DiversityOptions,
+}
+KNOWN_REWARDS = tuple(_OPTIONS)
+
+
+def default_rewards_config() -> ml_collections.ConfigDict:
+  """Every reward's options at their defaults; `names`/`weights` select what is used."""
+  cfg = ml_collections.ConfigDict()
+  cfg.names = ("math_accuracy", "format")
+  cfg.weights = (1.0, 1.0)
+  for name, cls in _OPTIONS.items():
+    cfg[name] = options.to_config(cls())
+  return cfg
+
+
+def _build_fn(name: str, opts: Any):
+  if name == "math_accuracy":
+    return functools.partial(math_accuracy.math_accuracy, opts=opts)
+  if name == "format":
+    return functools.partial(format_reward.format_reward, opts=opts)
+  if name == "quality":
+    return quality.QualityReward(opts)
+  if name == "verifier":
+    from grpo_jax.rewards import verifier  # JAX model code, loaded only when configured
+    return verifier.VerifierReward(opts)
+  if name == "diversity":
+    from grpo_jax.rewards import diversity
+    return diversity.DiversityReward(opts)
+  raise AssertionError(name)
+
+
+def build_rewards(rewards_cfg: Any) -> list[Reward]:
+  names, weights = tuple(rewards_cfg.names), tuple(rewards_cfg.weights)
+  if len(names) != len(weights):
+    raise ValueError(f"rewards.names has {len(names)} entries but rewards.weights has {len(weights)}")
+  if len(set(names)) != len(names):
+    raise ValueError(f"rewards.names lists a reward twice: {names}")
+  out = []
+  for name, weight in zip(names, weights):
+    if name not in _OPTIONS:
+      raise ValueError(f"unknown reward {name!r} in rewards.names; known rewards: {list(KNOWN_REWARDS)}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+      raise ValueError(f"rewards.weights: weight of {name!r} must be a number, got {weight!r}")
+    sub = rewards_cfg.get(name) if hasattr(rewards_cfg, "get") else getattr(rewards_cfg, name, None)
+    opts = options.from_config(_OPTIONS[name], sub, f"rewards.{name}")
+    out.append(Reward(name=name, weight=float(weight), fn=_build_fn(name, opts)))
+  return out

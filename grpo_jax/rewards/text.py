@@ -1,0 +1,40 @@
+"""Host-side text hygiene shared by every reward: model output is untrusted data.
+
+Completions may hold lone surrogates (bytes decoded with `surrogateescape`), megabytes of text,
+or be something other than a string by mistake. Every reward passes its inputs through
+`clean` first so that parsing, tokenising and JSON-encoding never see invalid Unicode.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def clean(text: object, *, field: str, index: int) -> str:
+  """Returns `text` with invalid code points replaced by U+FFFD; raises on a non-string."""
+  if not isinstance(text, str):
+    raise TypeError(f"{field}[{index}] must be a str, got {type(text).__name__}")
+  try:
+    text.encode("utf-8")
+    return text
+  except UnicodeEncodeError:
+    # Lone surrogates cannot be encoded; replacing them keeps the rest of the text intact.
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def clean_all(texts: Sequence[object], *, field: str) -> list[str]:
+  if isinstance(texts, (str, bytes)):
+    raise TypeError(f"{field} must be a list of str, got a single {type(texts).__name__}")
+  return [clean(t, field=field, index=i) for i, t in enumerate(texts)]
+
+
+def tail(text: str, max_chars: int) -> str:
+  """The last `max_chars` characters: final answers live at the end of a response."""
+  return text if len(text) <= max_chars else text[-max_chars:]
+
+
+def middle_truncate(text: str, max_chars: int, marker: str = " [...] ") -> str:
+  """Keeps the head (the question/setup) and the tail (the final answer) of a long text."""
+  if len(text) <= max_chars:
+    return text
+  keep = max(max_chars - len(marker), 2)
+  return text[: keep // 2] + marker + text[len(text) - (keep - keep // 2):]

@@ -1,0 +1,135 @@
+"""quality reward over HTTP, against a real loopback chat-completions server with faults."""
+import json
+import time
+
+import pytest
+
+from grpo_jax import rewards as rewards_lib
+from grpo_jax.rewards import chat_http, quality
+from fake_chat_server import FakeChatServer
+
+FALLBACK = 0.123
+
+
+def _reward(url: str, **http_kw) -> quality.QualityReward:
+  http = dict(base_url=url, model="judge", timeout_s=2.0, max_retries=2, backoff_s=0.01,
+              backoff_max_s=0.05, deadline_s=20.0, max_concurrency=8)
+  http.update(http_kw)
+  return quality.QualityReward(quality.QualityOptions(fallback=FALLBACK, http=chat_http.HttpOptions(**http)))
+
+
+def test_grades_become_mean_over_five():
+  grades = [(5, 5, 5, 5), (1, 1, 1, 1), (4, 3, 5, 2), (2, 5, 1, 4)]
+  completions = [f"answer {i} [score={a},{g},{inf},{c}]" for i, (a, g, inf, c) in enumerate(grades)]
+  with FakeChatServer(max_requests=20, lifetime_s=30) as server:
+    r = _reward(server.url, extra_body_json='{"chat_template_kwargs": {"enable_thinking": false}}')
+    got = r(["What is 2+2?"] * 4, completions, group_size=2)
+    assert server.requests == 4
+    body = server.bodies[0]
+  assert got == pytest.approx([sum(g) / 4 / 5 for g in grades], abs=1e-12)
+  assert min(got) == pytest.approx(0.2) and max(got) == pytest.approx(1.0)
+  assert body["model"] == "judge" and body["temperature"] == 0.0
+  assert body["chat_template_kwargs"] == {"enable_thinking": False}
+  content = body["messages"][-1]["content"]
+  assert "What is 2+2?" in content and "answer" in content
+  assert r.last_metrics["http_failures"] == 0 and r.last_metrics["fallback_frac"] == 0
+
+
+def test_faults_get_the_fallback_and_are_counted_with_bounded_retries():
+  kinds = ["[flaky=1] [score=5,5,5,5]", "[500]", "[drop]", "[badjson]", "[nochoices]", "[slow=3]",
+           "[prose]", "[score=1,2,3,4]"]
+  completions = [f"item {k}" for k in kinds]
+  with FakeChatServer(max_requests=100, lifetime_s=30) as server:
+    r = _reward(server.url, timeout_s=0.3)
+    t0 = time.monotonic()
+    got = r(["q"] * len(kinds), completions, group_size=1)
+    elapsed = time.monotonic() - t0
+    per_prompt = {k: n for k in kinds for p, n in server.per_prompt.items() if k in p}
+  assert got == [1.0, FALLBACK, FALLBACK, FALLBACK, FALLBACK, FALLBACK, FALLBACK, pytest.approx(0.5)]
+  # 1 + max_retries attempts for every retryable failure, never more; one attempt otherwise.
+  assert per_prompt == {kinds[0]: 2, "[500]": 3, "[drop]": 3, "[badjson]": 3, "[nochoices]": 3,
+                        "[slow=3]": 3, "[prose]": 1, kinds[-1]: 1}
+  m = r.last_metrics
+  assert m["http_failures"] == 5 and m["parse_failures"] == 1
+  assert m["fallback_frac"] == pytest.approx(6 / 8)
+  assert m["http_requests"] == 19 and m["http_retries"] == 11
+  assert m["http_error/timeout"] == 3 and m["http_error/http_500"] == 4
+  # 3 timed-out attempts of 0.3 s plus tiny backoffs; far below the slow server's 3 s.
+  assert elapsed < 2.5
+
+
+def test_batch_deadline_bounds_the_call():
+  with FakeChatServer(max_requests=20, lifetime_s=30) as server:
+    r = _reward(server.url, timeout_s=10.0, deadline_s=0.5)
+    t0 = time.monotonic()
+    got = r(["q"] * 3, ["a [slow=3]", "b [slow=3]", "c [score=5,5,5,5]"], group_size=3)
+    elapsed = time.monotonic() - t0
+  assert got == [FALLBACK, FALLBACK, 1.0]
+  assert r.last_metrics["deadline_exceeded"] == 2 and r.last_metrics["http_failures"] == 2
+  assert elapsed < 1.5
+
+
+def test_cache_and_in_batch_deduplication():
+  completions = ["x [score=4,4,4,4]", "y [score=2,2,2,2]", "x [score=4,4,4,4]"]
+  with FakeChatServer(max_requests=20, lifetime_s=30) as server:
+    r = _reward(server.url)
+    first = r(["q"] * 3, completions, group_size=3)
+    assert server.requests == 2  # the duplicate prompt is asked once
+    second = r(["q"] * 3, completions, group_size=3)
+    assert server.requests == 2  # everything from the cache
+    assert r.last_metrics["cache_hits"] == 3 and r.last_metrics["http_requests"] == 0
+    # A different model name is a different cache key.
+    other = _reward(server.url, model="other-judge")
+    other._complete.__self__._cache = r._complete.__self__._cache
+    other(["q"], completions[:1], group_size=1)
+    assert server.requests == 3
+  assert first == second == pytest.approx([0.8, 0.4, 0.8])
+
+
+def test_concurrency_is_bounded():
+  with FakeChatServer(max_requests=20, lifetime_s=30) as server:
+    r = _reward(server.url, max_concurrency=2)
+    t0 = time.monotonic()
+    got = r(["q"] * 6, [f"{i} [slow=0.2] [score=3,3,3,3]" for i in range(6)], group_size=6)
+    elapsed = time.monotonic() - t0
+    assert server.peak_in_flight == 2
+  assert got == pytest.approx([0.6] * 6)
+  assert elapsed >= 0.55  # three waves of two 0.2 s requests
+
+
+def test_server_down_never_crashes():
+  with FakeChatServer(max_requests=1, lifetime_s=5) as server:
+    url = server.url
+  # The server has stopped and its port is closed: connections are refused.
+  r = _reward(url)
+  assert r(["q"] * 2, ["a", "b"], group_size=2) == [FALLBACK, FALLBACK]
+  assert r.last_metrics["http_failures"] == 2 and r.last_metrics["http_error/connection"] == 6
+
+
+def test_metrics_flow_through_score():
+  cfg = rewards_lib.default_rewards_config()
+  with FakeChatServer(max_requests=20, lifetime_s=30) as server:
+    cfg.names, cfg.weights = ("quality", "format"), (0.5, 1.0)
+    cfg.quality.http.base_url = server.url
+    cfg.quality.http.max_retries = 1
+    cfg.quality.http.backoff_s = 0.01
+    rewards = rewards_lib.build_rewards(cfg)
+    R, metrics = rewards_lib.score(rewards, ["q"] * 4,
+                                   ["a [score=5,5,5,5]", "b [500]", "c [score=1,1,1,1]", "d [drop]"],
+                                   group_size=2, columns={"answer": ["#### 1"] * 4})
+  assert R.shape == (4, 2) and R.dtype.name == "float32"
+  assert R[0, 0] == 1.0 and R[2, 0] == pytest.approx(0.2)
+  assert json.dumps(R[[1, 3], 0].tolist()) == "[NaN, NaN]"  # fallback None -> NaN
+  assert metrics["reward/quality/missing_frac"] == 0.5
+  assert metrics["reward/quality/mean"] == pytest.approx(0.6)
+  assert metrics["reward/quality/http_failures"] == 2.0
+  assert metrics["reward/format/mean"] == pytest.approx(-0.1)
+
+
+def test_bad_http_settings_name_the_field():
+  with pytest.raises(ValueError, match="base_url"):
+    chat_http.HttpOptions(base_url="localhost:8000")
+  with pytest.raises(ValueError, match="extra_body_json"):
+    chat_http.HttpOptions(extra_body_json="{nope")
+  with pytest.raises(ValueError, match="api_key_env.*GRPO_JAX_TEST_NO_SUCH_KEY"):
+    chat_http.ChatClient(chat_http.HttpOptions(api_key_env="GRPO_JAX_TEST_NO_SUCH_KEY"))
