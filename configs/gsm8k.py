@@ -58,7 +58,7 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
           "inside <answer> </answer>."),
       prompt_buckets=(256, 384, 512),
       # For source='synthetic' (see grpo_jax/synthetic.py).
-      synthetic_train=20000,
+      synthetic_train=7000,
       synthetic_test=500,
       synthetic_digits=2,
       synthetic_operands=2,

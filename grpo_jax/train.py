@@ -62,7 +62,7 @@ def _datasets(config, workdir):
 
 def _model(config, tokenizer, mesh):
   m = config.model
-  param_dtype = DTYPES[m.param_dtype]
+  param_dtype = DTYPES[config.optim.param_dtype]
   if m.random_init:
     t = m.tiny
     vocab = -(-len(tokenizer) // 64) * 64  # padded like Qwen's own embeddings
@@ -140,10 +140,10 @@ def run(config, workdir: str) -> dict:
     print(f"grpo_jax: resumed from step {start}", flush=True)
 
   metrics_writer = logging_io.MetricsWriter(
-      workdir, resume_step=None if latest is None else start, tensorboard=config.train.tensorboard,
-      wandb=config.train.wandb)
-  samples_writer = logging_io.SamplesWriter(workdir,
-                                            resume_step=None if latest is None else start)
+      workdir, resume_step=start if latest is not None else -1,
+      tensorboard=config.train.tensorboard, wandb=config.train.wandb)
+  samples_writer = logging_io.SamplesWriter(
+      workdir, resume_step=start if latest is not None else -1)
   stop = {"requested": False}
   previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
   ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.train.keep_checkpoints)

@@ -1,0 +1,49 @@
+"""Config validation stops an impossible run before anything loads, naming the setting."""
+
+import pytest
+
+from configs import gsm8k
+from grpo_jax import validate
+
+
+@pytest.mark.parametrize("preset", ["default", "0.5b", "tiny"])
+def test_presets_are_valid(preset):
+  validate.validate(gsm8k.get_config(preset), num_devices=8)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("sampling.num_generations", 1, r"config\.sampling\.num_generations: must be an int >= 2"),
+    ("rewards.names", ("math_accuracy", "bleu"), r"config\.rewards\.names: unknown reward 'bleu'"),
+    ("rewards.weights", (1.0,), r"config\.rewards\.weights: 1 weights for 2 rewards"),
+    ("loss.loss_type", "ppo", r"config\.loss\.loss_type='ppo' is not one of"),
+    ("optim.lr", -1.0, r"config\.optim\.lr=-1\.0 must be > 0"),
+    ("train.prompts_per_step", 3, r"config\.train\.prompts_per_step: a micro-batch of 6"),
+    ("mesh", (5, 1, 1), r"config\.train\.prompts_per_step: a micro-batch of 192 .* 5 devices"),
+    ("mesh", (2, 8, 1), r"config\.mesh: \(2, 8, 1\) needs 16 devices"),
+    ("sampling.top_p", 0.0, r"config\.sampling\.top_p: must be in \(0, 1\]"),
+    ("optim.grad_accum_steps", 5, r"config\.optim\.grad_accum_steps: 5 does not divide"),
+])
+def test_bad_settings_are_named(field, value, message):
+  config = gsm8k.get_config("default")
+  node, leaf = config, field.split(".")
+  for key in leaf[:-1]:
+    node = node[key]
+  node[leaf[-1]] = value
+  with pytest.raises(validate.ConfigError, match=message):
+    validate.validate(config, num_devices=8)
+
+
+def test_loss_temperature_follows_sampling_and_a_mismatch_is_caught():
+  config = gsm8k.get_config("tiny")
+  config.sampling.temperature = 0.7  # an override moves both: loss.temperature is a reference
+  assert config.loss.temperature == 0.7
+  validate.validate(config, num_devices=1)
+  config.loss = config.loss.copy_and_resolve_references()  # cut the link, then break it
+  config.loss.temperature = 1.0
+  with pytest.raises(validate.ConfigError, match="config.loss.temperature: 1.0 differs"):
+    validate.validate(config, num_devices=1)
+
+
+def test_unknown_preset():
+  with pytest.raises(ValueError, match="unknown preset 'huge'"):
+    gsm8k.get_config("huge")
