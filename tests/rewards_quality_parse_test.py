@@ -51,7 +51,8 @@ def test_question_column_and_fallback_default():
     calls.append(batch)
     return ['{"accuracy": 5, "grammar": 5, "informativeness": 5, "coherence": 5}', "garbage"], {}
 
-  r = quality.QualityReward(quality.QualityOptions(question_column="question"), backend=backend)
+  r = quality.QualityReward(quality.QualityOptions(), backend=backend)  # question_column='question'
+
   got = r(["<|im_start|>user ...", "<|im_start|>user ..."], ["a", "b"], group_size=2, question=["Q1?", "Q2?"])
   assert got == [1.0, None]  # default fallback None = missing
   assert "Q1?" in calls[0][0][0]["content"]

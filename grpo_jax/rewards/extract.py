@@ -15,6 +15,9 @@ import re
 
 # Enough for any real answer span; longer spans are cut so later parsing stays cheap.
 MAX_SPAN_CHARS = 400
+# Only the last occurrences of a form are returned: a response that repeats '####' thousands
+# of times would otherwise cost (occurrences x span length) to parse.
+MAX_SPANS = 16
 
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s{0,3}\{")
 _ANSWER_IS_RE = re.compile(r"(?i)\banswer(?:[ \t]{1,3}(?:is|was|will be|would be)\b[ \t]*:?|[ \t]*:)")
@@ -24,16 +27,17 @@ _SENTENCE_END_RE = re.compile(r"\n|\.(?!\d)|\?|!")
 
 
 def _answer_tag(text: str, open_tag: str = "<answer>", close_tag: str = "</answer>") -> list[str]:
-  out, pos = [], 0
+  bounds, pos = [], 0
   while True:
     start = text.find(open_tag, pos)
     if start < 0:
-      return out
+      break
     end = text.find(close_tag, start + len(open_tag))
     if end < 0:
-      return out  # an unclosed tag (truncated output) states no answer
-    out.append(text[start + len(open_tag): end][:MAX_SPAN_CHARS])
+      break  # an unclosed tag (truncated output) states no answer
+    bounds.append((start + len(open_tag), end))
     pos = end + len(close_tag)
+  return [text[a:b][:MAX_SPAN_CHARS] for a, b in bounds[-MAX_SPANS:]]
 
 
 def _matching_braces(text: str) -> dict[int, int]:
@@ -52,19 +56,19 @@ def _boxed(text: str) -> list[str]:
   if not hits:
     return []
   match = _matching_braces(text)
-  out = []
+  bounds = []
   for m in hits:
     open_idx = m.end() - 1
     close_idx = match.get(open_idx)
     if close_idx is not None:  # unbalanced \boxed{ ... is no answer
-      out.append(text[open_idx + 1: close_idx][:MAX_SPAN_CHARS])
-  return out
+      bounds.append((open_idx + 1, close_idx))
+  return [text[a:b][:MAX_SPAN_CHARS] for a, b in bounds[-MAX_SPANS:]]
 
 
 def _after_phrase(text: str, regex: re.Pattern) -> list[str]:
   out = []
-  for m in regex.finditer(text):
-    rest = text[m.end(): m.end() + MAX_SPAN_CHARS]
+  for end_pos in [m.end() for m in regex.finditer(text)][-MAX_SPANS:]:
+    rest = text[end_pos: end_pos + MAX_SPAN_CHARS]
     end = _SENTENCE_END_RE.search(rest)
     out.append(rest[: end.start()] if end else rest)
   return out
@@ -72,8 +76,8 @@ def _after_phrase(text: str, regex: re.Pattern) -> list[str]:
 
 def _hashes(text: str) -> list[str]:
   out = []
-  for m in _HASHES_RE.finditer(text):
-    rest = text[m.end(): m.end() + MAX_SPAN_CHARS]
+  for end_pos in [m.end() for m in _HASHES_RE.finditer(text)][-MAX_SPANS:]:
+    rest = text[end_pos: end_pos + MAX_SPAN_CHARS]
     newline = rest.find("\n")
     out.append(rest if newline < 0 else rest[:newline])
   return out

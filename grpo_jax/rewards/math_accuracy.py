@@ -14,7 +14,8 @@ gives its number by form: tag/boxed -> the last number in it ("<answer>3+4 = 7</
 the first ("the answer is 18 apples, 3 more than 15" -> 18).
 Strict mode: the first form that is *present* decides, later forms are not consulted; its
 spans must be bare numbers, and several spans with different values (hedging, e.g.
-"\\boxed{17} or \\boxed{18}") score 0.
+"\\boxed{17} or \\boxed{18}") score 0. Only the last extract.MAX_SPANS occurrences of a form
+are considered (this bounds the work on responses that repeat a marker thousands of times).
 """
 from __future__ import annotations
 

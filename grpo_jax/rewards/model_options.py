@@ -34,12 +34,18 @@ class VerifierOptions:
   use_chat_template: bool = True
   # JSON passed to apply_chat_template, e.g. '{"enable_thinking": false}' for a Qwen3 judge.
   chat_template_kwargs_json: str = ""
-  question_column: str = ""  # a dataset column with the bare question; '' -> the prompt
+  # The dataset column with the bare question (the trainer passes GSM8K's 'question');
+  # '' -> the chat-formatted prompt text instead.
+  question_column: str = "question"
 
   def __post_init__(self):
     _check_common(self)
     options.check(bool(self.yes_token) and bool(self.no_token), "yes_token/no_token", "must be non-empty")
     options.check("{response}" in self.template, "template", "must contain '{response}'")
+    try:
+      self.template.format(question="", response="")
+    except (KeyError, IndexError, ValueError) as e:
+      raise ValueError(f"template: only {{question}} and {{response}} may appear in braces ({e!r})") from e
     if self.chat_template_kwargs_json:
       try:
         kw = json.loads(self.chat_template_kwargs_json)

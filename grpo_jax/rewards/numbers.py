@@ -68,16 +68,6 @@ def value(m: re.Match, text: str) -> Fraction | None:
   return num
 
 
-def all_numbers(text: str) -> list[tuple[re.Match, Fraction]]:
-  """Every number in `text`, in order, as (match, value); unusable ones are skipped."""
-  out = []
-  for m in NUMBER_RE.finditer(text):
-    v = value(m, text)
-    if v is not None:
-      out.append((m, v))
-  return out
-
-
 def first_number(text: str) -> Fraction | None:
   for m in NUMBER_RE.finditer(text):
     v = value(m, text)
@@ -87,8 +77,12 @@ def first_number(text: str) -> Fraction | None:
 
 
 def last_number(text: str) -> Fraction | None:
-  nums = all_numbers(text)
-  return nums[-1][1] if nums else None
+  # Values are computed from the end only: building a Fraction for every number is the cost.
+  for m in reversed(list(NUMBER_RE.finditer(text))):
+    v = value(m, text)
+    if v is not None:
+      return v
+  return None
 
 
 def delatex(span: str) -> str:

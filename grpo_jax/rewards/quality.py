@@ -58,7 +58,9 @@ class QualityOptions:
   fallback: float | None = None
   max_question_chars: int = 4_000
   max_response_chars: int = 12_000
-  question_column: str = ""  # a dataset column holding the bare question; '' -> use the prompt
+  # The dataset column with the bare question (the trainer passes GSM8K's 'question');
+  # '' -> the chat-formatted prompt text instead.
+  question_column: str = "question"
   http: chat_http.HttpOptions = dataclasses.field(default_factory=chat_http.HttpOptions)
   local: LocalOptions = dataclasses.field(default_factory=LocalOptions)
 
