@@ -24,7 +24,7 @@ from grpo_jax.models import qwen, weights
 _MIN_BUCKET = 16
 
 
-def _buckets(max_tokens: int) -> tuple[int, ...]:
+def length_buckets(max_tokens: int) -> tuple[int, ...]:
   out, b = [], _MIN_BUCKET
   while b < max_tokens:
     out.append(b)
@@ -51,7 +51,7 @@ class FrozenModel:
     self.model = qwen.Qwen(self.cfg, dtype=jdtype, param_dtype=jdtype)
     self.tokenizer = tokenizer_lib.load_tokenizer(tokenizer or checkpoint)
     self.batch_size, self.max_tokens = batch_size, max_tokens
-    self.buckets = _buckets(max_tokens)
+    self.buckets = length_buckets(max_tokens)
     self._last_hidden = jax.jit(self._last_hidden_impl)
     self._logprobs = jax.jit(self._logprobs_impl)
 

@@ -45,11 +45,31 @@ Reply with only a JSON object and nothing else, in this form:
 
 @dataclasses.dataclass(frozen=True)
 class LocalOptions:
-  checkpoint: str = ""  # a local Hugging Face checkpoint folder (weights + tokenizer)
+  """The `local` backend: a Flax Qwen scorer run by grpo_jax.sampler (see quality_local.py)."""
+  checkpoint: str = ""  # a local Hugging Face checkpoint folder
+  tokenizer: str = ""  # '' -> the checkpoint folder
+  dtype: str = "bfloat16"
   batch_size: int = 8
-  max_prompt_tokens: int = 2048
+  max_prompt_tokens: int = 2048  # longer prompts lose the middle of the response
   max_new_tokens: int = 256
-  temperature: float = 0.0
+  temperature: float = 0.0  # 0 = greedy
+  seed: int = 0
+  # JSON passed to apply_chat_template, e.g. '{"enable_thinking": false}' for a Qwen3 scorer.
+  chat_template_kwargs_json: str = ""
+
+  def __post_init__(self):
+    options.check(self.dtype in ("float32", "bfloat16"), "dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
+    for f in ("batch_size", "max_new_tokens"):
+      options.check(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f, "must be a positive int")
+    options.check(isinstance(self.max_prompt_tokens, int) and self.max_prompt_tokens >= 16,
+                  "max_prompt_tokens", "must be an int >= 16")
+    options.check(isinstance(self.temperature, (int, float)) and self.temperature >= 0, "temperature", "must be >= 0")
+    if self.chat_template_kwargs_json:
+      try:
+        kw = json.loads(self.chat_template_kwargs_json)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"chat_template_kwargs_json: not valid JSON ({e})") from e
+      options.check(isinstance(kw, dict), "chat_template_kwargs_json", "must be a JSON object")
 
 
 @dataclasses.dataclass(frozen=True)
