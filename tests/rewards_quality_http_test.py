@@ -135,3 +135,14 @@ def test_bad_http_settings_name_the_field():
     chat_http.HttpOptions(extra_body_json="{nope")
   with pytest.raises(ValueError, match="api_key_env.*GRPO_JAX_TEST_NO_SUCH_KEY"):
     chat_http.ChatClient(chat_http.HttpOptions(api_key_env="GRPO_JAX_TEST_NO_SUCH_KEY"))
+
+
+def test_a_client_bug_is_counted_not_raised(monkeypatch):
+  client = chat_http.ChatClient(chat_http.HttpOptions(base_url="http://127.0.0.1:9/v1"))
+
+  def broken(*args):
+    raise ZeroDivisionError("bug")
+
+  monkeypatch.setattr(client, "_one", broken)
+  results, counts = client.complete([[{"role": "user", "content": "x"}]])
+  assert results == [None] and counts["http_error/internal"] == 1 and counts["http_failures"] == 1

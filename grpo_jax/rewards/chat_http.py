@@ -6,7 +6,8 @@ that cannot be answered comes back as None and is counted, so the caller applies
 
 Time is bounded for any input: each HTTP attempt has a socket timeout, attempts per item are
 capped (1 + max_retries, exponential backoff with jitter), and the whole batch has a deadline
-after which unfinished items are given up (their threads stop at their next socket timeout).
+after which unfinished items are given up (their threads stop at their next socket timeout,
+so interpreter exit may wait up to timeout_s for them).
 
   client = ChatClient(HttpOptions(base_url="http://127.0.0.1:8000/v1", model="Qwen/Qwen3-32B"))
   texts, counters = client.complete([[{"role": "user", "content": "2+2?"}]])
@@ -45,8 +46,10 @@ class HttpOptions:
   deadline_s: float = 900.0  # the whole batch; items unfinished by then fail
   max_tokens: int = 512
   temperature: float = 0.0
-  # JSON merged into every request body, e.g. '{"chat_template_kwargs": {"enable_thinking": false}}'.
-  extra_body_json: str = ""
+  # JSON merged into every request body. The default turns Qwen3's thinking off on vLLM/SGLang
+  # (a grade needs no chain of thought, and thinking would blow max_tokens); templates of other
+  # models ignore it.
+  extra_body_json: str = '{"chat_template_kwargs": {"enable_thinking": false}}'
   cache_size: int = 200_000  # entries; 0 disables the cache
   max_response_bytes: int = 1 << 20
   use_env_proxy: bool = False  # loopback scorers must not be sent through an HTTP proxy
@@ -195,7 +198,11 @@ class ChatClient:
       stop.set()
       counts["deadline_exceeded"] += sum(len(todo[futures[f]]) for f in not_done)
       for f in done:
-        answer = f.result()  # _one catches everything it expects; anything else is a bug
+        try:
+          answer = f.result()
+        except Exception:  # a bug in this client must not stop training: count it, fall back
+          counts["http_error/internal"] += 1
+          answer = None
         if answer is not None:
           self._cache.put(futures[f], answer)
           for i in todo[futures[f]]:
