@@ -1,0 +1,358 @@
+"""The sharded GRPO train step on a tiny Qwen: finite differences of the whole loss, sharded
+meshes against one device, gradient accumulation against one big batch, dense log-probs, and a
+failed step leaving the state alone. Compilations are the cost here, so one baseline config is
+shared and each test compiles at most two programs."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_jax import grpo, sharding, train_step
+from grpo_jax.models import qwen
+
+MODEL = qwen.QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10_000.0,
+                        tie_word_embeddings=True, qkv_bias=True)
+B, P, C, G = 32, 6, 8, 4
+EOS = MODEL.vocab_size - 1
+
+
+def loss_config(**kw):
+  cfg = grpo.default_loss_config()
+  cfg.update(loss_type="dapo", beta=0.05, kl_estimator="k3", epsilon_high=0.28,
+             num_iterations=2, mask_truncated_completions=True, logprob_chunk_size=3)
+  cfg.update(**kw)
+  return cfg
+
+
+def optim_config(**kw):
+  cfg = train_step.default_optim_config()
+  # max_grad_norm=0: AdamW's first moment after one step is exactly (1 − b1)·grad, which is how
+  # these tests read the step's gradients back without compiling a second program.
+  cfg.update(lr=1e-3, weight_decay=0.1, max_grad_norm=0.0, grad_accum_steps=4,
+             compute_dtype="float32", remat=True)
+  cfg.update(**kw)
+  return cfg
+
+
+def single_mesh():
+  return sharding.make_mesh((1, 1, 1))
+
+
+def host(tree):
+  return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+
+def first_moment(state):
+  """mu of AdamW inside the (adamw) state; the chain holds one ScaleByAdamState."""
+  found = [s.mu for s in jax.tree.leaves(state["opt_state"], is_leaf=lambda s: hasattr(s, "mu"))
+           if hasattr(s, "mu")]
+  assert len(found) == 1
+  return found[0]
+
+
+@pytest.fixture(scope="module")
+def params():
+  rng = np.random.default_rng(5)
+
+  def one(path, x):
+    name = path[-1].key
+    if name in ("kernel", "embedding"):  # std 0.1: logits far from uniform, loss not ~linear
+      return np.asarray(x) * 5.0
+    if name == "bias":                   # random, so a mishandled bias cannot hide
+      return rng.normal(0, 0.1, x.shape).astype(np.float32)
+    return rng.uniform(0.5, 1.5, x.shape).astype(np.float32)  # norm weights
+  return jax.tree_util.tree_map_with_path(one, qwen.init_params(MODEL, jax.random.key(0)))
+
+
+def make_rows(rng):
+  """Left-padded prompts and right-padded completions; rows of length C without EOS truncated."""
+  tokens = np.zeros((B, P + C), np.int32)
+  attn = np.zeros((B, P + C), np.int32)
+  cmask = np.zeros((B, C), np.int32)
+  plen = rng.integers(2, P + 1, B)
+  clen = rng.integers(1, C + 1, B)
+  truncated = rng.random(B) < 0.25
+  clen[truncated] = C
+  for b in range(B):
+    tokens[b, P - plen[b]:P] = rng.integers(1, EOS, plen[b])
+    tokens[b, P:P + clen[b]] = rng.integers(1, EOS, clen[b])
+    if not truncated[b]:
+      tokens[b, P + clen[b] - 1] = EOS
+    attn[b, P - plen[b]:P + clen[b]] = 1
+    cmask[b, :clen[b]] = 1
+  return tokens, attn, cmask, truncated
+
+
+@pytest.fixture(scope="module")
+def data(params):
+  """A baseline batch; old/ref log-probs from logprob_fn on a (2, 2, 2) mesh, 4 micro-batches."""
+  rng = np.random.default_rng(0)
+  tokens, attn, cmask, truncated = make_rows(rng)
+  rewards = rng.normal(size=(B, 1))
+  rewards[4:8] = 1.0  # a constant-reward group
+  adv, _ = grpo.group_advantages(rewards, G)
+  mesh = sharding.make_mesh((2, 2, 2))
+  logprob_fn = train_step.make_logprob_fn(MODEL, loss_config(), optim_config(), mesh)
+  sh = train_step.state_shardings(MODEL, optim_config(), mesh)["params"]
+  logp = np.asarray(logprob_fn(jax.device_put(params, sh), tokens, attn, C), np.float64)
+  # Old log-ratios spread over both clip edges but >= 0.03 from them, so that the finite
+  # differences below (which move log-probs by ~1e-4) never step across a kink.
+  delta = rng.uniform(-0.5, 0.5, (B, C))
+  for edge in (np.log(0.8), np.log(1.28)):
+    near = np.abs(delta - edge) < 0.03
+    delta[near] += 0.06 * np.sign(delta[near] - edge + 1e-12)
+  batch = dict(tokens_BS=tokens, attn_mask_BS=attn, completion_mask_BC=cmask,
+               advantages_B=np.asarray(adv, np.float32),
+               old_logp_BC=(logp - delta).astype(np.float32),
+               ref_logp_BC=(logp + rng.normal(scale=0.3, size=(B, C))).astype(np.float32),
+               truncated_B=truncated)
+  return batch, logp
+
+
+def test_logprob_fn_matches_dense_logits(params, data):
+  """Chunked, micro-batched, sharded log-probs == log_softmax of the model's dense logits."""
+  batch, logp = data
+  model = qwen.Qwen(MODEL)
+  tokens, attn = batch["tokens_BS"], batch["attn_mask_BS"]
+  hidden, _ = model.apply({"params": params}, tokens, qwen.positions_from_mask(attn), attn)
+  logits = np.asarray(model.apply({"params": params}, hidden, method=qwen.Qwen.logits),
+                      np.float64)[:, P - 1:-1]
+  lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  want = np.take_along_axis(logits, tokens[:, P:, None], -1)[..., 0] - lse
+  mask = batch["completion_mask_BC"] > 0
+  np.testing.assert_allclose(logp[mask], want[mask], rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_compute_log_probs_stay_fp32_and_close(params, data):
+  batch, logp = data
+  optim = optim_config(compute_dtype="bfloat16", grad_accum_steps=1)
+  mesh = single_mesh()
+  fn = train_step.make_logprob_fn(MODEL, loss_config(), optim, mesh)
+  out = fn(jax.device_put(params, train_step.state_shardings(MODEL, optim, mesh)["params"]),
+           batch["tokens_BS"], batch["attn_mask_BS"], C)
+  assert out.dtype == jnp.float32
+  mask = batch["completion_mask_BC"] > 0
+  err = np.abs(np.asarray(out) - logp)[mask]
+  # bf16 keeps 8 mantissa bits (relative 2^-9 per rounding); over two layers and a 64-way
+  # softmax that is ~1e-2 in a log-prob of magnitude ~5. A wrong dtype path is off by O(1).
+  assert err.mean() < 0.03 and err.max() < 0.15, (err.mean(), err.max())
+
+
+@pytest.fixture(scope="module")
+def grad_fn(data):
+  """(params) → (loss, grads) of the baseline config on one device (dapo, 4 micro-batches)."""
+  batch, _ = data
+  mesh = single_mesh()
+  fn = train_step.make_grad_fn(MODEL, loss_config(), optim_config(), mesh, batch)
+  sh = train_step.state_shardings(MODEL, optim_config(), mesh)["params"]
+  return lambda p: fn(jax.device_put(p, sh), batch)
+
+
+def test_gradient_of_whole_loss_matches_finite_differences(params, grad_fn):
+  loss_at = lambda p: float(grad_fn(p)[0])
+  grads = host(grad_fn(params)[1])
+  rng = np.random.default_rng(1)
+  leaves = [("embed_tokens", "embedding"), ("layers", "self_attn", "q_proj", "bias"),
+            ("layers", "mlp", "down_proj", "kernel"), ("norm", "weight"), None]
+  for leaf in leaves:
+    # Direction: the gradient, reweighted per coordinate at random (on one leaf, or all), so a
+    # wrong sign or size anywhere changes <g, v>; unit norm.
+    v = jax.tree.map(lambda g: g * rng.uniform(0.5, 1.5, g.shape) * (leaf is None), grads)
+    if leaf is not None:
+      node_g, node_v = grads, v
+      for k in leaf[:-1]:
+        node_g, node_v = node_g[k], node_v[k]
+      node_v[leaf[-1]] = node_g[leaf[-1]] * rng.uniform(0.5, 1.5, node_g[leaf[-1]].shape)
+    norm = np.sqrt(sum(np.sum(x * x) for x in jax.tree.leaves(v)))
+    v = jax.tree.map(lambda x: x / norm, v)
+
+    def central(h):
+      plus = jax.tree.map(lambda p, d: (p + h * d).astype(np.float32), params, v)
+      minus = jax.tree.map(lambda p, d: (p - h * d).astype(np.float32), params, v)
+      return (loss_at(plus) - loss_at(minus)) / (2 * h)
+    fd = (4 * central(5e-3) - central(1e-2)) / 3  # Richardson: cancels the h² term
+    analytic = sum(np.sum(g * d) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(v)))
+    assert analytic > 1e-3, leaf  # the direction must carry signal for the check to bite
+    # atol: the fp32 loss carries ~1e-7 rounding; over 2h = 1e-2 and Richardson's (4 + 1) / 3
+    # that is ~2e-5 in a derivative. A gradient off by 0.1 % fails on the full direction.
+    np.testing.assert_allclose(fd, analytic, rtol=1e-4, atol=5e-5, err_msg=str(leaf))
+
+
+@pytest.fixture(scope="module")
+def baseline(params, data):
+  """One step on one device with the baseline config (dapo, 4 micro-batches, β > 0, μ = 2)."""
+  batch, _ = data
+  mesh = single_mesh()
+  step = train_step.make_train_step(MODEL, loss_config(), optim_config(), mesh)
+  state = train_step.create_train_state(params, MODEL, optim_config(), mesh)
+  state, metrics = step(state, batch)
+  return step, host(state), host(metrics)
+
+
+def assert_same_step(got_state, got_metrics, want_state, want_metrics, tol=1e-5):
+  """Metrics and params to tol; gradients (read from AdamW's mu) to tol of their own scale."""
+  for k, v in want_metrics.items():
+    np.testing.assert_allclose(got_metrics[k], v, rtol=tol, atol=tol, err_msg=k)
+  want_mu = first_moment(want_state)
+  mu_scale = max(np.abs(x).max() for x in jax.tree.leaves(want_mu))
+  for name, a, b, atol in [("grads", first_moment(got_state), want_mu, tol * mu_scale),
+                           ("params", got_state["params"], want_state["params"], tol)]:
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+      np.testing.assert_allclose(x, y, rtol=tol, atol=atol,
+                                 err_msg=name + jax.tree_util.keystr(path))
+  assert got_state["step"] == want_state["step"] == 1
+
+
+def test_baseline_step_is_sane(baseline, data):
+  _, state, metrics = baseline
+  batch, _ = data
+  assert metrics["step/skipped"] == 0
+  mask = grpo.loss_mask(batch["completion_mask_BC"], batch["truncated_B"], True)
+  assert metrics["tokens/completion"] == float(np.asarray(mask).sum())
+  assert metrics["clip/low_frac"] > 0 and metrics["clip/high_frac"] > 0
+  assert metrics["loss/kl"] > 0
+  np.testing.assert_allclose(metrics["loss"], metrics["loss/policy"] + 0.05 * metrics["loss/kl"],
+                             rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
+def test_sharded_step_matches_single_device(params, data, baseline, shape):
+  batch, _ = data
+  mesh = sharding.make_mesh(shape)
+  step = train_step.make_train_step(MODEL, loss_config(), optim_config(), mesh)
+  state = train_step.create_train_state(params, MODEL, optim_config(), mesh)
+  state, metrics = step(state, batch)
+  assert state["params"]["layers"]["mlp"]["up_proj"]["kernel"].sharding.mesh.shape == mesh.shape
+  _, want_state, want_metrics = baseline
+  assert_same_step(host(state), host(metrics), want_state, want_metrics)
+
+
+def test_step_gradients_are_the_grad_fn_gradients(params, grad_fn, baseline):
+  """Ties the step to the finite-difference-checked gradient: mu = (1 − b1)·grad."""
+  _, state, metrics = baseline
+  loss, grads = grad_fn(params)
+  np.testing.assert_allclose(float(loss), metrics["loss"], rtol=1e-6)
+  for x, y in zip(jax.tree.leaves(first_moment(state)), jax.tree.leaves(host(grads))):
+    np.testing.assert_allclose(x, 0.1 * y, rtol=1e-5, atol=1e-9)
+  g = np.sqrt(sum(np.sum(x ** 2) for x in jax.tree.leaves(host(grads))))
+  np.testing.assert_allclose(metrics["grad_norm"], g, rtol=1e-5)
+
+
+def test_dapo_one_micro_batch_equals_four(params, data, baseline):
+  batch, _ = data
+  mesh = single_mesh()
+  optim = optim_config(grad_accum_steps=1)
+  step = train_step.make_train_step(MODEL, loss_config(), optim, mesh)
+  state, metrics = step(train_step.create_train_state(params, MODEL, optim, mesh), batch)
+  _, want_state, want_metrics = baseline
+  assert_same_step(host(state), host(metrics), want_state, want_metrics)
+
+
+def test_bnpo_on_policy_one_micro_batch_equals_four(params, data):
+  """β = 0 and μ = 1: no reference or old log-probs; ratios exactly 1, nothing clipped."""
+  batch, _ = data
+  batch = {k: v for k, v in batch.items() if k not in ("old_logp_BC", "ref_logp_BC")}
+  loss_cfg = loss_config(loss_type="bnpo", beta=0.0, num_iterations=1)
+  mesh = single_mesh()
+  results = []
+  for accum in (1, 4):
+    optim = optim_config(grad_accum_steps=accum)
+    step = train_step.make_train_step(MODEL, loss_cfg, optim, mesh)
+    state, metrics = step(train_step.create_train_state(params, MODEL, optim, mesh), batch)
+    results.append((host(state), host(metrics)))
+    assert metrics["ratio/min"] == 1.0 and metrics["ratio/max"] == 1.0
+    assert metrics["clip/region_frac"] == 0.0 and metrics["loss/kl"] == 0.0
+  assert_same_step(*results[1], *results[0])
+
+
+def test_nonfinite_step_leaves_state_unchanged(params, data, baseline):
+  batch, _ = data
+  step = baseline[0]
+  state = train_step.create_train_state(params, MODEL, optim_config(), single_mesh())
+  before = host(state)
+  bad = dict(batch, advantages_B=np.full(B, np.nan, np.float32))
+  state, metrics = step(state, bad)
+  assert float(metrics["step/skipped"]) == 1.0
+  after = host(state)
+  for x, y in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda b: b.pop("advantages_B"), "missing"),
+    (lambda b: b.update(advantages_B=np.zeros(B - 1, np.float32)), "advantages_B"),
+    (lambda b: b.pop("ref_logp_BC"), "ref_logp_BC"),
+    (lambda b: b.pop("old_logp_BC"), "num_iterations"),
+    (lambda b: b.pop("truncated_B"), "mask_truncated_completions"),
+    (lambda b: b.update(num_loss_tokens=np.float32(3.0), tokens_BS=b["tokens_BS"][:24]),
+     "tokens_BS|attn_mask_BS|completion_mask_BC|advantages_B"),
+    (lambda b: b.update(extra=1), "unknown"),
+])
+def test_bad_batch_raises_before_anything_is_donated(params, data, baseline, change, match):
+  batch, _ = data
+  step = baseline[0]
+  state = train_step.create_train_state(params, MODEL, optim_config(), single_mesh())
+  bad = dict(batch)
+  change(bad)
+  with pytest.raises(ValueError, match=match):
+    step(state, bad)
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+
+
+def test_reference_log_probs_rejected_when_beta_is_zero(data):
+  batch, _ = data
+  with pytest.raises(ValueError, match="beta"):
+    train_step.check_batch(batch, loss_config(beta=0.0), optim_config(), single_mesh())
+
+
+def test_micro_batches_must_divide_over_devices(data):
+  batch, _ = data
+  with pytest.raises(ValueError, match="grad_accum_steps=3"):
+    train_step.check_batch(batch, loss_config(), optim_config(grad_accum_steps=3), single_mesh())
+  with pytest.raises(ValueError, match="data×fsdp=8"):
+    train_step.check_batch(batch, loss_config(), optim_config(grad_accum_steps=8),
+                           sharding.make_mesh((2, 4, 1)))
+
+
+@pytest.mark.parametrize("schedule,warmup", list(itertools.product(["constant", "cosine"],
+                                                                   [0, 10])))
+def test_learning_rate_schedule(schedule, warmup):
+  cfg = optim_config(lr=3e-4, warmup_steps=warmup, schedule=schedule, total_steps=50)
+  lr = train_step.learning_rate_schedule(cfg)
+  for t in range(0, 60, 3):
+    if t < warmup:
+      want = 3e-4 * t / warmup
+    elif schedule == "constant":
+      want = 3e-4
+    else:
+      frac = min(t - warmup, 50 - warmup) / (50 - warmup)
+      want = 3e-4 * 0.5 * (1 + np.cos(np.pi * frac))
+    np.testing.assert_allclose(float(lr(t)), want, rtol=1e-5, atol=1e-12, err_msg=str(t))
+
+
+def test_weight_decay_only_on_matrices(params):
+  mask = train_step.decay_mask(params)
+  flat = {jax.tree_util.keystr(p): m for p, m in jax.tree_util.tree_leaves_with_path(mask)}
+  assert flat["['embed_tokens']['embedding']"] and flat["['layers']['mlp']['up_proj']['kernel']"]
+  assert not flat["['norm']['weight']"] and not flat["['layers']['self_attn']['q_proj']['bias']"]
+  assert not flat["['layers']['input_layernorm']['weight']"]
+
+
+@pytest.mark.parametrize("name,value", [
+    ("lr", 0.0), ("warmup_steps", -1), ("schedule", "linear"), ("weight_decay", -1.0),
+    ("b1", 1.0), ("b2", -0.1), ("max_grad_norm", -1.0), ("grad_accum_steps", 0),
+    ("param_dtype", "float16"), ("compute_dtype", "int8")])
+def test_bad_optim_config_names_the_setting(name, value):
+  cfg = optim_config()
+  train_step.validate_optim_config(cfg)
+  cfg[name] = value
+  with pytest.raises(ValueError, match=f"optim.{name}="):
+    train_step.validate_optim_config(cfg)
+
+
+def test_cosine_needs_total_steps():
+  with pytest.raises(ValueError, match="optim.total_steps"):
+    train_step.validate_optim_config(optim_config(schedule="cosine", total_steps=0))
