@@ -32,7 +32,9 @@ import jax
 import jax.numpy as jnp
 
 Array = jax.Array
-Cache = dict[str, Array]  # {'k': [L, B, S, K, H], 'v': [L, B, S, K, H]}
+# {'k': [L, B, K, S, H], 'v': [L, B, K, S, H]}: kv heads before slots, so a decode step's
+# attention reads each head's keys contiguously (no per-step transpose of the cache).
+Cache = dict[str, Array]
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -139,7 +141,7 @@ def positions_from_mask(mask_BT: Array) -> Array:
 
 
 def init_cache(cfg: QwenConfig, batch: int, max_len: int, dtype=jnp.float32) -> Cache:
-  shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
@@ -204,7 +206,7 @@ class Attention(nn.Module):
   param_dtype: Any
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, attn_mask_BS, layer_cache, cache_index):
+  def __call__(self, x_BTD, positions_BT, attn_mask_BS, cache, layer, cache_index):
     cfg = self.cfg
     d, h = cfg.hidden_size, cfg.head_dim
 
@@ -221,23 +223,24 @@ class Attention(nn.Module):
     q = rope(q, positions_BT, cfg.rope_theta)
     k = rope(k, positions_BT, cfg.rope_theta)
 
-    if layer_cache is None:
-      keys, values, start = k, v, 0
+    k_BKTH, v_BKTH = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    if cache is None:
+      keys, values, start = k_BKTH, v_BKTH, 0
     else:
-      # Write this call's k/v at slots [cache_index, cache_index + T) of every row.
-      ck, cv = layer_cache
-      idx = (0, cache_index, 0, 0)
-      ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), idx)
-      cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), idx)
-      layer_cache = (ck, cv)
-      keys, values, start = ck.astype(self.dtype), cv.astype(self.dtype), cache_index
-    out_BTNH = attend(q, keys, values, attn_mask_BS, start)
+      # Write this call's k/v at slots [cache_index, cache_index + T) of this layer, straight
+      # into the stacked cache: a decode step then writes T slots, not a copy of the layer.
+      idx = (layer, 0, 0, cache_index, 0)
+      cache = {name: jax.lax.dynamic_update_slice(cache[name], new[None].astype(cache[name].dtype),
+                                                  idx)
+               for name, new in (("k", k_BKTH), ("v", v_BKTH))}
+      keys, values, start = cache["k"][layer], cache["v"][layer], cache_index
+    out_BTNH = attend(q, keys.astype(self.dtype), values.astype(self.dtype), attn_mask_BS, start)
     y = Linear("BTNH,NHD->BTD", (cfg.num_heads, h, d), ("q_heads", "head_dim", "embed"),
                1 if cfg.o_bias else 0, self.dtype, self.param_dtype, name="o_proj")(out_BTNH)
-    return y, layer_cache
+    return y, cache
 
 
-def attend(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, attn_mask_BS: Array,
+def attend(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, attn_mask_BS: Array,
            start: Array | int) -> Array:
   """Grouped-query attention; the query at row t sits at key slot start + t.
 
@@ -245,16 +248,16 @@ def attend(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, attn_mask_BS: Array,
   -inf, so a query that sees no key (a left-pad position) gets a uniform, finite row.
   """
   b, t, n, h = q_BTNH.shape
-  s, kh = k_BSKH.shape[1], k_BSKH.shape[2]
+  kh, s = k_BKSH.shape[1], k_BKSH.shape[2]
   q = q_BTNH.reshape(b, t, kh, n // kh, h)
-  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_BSKH,
+  scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k_BKSH,
                       preferred_element_type=jnp.float32) * (h ** -0.5)
   q_slot = start + jnp.arange(t)
   visible_TS = jnp.arange(s)[None, :] <= q_slot[:, None]
   visible_BTS = visible_TS[None] & (attn_mask_BS[:, None, :] > 0)
   scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)
-  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_BSKH)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSH.dtype)
+  out = jnp.einsum("BKGTS,BKSH->BTKGH", probs, v_BKSH)
   return out.reshape(b, t, n, h)
 
 
@@ -285,24 +288,14 @@ class DecoderLayer(nn.Module):
   def __call__(self, carry, _):
     x, cache, layer, positions_BT, attn_mask_BS, cache_index = carry
     cfg = self.cfg
-    layer_cache = None
-    if cache is not None:
-      layer_cache = (cache["k"][layer], cache["v"][layer])
     h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "norm",
                 name="input_layernorm")(x)
-    h, layer_cache = Attention(cfg, self.dtype, self.param_dtype, name="self_attn")(
-        h, positions_BT, attn_mask_BS, layer_cache, cache_index)
+    h, cache = Attention(cfg, self.dtype, self.param_dtype, name="self_attn")(
+        h, positions_BT, attn_mask_BS, cache, layer, cache_index)
     x = x + h
     h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "norm",
                 name="post_attention_layernorm")(x)
     x = x + MLP(cfg, self.dtype, self.param_dtype, name="mlp")(h)
-    if cache is not None:
-      # Updating the stacked cache in place (one slot range of one layer) keeps the decode loop
-      # from copying the whole cache every step.
-      cache = {
-          "k": jax.lax.dynamic_update_index_in_dim(cache["k"], layer_cache[0], layer, 0),
-          "v": jax.lax.dynamic_update_index_in_dim(cache["v"], layer_cache[1], layer, 0),
-      }
     return (x, cache, layer + 1, positions_BT, attn_mask_BS, cache_index), None
 
 
