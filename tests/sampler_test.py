@@ -1,0 +1,356 @@
+"""grpo_jax.sampler against independent references.
+
+Greedy decoding against transformers' generate; log-probs against a full (teacher-forced)
+forward's log-softmax; sampling against exact support sets and chi-square goodness-of-fit on a
+tiny vocabulary whose head is scaled so that temperature and the cuts change the distribution a
+lot. Compilations are counted with jax.monitoring.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import fixtures
+from grpo_jax import sampler as sampler_lib
+from grpo_jax import sharding
+from grpo_jax.models import qwen, weights
+
+VOCAB = 128
+VALID = 120  # ids 120..127 play the embedding rows beyond the tokenizer: never sampled
+PAD = 0
+CHUNK = 32  # 120 valid columns = 3 chunks of 32 + a rest of 24: the streaming code is exercised
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  root = tmp_path_factory.mktemp("sampler_ckpts")
+  return {kind: fixtures.make_checkpoint(root, kind, VOCAB) for kind in ("qwen2_tied", "qwen3")}
+
+
+def _prompts(seed=0, lengths=(5, 11, 2, 8)):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(1, VALID, n).tolist() for n in lengths]
+
+
+def _full_logits(model, params, tokens_RS, mask_RS):
+  hidden, _ = model.apply({"params": params}, tokens_RS, qwen.positions_from_mask(mask_RS),
+                          mask_RS)
+  return model.apply({"params": params}, hidden, method=qwen.Qwen.logits)
+
+
+_full_logits_jit = jax.jit(_full_logits, static_argnums=0)
+
+
+def _teacher_forced(model, params, out, num_samples):
+  """fp32 logits [R, C, V] that predicted each completion token, from one full forward."""
+  p = out.prompt_tokens.shape[1]
+  tokens = np.concatenate([np.repeat(np.asarray(out.prompt_tokens), num_samples, 0),
+                           np.asarray(out.tokens)], 1)
+  mask = np.concatenate([np.repeat(np.asarray(out.prompt_mask), num_samples, 0),
+                         np.ones_like(np.asarray(out.tokens))], 1)
+  logits = _full_logits_jit(model, params, jnp.asarray(tokens), jnp.asarray(mask))
+  return np.asarray(logits)[:, p - 1:-1]
+
+
+def _check_logprobs(out, logits_RCV, temperature, valid=VALID):
+  """Returned log-probs == log_softmax(logits / T) over the valid vocabulary; 0 past the end."""
+  lengths = np.asarray(out.lengths)
+  live = np.arange(out.tokens.shape[1])[None] < lengths[:, None]
+  ref = jax.nn.log_softmax(jnp.asarray(logits_RCV[..., :valid]) / temperature, -1)
+  tokens = np.minimum(np.asarray(out.tokens), valid - 1)
+  ref = np.take_along_axis(np.asarray(ref), tokens[..., None], -1)[..., 0]
+  got = np.asarray(out.logprobs)
+  np.testing.assert_allclose(got[live], ref[live], atol=1e-4, rtol=0)
+  assert (got[~live] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# Greedy decoding against transformers.
+
+
+def _hf_greedy(path, prompts, new_tokens, stop_ids):
+  hf = fixtures.hf_model(path)
+  width = max(map(len, prompts))
+  ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+  mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+  with torch.no_grad():
+    out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                      max_new_tokens=new_tokens, eos_token_id=list(stop_ids) or None,
+                      pad_token_id=PAD)[:, width:].numpy()
+  return np.pad(out, ((0, 0), (0, new_tokens - out.shape[1])), constant_values=PAD)
+
+
+@pytest.fixture(scope="module")
+def greedy_cases(checkpoints):
+  """Per checkpoint: prompts, stop ids, transformers' tokens, and our output (G = 2)."""
+  new_tokens, cases = 12, {}
+  for kind, path in checkpoints.items():
+    prompts = _prompts()
+    free = _hf_greedy(path, prompts, new_tokens, ())
+    if kind == "qwen2_tied":
+      # Stop on what rows 0 and 2 produce at steps 3 and 6: some rows stop early, others run on.
+      stop = (int(free[0, 3]), int(free[2, 6]))
+    else:
+      # Every row's token at step 2..5 stops it: the while_loop must exit before 12 steps.
+      stop = tuple(int(free[r, 2 + r]) for r in range(len(prompts)))
+    ref = _hf_greedy(path, prompts, new_tokens, stop)
+    params, cfg = weights.load_checkpoint(path)
+    sampler = sampler_lib.Sampler(qwen.Qwen(cfg), max_new_tokens=new_tokens, stop_ids=stop,
+                                  buckets=(16,), greedy=True, temperature=0.7, pad_id=PAD,
+                                  vocab_chunk=CHUNK)
+    out = sampler(params, prompts, num_samples=2)
+    cases[kind] = dict(prompts=prompts, stop=stop, ref=ref, out=out, params=params, cfg=cfg,
+                       sampler=sampler)
+  return cases
+
+
+@pytest.mark.parametrize("kind", ["qwen2_tied", "qwen3"])
+def test_greedy_equals_transformers_generate(greedy_cases, kind):
+  case = greedy_cases[kind]
+  out, ref, stop = case["out"], case["ref"], case["stop"]
+  tokens = np.asarray(out.tokens)
+  np.testing.assert_array_equal(tokens[0::2], ref)  # row b*G + g is sample g of prompt b
+  np.testing.assert_array_equal(tokens[1::2], ref)
+  # lengths / truncated from transformers' output: up to and including the first stop id.
+  is_stop = np.isin(ref, stop)
+  stopped = is_stop.any(1)
+  expect_len = np.where(stopped, is_stop.argmax(1) + 1, ref.shape[1])
+  np.testing.assert_array_equal(np.asarray(out.lengths), np.repeat(expect_len, 2))
+  np.testing.assert_array_equal(np.asarray(out.truncated), np.repeat(~stopped, 2))
+  if kind == "qwen2_tied":
+    assert stopped.any() and not stopped.all()  # the case covers both kinds of rows
+  else:
+    assert stopped.all() and expect_len.max() < ref.shape[1]
+    assert out.metrics["sampler/decode_steps"] == expect_len.max()  # exited early
+
+
+@pytest.mark.parametrize("kind", ["qwen2_tied", "qwen3"])
+def test_greedy_is_argmax_of_full_forward_and_logprobs_match(greedy_cases, kind):
+  case = greedy_cases[kind]
+  out = case["out"]
+  logits = _teacher_forced(case["sampler"].model, case["params"], out, 2)
+  live = np.arange(logits.shape[1])[None] < np.asarray(out.lengths)[:, None]
+  np.testing.assert_array_equal(logits.argmax(-1)[live], np.asarray(out.tokens)[live])
+  assert (np.asarray(out.tokens)[~live] == PAD).all()
+  # Greedy reports log-probs at the sampler's temperature (0.7 here); full vocab is valid.
+  _check_logprobs(out, logits, 0.7, valid=VOCAB)
+
+
+def test_sharded_batch_matches_unsharded(greedy_cases):
+  """B = 3 on a (2, 2, 2) mesh: padded to 4 rows, split over data × fsdp, same tokens."""
+  case = greedy_cases["qwen2_tied"]
+  mesh = sharding.make_mesh((2, 2, 2))
+  params = jax.device_put(case["params"], sharding.param_shardings(
+      qwen.logical_axes(case["cfg"]), qwen.abstract_params(case["cfg"]), mesh))
+  sampler = sampler_lib.Sampler(case["cfg"], max_new_tokens=12, stop_ids=case["stop"],
+                                buckets=(16,), greedy=True, temperature=0.7, pad_id=PAD,
+                                vocab_chunk=CHUNK, mesh=mesh)
+  out = sampler(params, case["prompts"][:3], num_samples=2)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(case["out"].tokens)[:6])
+  np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(case["out"].lengths)[:6])
+  np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(case["out"].logprobs)[:6],
+                             atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling: exact supports and goodness of fit on a tiny vocabulary.
+
+DRAWS = 2048  # G per prompt; 2 prompts
+
+
+def _kept_probs(logits_V, temperature, top_k=0, top_p=1.0, min_p=0.0, slack=0.0):
+  """NumPy (float64) version of the documented cuts: the renormalised sampling distribution.
+
+  slack > 0 widens every cut a little (a token within rounding of a boundary counts as kept).
+  """
+  l = np.asarray(logits_V[:VALID], np.float64) / temperature
+  keep = np.ones(VALID, bool)
+  if top_k:
+    keep &= l >= np.sort(l)[-top_k] - slack
+  p = np.exp(l - l.max()) * keep
+  p /= p.sum()
+  if top_p < 1.0:
+    above = (p[None, :] > p[:, None]) @ p  # mass strictly more probable than each token
+    keep &= above < top_p + slack
+  if min_p:
+    keep &= p >= min_p * p.max() - slack
+  q = np.exp(l - l.max()) * keep
+  return q / q.sum()
+
+
+def _chi2_critical(df, z=3.719):
+  """Wilson-Hilferty chi-square quantile; z = 3.719 is the normal quantile of p = 1e-4."""
+  a = 2.0 / (9.0 * df)
+  return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def _chi2_rejects(counts, probs):
+  """Pearson chi-square at p = 1e-4, bins with expectation < 5 merged into one."""
+  n = counts.sum()
+  expected = probs * n
+  if (counts[probs == 0] > 0).any():
+    return True
+  big = expected >= 5
+  obs = np.append(counts[big], counts[~big].sum())
+  exp = np.append(expected[big], expected[~big].sum())
+  obs, exp = obs[exp > 0], exp[exp > 0]
+  stat = ((obs - exp) ** 2 / exp).sum()
+  return stat > _chi2_critical(len(obs) - 1)
+
+
+@pytest.fixture(scope="module")
+def peaked(checkpoints):
+  """Qwen3 with its head scaled ×15: logits spread over several units, so cuts bite."""
+  params, cfg = weights.load_checkpoint(checkpoints["qwen3"])
+  params = dict(params, lm_head=params["lm_head"] * 15.0)
+  model = qwen.Qwen(cfg)
+  prompts = _prompts(seed=3, lengths=(3, 7))
+  # 24 candidates of 120: top-p / min-p are decided among candidates (not the whole vocabulary).
+  sampler = sampler_lib.Sampler(model, max_new_tokens=3, buckets=(8,), pad_id=PAD,
+                                valid_vocab_size=VALID, vocab_chunk=CHUNK, top_p_candidates=24)
+  return dict(params=params, model=model, prompts=prompts, sampler=sampler)
+
+
+SETTINGS = {
+    "temperature": dict(temperature=0.7),
+    "top_k": dict(temperature=1.3, top_k=5),
+    "top_p": dict(top_p=0.6),
+    "min_p": dict(min_p=0.1),
+    "all_cuts": dict(temperature=0.8, top_k=12, top_p=0.7, min_p=0.05),
+    "top_p_fallback": dict(top_p=0.8),  # with 3 candidates: the exact bisection path
+}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_sampling_supports_fit_and_logprobs(peaked, name):
+  settings = SETTINGS[name]
+  sampler = peaked["sampler"]
+  if name == "top_p_fallback":
+    sampler = sampler_lib.Sampler(peaked["model"], max_new_tokens=3, buckets=(8,), pad_id=PAD,
+                                  valid_vocab_size=VALID, vocab_chunk=CHUNK, top_p_candidates=3)
+  out = sampler(peaked["params"], peaked["prompts"], num_samples=DRAWS,
+                key=jax.random.key(1), **settings)
+  if name == "top_p_fallback":
+    assert out.metrics["sampler/cut_fallback_steps"] == 3  # every step needed it
+  elif name == "top_k":
+    assert out.metrics["sampler/cut_fallback_steps"] == 0  # k + 1 candidates always suffice
+  temperature = settings.get("temperature", 1.0)
+  cuts = {k: v for k, v in settings.items() if k != "temperature"}
+  tokens = np.asarray(out.tokens)
+  assert tokens.max() < VALID and np.asarray(out.lengths).min() == 3
+
+  logits = _teacher_forced(peaked["model"], peaked["params"], out, DRAWS)
+  # Log-probs: the temperature-scaled distribution before the cuts.
+  _check_logprobs(out, logits, temperature)
+  # Every token of every step lies in its (slightly widened) kept set. Rows with the same
+  # prompt and prefix share a context, so each distinct context is checked once.
+  prompt_of = np.arange(len(tokens)) // DRAWS
+  for c in range(tokens.shape[1]):
+    contexts = np.concatenate([prompt_of[:, None], tokens[:, :c]], 1)
+    _, first, which = np.unique(contexts, axis=0, return_index=True, return_inverse=True)
+    for u, r in enumerate(first):
+      q = _kept_probs(logits[r, c], temperature, slack=1e-5, **cuts)
+      assert (q[tokens[which.ravel() == u, c]] > 0).all(), (r, c)
+
+  # First token: all G rows of a prompt share one distribution.
+  for b in range(len(peaked["prompts"])):
+    first = tokens[b * DRAWS:(b + 1) * DRAWS, 0]
+    q = _kept_probs(logits[b * DRAWS, 0], temperature, **cuts)
+    counts = np.bincount(first, minlength=VOCAB)[:VALID]
+    seen, kept = set(np.flatnonzero(counts)), set(np.flatnonzero(q))
+    assert seen <= kept
+    if cuts:  # exact support: every kept token is likely enough to be seen
+      assert (q[q > 0] * DRAWS).min() > 10 and seen == kept, (seen, kept)
+      assert len(kept) < VALID / 2  # the cut is not vacuous
+    assert not _chi2_rejects(counts, q)
+    # Power: the same draws reject the distribution a wrong setting would give.
+    wrong = (_kept_probs(logits[b * DRAWS, 0], 1.0) if name == "temperature" else
+             _kept_probs(logits[b * DRAWS, 0], temperature))
+    assert _chi2_rejects(counts, wrong)
+
+
+def test_same_key_same_output_and_rows_independent_of_batch(peaked):
+  sampler, params = peaked["sampler"], peaked["params"]
+  prompts = _prompts(seed=5, lengths=(4, 6))
+  others = _prompts(seed=6, lengths=(8, 2))
+  a = sampler(params, prompts, num_samples=DRAWS, key=jax.random.key(7), temperature=0.7)
+  b = sampler(params, prompts, num_samples=DRAWS, key=jax.random.key(7), temperature=0.7)
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
+  c = sampler(params, prompts, num_samples=DRAWS, key=jax.random.key(8), temperature=0.7)
+  assert (np.asarray(c.tokens) != np.asarray(a.tokens)).any(1).mean() > 0.5
+  # Prompt 1 next to a different prompt (and in another batch position) with the same id:
+  # its rows are unchanged.
+  d = sampler(params, [prompts[1], others[0]], num_samples=DRAWS, key=jax.random.key(7),
+              prompt_ids=[1, 5], temperature=0.7)
+  np.testing.assert_array_equal(np.asarray(d.tokens)[:DRAWS], np.asarray(a.tokens)[DRAWS:])
+  # The G samples of one prompt differ from each other.
+  assert len({tuple(t) for t in np.asarray(a.tokens)[:DRAWS]}) > 100
+
+
+# ------------------------------------------------------------------------------------------------
+# Compilation and input checks.
+
+
+def test_many_calls_in_one_bucket_compile_once(checkpoints):
+  params, cfg = weights.load_checkpoint(checkpoints["qwen2_tied"])
+  sampler = sampler_lib.Sampler(cfg, max_new_tokens=4, stop_ids=(VOCAB - 1,), buckets=(8, 16),
+                                pad_id=PAD, vocab_chunk=CHUNK)
+  keys = list(jax.random.split(jax.random.key(0), 7))  # no eager jax ops while counting
+  compiled = []
+
+  def listener(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiled.append(kwargs.get("fun_name"))
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    sampler(params, _prompts(seed=0, lengths=(9, 3, 12)), num_samples=3, key=keys[6])
+    first = list(compiled)
+    rng = np.random.default_rng(0)
+    for i in range(6):  # lengths 9..16: always the 16 bucket; lists or a padded array
+      lengths = rng.integers(9, 17, 3)
+      prompts = _prompts(seed=i, lengths=lengths)
+      if i % 2:
+        out = sampler(params, prompts, num_samples=3, key=keys[i])
+      else:
+        width = max(lengths) + 2
+        arr = np.array([[PAD] * (width - len(p)) + p for p in prompts])
+        mask = (np.arange(width)[None] >= (width - lengths)[:, None]).astype(np.int32)
+        out = sampler(params, arr, mask, num_samples=3, key=keys[i])
+      assert out.prompt_tokens.shape == (3, 16)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert sum("prefill" in n for n in first) == 1 and sum("decode" in n for n in first) == 1, first
+  assert compiled == first, compiled[len(first):]
+
+
+def test_bad_input_gets_a_clear_error(greedy_cases):
+  case = greedy_cases["qwen2_tied"]
+  sampler, params, cfg = case["sampler"], case["params"], case["cfg"]
+  with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+    sampler(params, [[1, 2], []])
+  with pytest.raises(ValueError, match=r"prompts\[0\] has 17 tokens, more than the largest"):
+    sampler(params, [[1] * 17])
+  with pytest.raises(ValueError, match="prompts is empty"):
+    sampler(params, [])
+  with pytest.raises(ValueError, match=r"outside the vocabulary"):
+    sampler(params, [[1, VOCAB]])
+  with pytest.raises(ValueError, match="num_samples=0"):
+    sampler(params, [[1, 2]], num_samples=0)
+  with pytest.raises(ValueError, match="left-padded"):
+    sampler(params, np.array([[1, 2, 0]]), np.array([[1, 1, 0]]))
+  with pytest.raises(ValueError, match="key is required"):
+    sampler(params, [[1, 2]], greedy=False)
+  with pytest.raises(ValueError, match="top_p=1.5"):
+    sampler(params, [[1, 2]], top_p=1.5, greedy=False, key=jax.random.key(0))
+  for bad in (0, -3):
+    with pytest.raises(ValueError, match=f"max_new_tokens={bad}"):
+      sampler_lib.Sampler(cfg, max_new_tokens=bad)
+  with pytest.raises(ValueError, match="temperature=-1"):
+    sampler_lib.Sampler(cfg, max_new_tokens=2, temperature=-1.0)
+  with pytest.raises(ValueError, match="valid_vocab_size=129"):
+    sampler_lib.Sampler(cfg, max_new_tokens=2, valid_vocab_size=VOCAB + 1)
