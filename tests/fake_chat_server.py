@@ -3,7 +3,7 @@
 The behaviour for a request is chosen by markers in its last user message, so a test states
 what each item should suffer:
   [score=a,g,i,c]   reply with that JSON grade (default: 3,3,3,3)
-  [slow=S]          sleep S seconds before replying
+  [slow=S]          sleep S seconds before replying (peak_in_flight counts concurrent sleepers)
   [500]             always answer HTTP 500
   [flaky=N]         answer HTTP 500 to the first N requests for this prompt, then normally
   [drop]            close the connection without any response
@@ -55,16 +55,6 @@ class FakeChatServer:
         pass
 
       def do_POST(self):
-        with server.lock:
-          server.in_flight += 1
-          server.peak_in_flight = max(server.peak_in_flight, server.in_flight)
-        try:
-          self._handle()
-        finally:
-          with server.lock:
-            server.in_flight -= 1
-
-      def _handle(self):
         length = int(self.headers.get("Content-Length", 0))
         body = json.loads(self.rfile.read(length))
         prompt = body["messages"][-1]["content"]
@@ -80,7 +70,14 @@ class FakeChatServer:
           return
         m = _SLOW_RE.search(prompt)
         if m:
+          # Counted only while sleeping, before any reply is sent: a client cannot have moved on
+          # to its next request while this one is still counted.
+          with server.lock:
+            server.in_flight += 1
+            server.peak_in_flight = max(server.peak_in_flight, server.in_flight)
           time.sleep(float(m.group(1)))
+          with server.lock:
+            server.in_flight -= 1
         flaky = _FLAKY_RE.search(prompt)
         if "[500]" in prompt or (flaky and seen <= int(flaky.group(1))):
           return self._send(500, b'{"error": "internal"}')
