@@ -42,7 +42,8 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
       # Used only when random_init: a Qwen2 architecture of this size.
       tiny=config_dict.ConfigDict(dict(
           hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
-          head_dim=32, rope_theta=10000.0, tie_word_embeddings=True)),
+          head_dim=32, rope_theta=10000.0, tie_word_embeddings=True,
+          vocab_size=512)),            # for tokenizer='tiny': BPE vocabulary learnt offline
   ))
 
   c.data = config_dict.ConfigDict(dict(
@@ -132,8 +133,8 @@ def _tiny(c: config_dict.ConfigDict) -> None:
   c.data.source = "synthetic"
   c.data.system_prompt = None       # the tiny template adds no system turn: short prompts
   c.data.user_template = "{question}"
-  c.data.prompt_buckets = (96, 128)
-  c.sampling.max_new_tokens = 24
+  c.data.prompt_buckets = (48, 64)
+  c.sampling.max_new_tokens = 20
   c.rewards.names = ("math_accuracy",)
   c.rewards.weights = (1.0,)
   c.loss.loss_type = "grpo"

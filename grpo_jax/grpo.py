@@ -64,6 +64,8 @@ def default_loss_config() -> config_dict.ConfigDict:
       mask_truncated_completions=False,  # drop completions that hit max length from the loss
       temperature=1.0,               # sampling temperature; logits are divided by it
       logprob_chunk_size=128,        # completion positions per log-prob chunk; 0 = unchunked
+      valid_vocab_size=0,            # softmax over the first N head rows, as the sampler does
+                                     # (N = the tokenizer's size); 0 = every row
   ))
 
 

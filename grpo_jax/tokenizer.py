@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Iterable
 
 from huggingface_hub import errors as hf_errors
 import huggingface_hub
@@ -100,17 +101,32 @@ def valid_vocab_size(tokenizer) -> int:
   return len(tokenizer)
 
 
-def build_tiny_tokenizer(out_dir: str) -> str:
-  """Builds a byte-level tokenizer (263 ids) with Qwen's special tokens into out_dir.
+def build_tiny_tokenizer(out_dir: str, corpus: Iterable[str] | None = None,
+                         vocab_size: int = 512) -> str:
+  """Builds a small tokenizer with Qwen's special tokens and a ChatML template into out_dir.
 
+  Without a corpus: byte-level with no merges (263 ids, token id b is byte b). With a corpus:
+  byte-level BPE merges learnt from it up to `vocab_size` (frequent words become one token,
+  so prompts are several times shorter), digits always split one per token as in Qwen, so
+  arithmetic stays digit by digit. Both round-trip every UTF-8 string.
   Returns out_dir, loadable with `load_tokenizer(out_dir)` / AutoTokenizer.from_pretrained.
   """
-  # Same byte -> printable-char map as GPT-2/Qwen, so token id b is byte b.
-  byte_to_char = bytes_to_unicode()
-  vocab = {byte_to_char[b]: b for b in range(256)}
-  tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
-  # use_regex=False: no word splitting is needed when there are no merges.
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  if corpus is None:
+    # Same byte -> printable-char map as GPT-2/Qwen, so token id b is byte b.
+    byte_to_char = bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # use_regex=False: no word splitting is needed when there are no merges.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  else:
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False)
+    tok.train_from_iterator(corpus, trainer=trainer)
   tok.decoder = decoders.ByteLevel()
   tok.add_special_tokens(
       [tokenizers.AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS])

@@ -39,10 +39,14 @@ class TooManyBadSteps(RuntimeError):
 
 # --- set-up ------------------------------------------------------------------------------------
 
-def _tokenizer(config, workdir):
+def _tokenizer(config, workdir, train_rows):
   name = config.model.tokenizer or config.model.checkpoint
   if name == "tiny":
-    name = tokenizer_lib.build_tiny_tokenizer(os.path.join(workdir, "tokenizer"))
+    # BPE merges learnt from the training problems (deterministic), plus the chat roles.
+    corpus = [r["question"] for r in train_rows] + [r["answer"] for r in train_rows]
+    corpus += ["user assistant system"] * 100
+    name = tokenizer_lib.build_tiny_tokenizer(os.path.join(workdir, "tokenizer"), corpus,
+                                              config.model.tiny.vocab_size)
   tok = tokenizer_lib.load_tokenizer(name)
   return tok, tokenizer_lib.stop_ids(tok, name)
 
@@ -65,7 +69,8 @@ def _model(config, tokenizer, mesh):
   param_dtype = DTYPES[config.optim.param_dtype]
   if m.random_init:
     t = m.tiny
-    vocab = -(-len(tokenizer) // 64) * 64  # padded like Qwen's own embeddings
+    # Exactly the tokenizer's ids: no unused rows whose logits would enter the loss's softmax.
+    vocab = len(tokenizer)
     cfg = qwen.QwenConfig(
         vocab_size=vocab, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
         num_layers=t.num_layers, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
@@ -111,8 +116,8 @@ def run(config, workdir: str) -> dict:
   (open(os.path.join(workdir, "config.json"), "w")).write(config.to_json_best_effort(indent=2))
 
   mesh = sharding.make_mesh(tuple(config.mesh))
-  tokenizer, stop_ids = _tokenizer(config, workdir)
   train_rows, eval_rows = _datasets(config, workdir)
+  tokenizer, stop_ids = _tokenizer(config, workdir, train_rows)
   if config.train.eval_examples:
     eval_rows = eval_rows[:config.train.eval_examples]
   rewards = build_rewards(config.rewards)
@@ -162,19 +167,19 @@ def run(config, workdir: str) -> dict:
       save(0)
     bad = 0
     bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps,
-               desc="grpo", dynamic_ncols=True, disable=None)
+               desc="grpo", dynamic_ncols=True, mininterval=2.0)
     for step in bar:
       rows = [train_rows[i] for i in it.next_indices()]
       new_state, m, samples = trainer.grpo_step(state, ref_params, rows, rewards, step)
-      if not np.isfinite(m["loss/total"]):
+      if m["step/skipped"]:  # the train step left the state unchanged
         bad += 1
-        m["train/skipped_nonfinite"] = 1
         if bad >= config.train.max_bad_steps:
           raise TooManyBadSteps(
               f"{bad} consecutive non-finite steps up to step {step + 1}; the last good "
               f"checkpoint is in {checkpoint.checkpoint_dir(workdir)}")
       else:
-        bad, state = 0, new_state
+        bad = 0
+      state = new_state
       done = step + 1
       if config.train.eval_every and done % config.train.eval_every == 0 or done == (
           config.train.steps):
@@ -231,18 +236,23 @@ class Trainer:
   def __init__(self, config, cfg: qwen.QwenConfig, mesh, tokenizer, stop_ids):
     self.config, self.cfg, self.mesh, self.tokenizer = config, cfg, mesh, tokenizer
     optim = config.optim.copy_and_resolve_references()
+    loss = config.loss.copy_and_resolve_references()
+    loss.valid_vocab_size = tokenizer_lib.valid_vocab_size(tokenizer)
     if optim.schedule == "cosine" and not optim.total_steps:
       optim.total_steps = config.train.steps * config.loss.num_iterations
     self.optim = optim
-    self.step_fn = train_step.make_train_step(cfg, config.loss, optim, mesh)
-    self.logprob_fn = train_step.make_logprob_fn(cfg, config.loss, optim, mesh)
+    self.step_fn = train_step.make_train_step(cfg, loss, optim, mesh)
+    self.logprob_fn = train_step.make_logprob_fn(cfg, loss, optim, mesh)
     s = config.sampling
-    self.sampler = sampler_lib.Sampler(
-        cfg, stop_ids=stop_ids, max_new_tokens=s.max_new_tokens,
-        buckets=tuple(config.data.prompt_buckets),
-        valid_vocab_size=tokenizer_lib.valid_vocab_size(tokenizer), mesh=mesh,
-        dtype=jnp.dtype(optim.compute_dtype), pad_id=tokenizer.pad_token_id)
-    self.sampling = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+    common = dict(max_new_tokens=s.max_new_tokens, stop_ids=stop_ids,
+                  buckets=tuple(config.data.prompt_buckets),
+                  valid_vocab_size=tokenizer_lib.valid_vocab_size(tokenizer),
+                  pad_id=tokenizer.pad_token_id, mesh=mesh)
+    model = qwen.Qwen(cfg, dtype=jnp.dtype(optim.compute_dtype),
+                      param_dtype=jnp.dtype(optim.param_dtype))
+    self.sampler = sampler_lib.Sampler(model, temperature=s.temperature, top_k=s.top_k,
+                                       top_p=s.top_p, min_p=s.min_p, **common)
+    self.greedy_sampler = sampler_lib.Sampler(model, greedy=True, **common)
     self.base_key = jax.random.key(config.seed)
 
   def init_state(self, params):
@@ -260,8 +270,8 @@ class Trainer:
     t0 = time.perf_counter()
     prompts = _prompts(cfg, self.tokenizer, rows)
     key = jax.random.fold_in(self.base_key, step)
-    out = self.sampler.generate(state["params"], prompts.tokens_BP, prompts.mask_BP,
-                                num_samples=g, key=key, **self.sampling)
+    out = self.sampler(state["params"], (prompts.tokens_BP, prompts.mask_BP), num_samples=g,
+                       rng=key)
     completion_ids = np.asarray(out.tokens)
     lengths = np.asarray(out.lengths)
     truncated = np.asarray(out.truncated)
@@ -280,8 +290,8 @@ class Trainer:
     t_reward = time.perf_counter() - t0 - t_sample
 
     c = completion_ids.shape[1]
-    prompt_BP = np.repeat(prompts.tokens_BP, g, axis=0)
-    pmask_BP = np.repeat(prompts.mask_BP, g, axis=0)
+    prompt_BP = np.repeat(np.asarray(out.prompt_tokens), g, axis=0)
+    pmask_BP = np.repeat(np.asarray(out.prompt_mask), g, axis=0)
     cmask_BC = (np.arange(c)[None, :] < lengths[:, None]).astype(np.int32)
     batch = {
         "tokens_BS": np.concatenate([prompt_BP, completion_ids], 1).astype(np.int32),
@@ -313,11 +323,9 @@ class Trainer:
         "completion/max_length": int(lengths.max()),
         "completion/truncated_frac": float(truncated.mean()),
         "time/sample_s": t_sample, "time/reward_s": t_reward, "time/train_s": t_train,
-        "sampler/tokens_per_s": float(lengths.sum() / max(t_sample, 1e-9)),
+        **out.metrics,
         "data/epoch_step": step,
     })
-    if "loss/total" not in m:
-      m["loss/total"] = m.get("loss", float("nan"))
     n = min(cfg.train.samples_per_step, len(texts))
     samples = [{"prompt": prompt_texts[i], "completion": texts[i],
                 "rewards": {r.name: float(reward_BR[i, k]) for k, r in enumerate(rewards)},
@@ -334,8 +342,7 @@ def evaluate(config, trainer: Trainer, params, tokenizer, rows) -> float:
   for i in range(0, len(rows), bs):
     chunk = rows[i:i + bs]
     prompts = _prompts(config, tokenizer, chunk)
-    out = trainer.sampler.generate(params, prompts.tokens_BP, prompts.mask_BP, num_samples=1,
-                                   key=jax.random.key(0), temperature=0.0)
+    out = trainer.greedy_sampler(params, (prompts.tokens_BP, prompts.mask_BP), num_samples=1)
     ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
     texts = tokenizer.batch_decode([t[:n] for t, n in zip(ids, lengths)],
                                    skip_special_tokens=True)
@@ -355,7 +362,7 @@ def run_sft(config, trainer: Trainer, params, rows):
   order = data.PromptIterator(len(rows), s.batch_size, config.seed + 1)
   stop = tok.convert_tokens_to_ids(tok.eos_token)
   length = max(config.data.prompt_buckets) + config.sampling.max_new_tokens
-  bar = tqdm(range(s.steps), desc="sft warm start", dynamic_ncols=True, disable=None)
+  bar = tqdm(range(s.steps), desc="sft warm start", dynamic_ncols=True, mininterval=2.0)
   for _ in bar:
     batch_rows = [rows[i] for i in order.next_indices()]
     prompts = data.encode_prompts(tok, [data.build_prompt(tok, r["question"],

@@ -251,6 +251,10 @@ def completion_logprobs(model, model_cfg, loss_cfg, params, tokens_BS, attn_mask
     hidden_BTD, _ = model.apply({"params": params}, tokens_BS[:, :-1], positions_BS[:, :-1],
                                 attn_mask_BS[:, :-1])
   head_DV = qwen.head_kernel(params, model_cfg).astype(model.dtype)
+  if loss_cfg.get("valid_vocab_size"):
+    # Embedding rows past the tokenizer are never sampled; leaving them out of the softmax
+    # makes these log-probs those of the distribution the sampler drew from.
+    head_DV = head_DV[:, :loss_cfg.valid_vocab_size]
   return grpo.token_logprobs(hidden_BTD[:, -C:], head_DV, tokens_BS[:, -C:],
                              temperature=loss_cfg.temperature,
                              chunk_size=loss_cfg.logprob_chunk_size)

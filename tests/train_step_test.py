@@ -126,6 +126,28 @@ def test_logprob_fn_matches_dense_logits(params, data):
   np.testing.assert_allclose(logp[mask], want[mask], rtol=1e-5, atol=1e-5)
 
 
+def test_valid_vocab_size_restricts_the_softmax(params, data):
+  """With valid_vocab_size=V', log-probs are those of softmax over the first V' rows only (the
+  distribution the sampler draws from when the embedding has rows past the tokenizer)."""
+  batch, _ = data
+  valid = MODEL.vocab_size - 10  # EOS (vocab - 1) is past it; remap those targets
+  tokens = np.where(batch["tokens_BS"] >= valid, 1, batch["tokens_BS"])
+  attn = batch["attn_mask_BS"]
+  mesh = single_mesh()
+  optim = optim_config(grad_accum_steps=1)
+  fn = train_step.make_logprob_fn(MODEL, loss_config(valid_vocab_size=valid), optim, mesh)
+  got = np.asarray(fn(jax.device_put(params, train_step.state_shardings(MODEL, optim, mesh)[
+      "params"]), tokens, attn, C))
+  model = qwen.Qwen(MODEL)
+  hidden, _ = model.apply({"params": params}, tokens, qwen.positions_from_mask(attn), attn)
+  logits = np.asarray(model.apply({"params": params}, hidden, method=qwen.Qwen.logits),
+                      np.float64)[:, P - 1:-1, :valid]
+  lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  want = np.take_along_axis(logits, tokens[:, P:, None], -1)[..., 0] - lse
+  mask = batch["completion_mask_BC"] > 0
+  np.testing.assert_allclose(got[mask], want[mask], rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_compute_log_probs_stay_fp32_and_close(params, data):
   batch, logp = data
   optim = optim_config(compute_dtype="bfloat16", grad_accum_steps=1)
