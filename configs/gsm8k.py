@@ -151,7 +151,7 @@ def _tiny(c: config_dict.ConfigDict) -> None:
   c.train.checkpoint_every = 50
   c.train.samples_per_step = 2
   c.train.tensorboard = True
-  c.sft.steps = 300
+  c.sft.steps = 250
   c.sft.batch_size = 64
   c.sft.lr = 1e-3
   c.mesh = (1, 1, 1)

@@ -38,7 +38,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -216,28 +215,11 @@ def check_batch(batch, loss_cfg, optim_cfg, mesh) -> None:
 # Forward to completion log-probs.
 
 
-def _model(model_cfg, optim_cfg):
+def _model(model_cfg, optim_cfg, mesh):
+  # The residual stream is pinned to the batch split (see qwen.Qwen.act_sharding).
   return qwen.Qwen(model_cfg, dtype=jnp.dtype(optim_cfg.compute_dtype),
-                   param_dtype=jnp.dtype(optim_cfg.param_dtype), remat=optim_cfg.remat)
-
-
-def _batch_sharded_activations(mesh):
-  """A flax method interceptor that pins every RMSNorm and embedding output to the batch split.
-
-  Without it the SPMD partitioner follows the FSDP weights and splits activations along the
-  model width, so every device computes the whole batch (benchmarks/memory.py: 25.5 GB instead
-  of 9.6 GB per device for Qwen2.5-1.5B). Interim: this belongs in models/qwen.py as an
-  activation-sharding constraint; the interceptor keeps qwen.py untouched meanwhile.
-  """
-  act = NamedSharding(mesh, P(sharding.BATCH_AXES))
-
-  def interceptor(next_fun, args, kwargs, context):
-    out = next_fun(*args, **kwargs)
-    if (isinstance(context.module, (qwen.RMSNorm, nn.Embed))
-        and context.method_name == "__call__"):
-      out = jax.lax.with_sharding_constraint(out, act)
-    return out
-  return nn.intercept_methods(interceptor)
+                   param_dtype=jnp.dtype(optim_cfg.param_dtype), remat=optim_cfg.remat,
+                   act_sharding=NamedSharding(mesh, P(sharding.BATCH_AXES)))
 
 
 def completion_logprobs(model, model_cfg, loss_cfg, params, tokens_BS, attn_mask_BS, C, mesh):
@@ -247,9 +229,8 @@ def completion_logprobs(model, model_cfg, loss_cfg, params, tokens_BS, attn_mask
   completion's C tokens are predicted from positions P − 1 … S − 2.
   """
   positions_BS = qwen.positions_from_mask(attn_mask_BS)
-  with _batch_sharded_activations(mesh):
-    hidden_BTD, _ = model.apply({"params": params}, tokens_BS[:, :-1], positions_BS[:, :-1],
-                                attn_mask_BS[:, :-1])
+  hidden_BTD, _ = model.apply({"params": params}, tokens_BS[:, :-1], positions_BS[:, :-1],
+                              attn_mask_BS[:, :-1])
   head_DV = qwen.head_kernel(params, model_cfg).astype(model.dtype)
   if loss_cfg.get("valid_vocab_size"):
     # Embedding rows past the tokenizer are never sampled; leaving them out of the softmax
@@ -275,7 +256,7 @@ def make_logprob_fn(model_cfg, loss_cfg, optim_cfg, mesh):
   """
   grpo.validate_loss_config(loss_cfg)
   validate_optim_config(optim_cfg)
-  model = _model(model_cfg, optim_cfg)
+  model = _model(model_cfg, optim_cfg, mesh)
   accum = optim_cfg.grad_accum_steps
   param_sh = state_shardings(model_cfg, optim_cfg, mesh)["params"]
   row_sh = NamedSharding(mesh, P(sharding.BATCH_AXES))
@@ -398,7 +379,7 @@ class TrainStep:
                                                                 mesh)
     self.state_sh = state_shardings(model_cfg, optim_cfg, mesh)
     self._loss_and_grads = functools.partial(
-        loss_and_grads, model=_model(model_cfg, optim_cfg), model_cfg=model_cfg,
+        loss_and_grads, model=_model(model_cfg, optim_cfg, mesh), model_cfg=model_cfg,
         loss_cfg=loss_cfg, optim_cfg=optim_cfg, mesh=mesh, param_sh=self.state_sh["params"])
     self._fn = functools.partial(_train_step, grad_fn=self._loss_and_grads,
                                  optimizer=make_optimizer(optim_cfg), optim_cfg=optim_cfg)
