@@ -252,7 +252,6 @@ class Trainer:
                       param_dtype=jnp.dtype(optim.param_dtype))
     self.sampler = sampler_lib.Sampler(model, temperature=s.temperature, top_k=s.top_k,
                                        top_p=s.top_p, min_p=s.min_p, **common)
-    self.greedy_sampler = sampler_lib.Sampler(model, greedy=True, **common)
     self.base_key = jax.random.key(config.seed)
 
   def init_state(self, params):
@@ -270,8 +269,8 @@ class Trainer:
     t0 = time.perf_counter()
     prompts = _prompts(cfg, self.tokenizer, rows)
     key = jax.random.fold_in(self.base_key, step)
-    out = self.sampler(state["params"], (prompts.tokens_BP, prompts.mask_BP), num_samples=g,
-                       rng=key)
+    out = self.sampler.generate(state["params"], prompts.tokens_BP, prompts.mask_BP,
+                                num_samples=g, key=key)
     completion_ids = np.asarray(out.tokens)
     lengths = np.asarray(out.lengths)
     truncated = np.asarray(out.truncated)
@@ -342,7 +341,8 @@ def evaluate(config, trainer: Trainer, params, tokenizer, rows) -> float:
   for i in range(0, len(rows), bs):
     chunk = rows[i:i + bs]
     prompts = _prompts(config, tokenizer, chunk)
-    out = trainer.greedy_sampler(params, (prompts.tokens_BP, prompts.mask_BP), num_samples=1)
+    out = trainer.sampler.generate(params, prompts.tokens_BP, prompts.mask_BP, num_samples=1,
+                                   greedy=True)
     ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
     texts = tokenizer.batch_decode([t[:n] for t, n in zip(ids, lengths)],
                                    skip_special_tokens=True)

@@ -5,7 +5,6 @@ Kept apart from the model code so that building the default config imports no mo
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from grpo_jax.rewards import options
 
@@ -46,12 +45,7 @@ class VerifierOptions:
       self.template.format(question="", response="")
     except (KeyError, IndexError, ValueError) as e:
       raise ValueError(f"template: only {{question}} and {{response}} may appear in braces ({e!r})") from e
-    if self.chat_template_kwargs_json:
-      try:
-        kw = json.loads(self.chat_template_kwargs_json)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"chat_template_kwargs_json: not valid JSON ({e})") from e
-      options.check(isinstance(kw, dict), "chat_template_kwargs_json", "must be a JSON object")
+    options.check_json_object(self.chat_template_kwargs_json, "chat_template_kwargs_json")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,7 @@ fails at start-up rather than silently using the default.
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from typing import Any, TypeVar
 
@@ -42,3 +43,15 @@ def from_config(cls: type[T], cfg: Any, where: str) -> T:
 def check(cond: bool, field: str, msg: str) -> None:
   if not cond:
     raise ValueError(f"{field}: {msg}")
+
+
+def check_json_object(text: str, field: str) -> dict:
+  """Parses an option holding a JSON object ('' -> {}); errors name the field."""
+  if not text:
+    return {}
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{field}: not valid JSON ({e})") from e
+  check(isinstance(value, dict), field, "must be a JSON object")
+  return value

@@ -64,12 +64,7 @@ class LocalOptions:
     options.check(isinstance(self.max_prompt_tokens, int) and self.max_prompt_tokens >= 16,
                   "max_prompt_tokens", "must be an int >= 16")
     options.check(isinstance(self.temperature, (int, float)) and self.temperature >= 0, "temperature", "must be >= 0")
-    if self.chat_template_kwargs_json:
-      try:
-        kw = json.loads(self.chat_template_kwargs_json)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"chat_template_kwargs_json: not valid JSON ({e})") from e
-      options.check(isinstance(kw, dict), "chat_template_kwargs_json", "must be a JSON object")
+    options.check_json_object(self.chat_template_kwargs_json, "chat_template_kwargs_json")
 
 
 @dataclasses.dataclass(frozen=True)
