@@ -1,54 +1,62 @@
 """Jitted batched sampling from a functional Qwen model: prefill once, tile ×G, decode in a loop.
 
     sampler = Sampler(qwen.Qwen(cfg), max_new_tokens=256, stop_ids=[151645, 151643],
-                      temperature=1.0, top_p=0.95, valid_vocab_size=151665, mesh=mesh)
-    out = sampler(params, [[151644, 8948, ...], [151644, ...]], num_samples=8,
-                  rng=jax.random.key(step))
+                      buckets=(128, 256), valid_vocab_size=151665, pad_id=151643, mesh=mesh)
+    out = sampler.generate(params, [[151644, 8948, ...], [151644, ...]], num_samples=8,
+                           key=jax.random.key(step), temperature=1.0, top_p=0.95)
     out.tokens     # [B*G, C] int32, completion ids; pad_id after the stop token
     out.lengths    # [B*G]   int32, tokens produced, the stop token included
     out.truncated  # [B*G]   bool, True where max_new_tokens was reached without a stop id
     out.logprobs   # [B*G, C] fp32, log-prob of each sampled token (see below); 0 past `lengths`
     out.prompt_tokens, out.prompt_mask  # [B, P] the left-padded prompts used (P = a bucket)
-    out.metrics    # {'sampler/tokens_per_s': ..., ...} host floats
+    out.metrics    # {'sampler/tokens_per_s', 'sampler/seconds', ...} host floats
 
 Row b*G + g is sample g of prompt b (rows of one prompt are contiguous). `prompts` may also be a
-(tokens [B, P], mask [B, P]) pair of left-padded arrays.
+left-padded [B, P] array passed with its mask: `generate(params, tokens_BP, mask_BP, ...)`.
+`sampler(...)` is `sampler.generate(...)`. Any `qwen.Qwen` (policy, judge, reward model) works.
 
 What happens in one call (C = max_new_tokens, P = the smallest bucket holding every prompt):
   1. host: left-pad the prompts to P (numpy, so no new shape reaches the device);
-  2. `prefill` (jitted per (B, P, G)): one forward of the B prompts into a [L, B, P, K, H] cache,
+  2. `prefill` (jitted per (B, P, G)): one forward of the B prompts into a [L, B, K, P, H] cache,
      which is then padded to P + C slots and tiled G times (never a G-fold prefill);
-  3. `decode` (jitted per (B, P, G), the state donated so the cache is updated in place): sample
-     token 0 from the prefill's last hidden state, then a `lax.while_loop` feeds one token per
-     step and exits as soon as every row has produced a stop id or C tokens.
+  3. `decode` (jitted per (B, P, G, settings); the cache is donated, so the loop updates the
+     prefill's buffer in place): a `lax.while_loop` samples one token per row from the last
+     hidden state, feeds it through the model, and exits as soon as every row has produced a
+     stop id or C tokens.
+The batch (B, and B*G after tiling) is split over the mesh's data × fsdp axes; B is padded to a
+multiple of that size with copies of the last prompt, whose rows are dropped from the output.
 
-Sampling settings (fixed when the Sampler is built): `greedy`, `temperature`, `top_k`, `top_p`,
-`min_p`. The cuts apply in that order to logits / temperature: keep the top_k largest (ties at
-the k-th value kept); then, renormalised over what is left, keep token i iff the mass of tokens
-strictly more probable than i is < top_p; then keep p_i >= min_p * p_max. Embedding rows at or
-above `valid_vocab_size` are never sampled.
+Sampling settings (defaults given to the Sampler, overridable per call; each distinct setting
+compiles once): `greedy` (or temperature=0), `temperature`, `top_k`, `top_p`, `min_p`. The cuts
+apply in that order to logits / temperature: keep the tokens whose logit is >= the k-th largest
+(ties kept); then, renormalised over those, keep token i iff the mass of tokens strictly more
+probable than i is < top_p; then keep p_i >= min_p * p_max. Embedding rows at or above
+`valid_vocab_size` are never sampled.
 
-`logprobs` are log_softmax(logits / temperature) over the valid vocabulary, at the sampled token,
-BEFORE the top-k/top-p/min-p cut (the distribution the policy-gradient loss differentiates;
-grpo.token_logprobs gives the same numbers from head[:, :valid_vocab_size]). Greedy decoding
-reports them at `temperature` too.
+`logprobs` are log_softmax(logits / temperature) over the valid vocabulary at the sampled token,
+BEFORE the top-k/top-p/min-p cut: the policy's own distribution, which the GRPO ratio needs
+(grpo.token_logprobs gives the same numbers from head[:, :valid_vocab_size] at the same
+temperature). Greedy decoding reports them at `temperature` too (1 for temperature=0).
 
-Randomness: each row has its own key, fold_in(fold_in(rng, prompt_id), g) with prompt_id
+Randomness: each row has its own key, fold_in(fold_in(key, prompt_id), g) with prompt_id
 defaulting to the prompt's index in the batch (pass `prompt_ids` for stable ids), and every
 step folds in the step number, so a row's tokens do not depend on the other rows of its batch.
 
 Performance notes (why the code looks the way it does):
-  * The vocabulary head is never materialised as [B, V] logits: `_vocab_scan` walks the head in
-    chunks of `vocab_chunk` columns and keeps running (max, sum-exp, argmax or sample) per row,
-    so each chunk's logits stay in cache. On CPU that halves the head's cost at V = 151,936.
+  * The [B, V] logits are never materialised: `_vocab_scan` walks the head in chunks of
+    `vocab_chunk` columns and keeps running (max, sum-exp, best block or draw) per row, so each
+    chunk's logits stay in cache; greedy keeps only the best block of 32 columns and recomputes
+    that block's logits at the end (a max is much cheaper than an argmax on CPU).
   * Sampling needs no per-vocabulary-entry random numbers (threefry over [B, V] costs more than
     the whole forward on CPU): within a chunk a token is drawn by inverse CDF over two levels
     of blocks, and across chunks by weighted reservoir sampling (replace the running pick by the
     chunk's with probability chunk mass / mass so far). Both are exact.
-  * top-k / top-p / min-p first try the top candidates (lax.top_k, merged chunk by chunk); only a
-    row whose kept set does not fit in the candidates falls back to an exact threshold found by
-    bisection over float bit patterns (32 more head passes; counted in
-    metrics['sampler/cut_fallback_steps']; raise `top_p_candidates` if it fires often).
+  * top-k takes the top k + 1 candidates (lax.top_k merged chunk by chunk), which decide the cut
+    exactly unless the k-th value is tied beyond them. top-p is exact by rejection: draw
+    `top_p_draws` candidates from the (top-k / min-p cut) distribution and keep the first whose
+    higher-ranked mass is < top_p; a row with none accepted (probability < (1 - top_p)^draws)
+    is redrawn (metrics['sampler/cut_extra_rounds']). A top-p step costs about two head passes,
+    with no sort of the vocabulary.
 """
 
 from __future__ import annotations
@@ -123,6 +131,7 @@ class _Head(NamedTuple):
   """The [D, V_valid] head split as full chunks [n, D, c] plus one narrower rest [D, r]."""
   chunks_NDc: Array | None
   rest_Dr: Array | None
+  source_DV: Array  # the whole head, for recomputing a few columns per row
 
 
 def _prepare_head(head_DV: Array, valid: int, chunk: int) -> _Head:
@@ -131,11 +140,15 @@ def _prepare_head(head_DV: Array, valid: int, chunk: int) -> _Head:
   if n:
     chunks = head_DV[:, :n * chunk].reshape(head_DV.shape[0], n, chunk).transpose(1, 0, 2)
   rest = head_DV[:, n * chunk:valid] if valid > n * chunk else None
-  return _Head(chunks, rest)
+  return _Head(chunks, rest, head_DV)
 
 
 def _num_chunks(valid: int, chunk: int) -> int:
   return -(-valid // chunk)
+
+
+def head_chunk(head: _Head) -> int:
+  return head.chunks_NDc.shape[2] if head.chunks_NDc is not None else head.rest_Dr.shape[1]
 
 
 def _vocab_scan(head: _Head, h_BD: Array, inv_temp: float, body, carry, per_chunk=None):
@@ -166,12 +179,16 @@ def _vocab_scan(head: _Head, h_BD: Array, inv_temp: float, body, carry, per_chun
 # Exact categorical draws without per-entry random numbers.
 
 
-def _first_true(mask_BR: Array, fallback_BR: Array) -> Array:
-  """Index of the first True per row; where there is none, the last True of `fallback`."""
-  r = mask_BR.shape[-1]
-  first = jnp.argmax(mask_BR, axis=-1)
-  last = r - 1 - jnp.argmax(fallback_BR[:, ::-1], axis=-1)
-  return jnp.where(jnp.any(mask_BR, axis=-1), first, last).astype(jnp.int32)
+def _first_true(mask: Array, fallback: Array) -> Array:
+  """Index of the first True along the last axis; where there is none, the last True of
+  `fallback`."""
+  r = mask.shape[-1]
+  first = jnp.argmax(mask, axis=-1)
+  last = r - 1 - jnp.argmax(jnp.flip(fallback, -1), axis=-1)
+  return jnp.where(jnp.any(mask, axis=-1), first, last).astype(jnp.int32)
+
+
+_ARGMAX_BLOCK = 32  # columns per block in the greedy pass; divides every vocab_chunk we allow
 
 
 def _block_size(width: int) -> int:
@@ -179,60 +196,88 @@ def _block_size(width: int) -> int:
   return 1 << max(0, int(math.log2(max(width, 1))) // 2)
 
 
-def _inverse_cdf(w_BR: Array, u_B: Array) -> Array:
-  """One index per row with P(i) = w[i] / sum(w), w >= 0, from one uniform u in [0, 1) per row.
+def _inverse_cdf(w_BR: Array, u_BS: Array) -> Array:
+  """S indices per row, draw s with P(i) = w[i] / sum(w) (w >= 0) from uniform u[:, s] in [0, 1).
 
   The cumulative sum is a triangular matmul (XLA's cumsum is a slow scan on CPU); an index with
   weight 0 is never returned even where rounding makes neighbouring partial sums disagree.
-  Rows with no mass return their last index (callers give such rows zero weight).
   """
   r = w_BR.shape[-1]
-  cum_BR = jnp.einsum("BR,RS->BS", w_BR, jnp.triu(jnp.ones((r, r), w_BR.dtype)),
+  cum_BR = jnp.einsum("BR,RQ->BQ", w_BR, jnp.triu(jnp.ones((r, r), w_BR.dtype)),
                       precision=jax.lax.Precision.HIGHEST)
-  target_B = u_B * cum_BR[:, -1]
-  positive = w_BR > 0
-  return _first_true((cum_BR > target_B[:, None]) & positive, positive)
+  target_BS = u_BS * cum_BR[:, -1:]
+  positive_B1R = (w_BR > 0)[:, None, :]
+  hit_BSR = (cum_BR[:, None, :] > target_BS[..., None]) & positive_B1R
+  return _first_true(hit_BSR, jnp.broadcast_to(positive_B1R, hit_BSR.shape))
 
 
-def _draw(e_BC: Array, u_B2: Array) -> Array:
-  """Index drawn with P ∝ e over [B, C]: a block of ~sqrt(C) entries first, then one inside it."""
+def _draw(e_BC: Array, u_BS2: Array) -> Array:
+  """[B, S] indices drawn with P ∝ e over C: a block of ~sqrt(C) entries, then one inside it."""
   b, c = e_BC.shape
+  s = u_BS2.shape[1]
   r = _block_size(c)
-  e_BC = jnp.pad(e_BC, ((0, 0), (0, -c % r)))
-  blocks_BNR = e_BC.reshape(b, -1, r)
-  blk_B = _inverse_cdf(blocks_BNR.sum(-1), u_B2[:, 0])
-  inner_BR = jnp.take_along_axis(blocks_BNR, blk_B[:, None, None], 1)[:, 0]
-  return blk_B * r + _inverse_cdf(inner_BR, u_B2[:, 1])
+  blocks_BNR = jnp.pad(e_BC, ((0, 0), (0, -c % r))).reshape(b, -1, r)
+  blk_BS = _inverse_cdf(blocks_BNR.sum(-1), u_BS2[..., 0])
+  inner_BSR = jnp.take_along_axis(blocks_BNR, blk_BS[..., None], 1)
+  inner_BS = _inverse_cdf(inner_BSR.reshape(b * s, r), u_BS2[..., 1].reshape(b * s, 1))
+  return blk_BS * r + inner_BS.reshape(b, s)
 
 
 # ------------------------------------------------------------------------------------------------
 # Streaming passes over the vocabulary. Each returns per-row results; logits are temperature-scaled.
 
 
-def _greedy_pass(head, h_BD, inv_temp):
-  """(argmax token, its logit, logsumexp) per row."""
+def _online_lse(m, s, l_Bc, cm=None):
+  """Running (max, sum exp(l - max)) updated with one chunk; also the chunk's max."""
+  cm = jnp.max(l_Bc, -1) if cm is None else cm
+  nm = jnp.maximum(m, cm)
+  s = s * jnp.exp(m - nm) + jnp.sum(jnp.exp(l_Bc - cm[:, None]), -1) * jnp.exp(cm - nm)
+  return nm, s, cm
+
+
+def _greedy_pass(head, h_BD, inv_temp, valid, argmax=True):
+  """(argmax token or None, its logit = the max, logsumexp) per row.
+
+  The argmax is found in two steps: the pass keeps only the best block of `_ARGMAX_BLOCK`
+  columns (a plain max reduction, much cheaper on CPU than a value-and-index reduction over
+  every column), then that block's logits are recomputed per row and searched.
+  """
+  r = _ARGMAX_BLOCK
+
   def body(c, l_Bc, off, _):
-    m, s, tok = c
-    cm = jnp.max(l_Bc, -1)
-    nm = jnp.maximum(m, cm)
-    s = s * jnp.exp(m - nm) + jnp.sum(jnp.exp(l_Bc - cm[:, None]), -1) * jnp.exp(cm - nm)
-    # Strict '>' keeps the earliest index on ties, as argmax over the full row would.
-    tok = jnp.where(cm > m, off + jnp.argmax(l_Bc, -1).astype(jnp.int32), tok)
-    return nm, s, tok
+    m, s, blk = c
+    b, w = l_Bc.shape
+    if not argmax:
+      return _online_lse(m, s, l_Bc)[:2] + (blk,)
+    blocks_BK = jnp.pad(l_Bc, ((0, 0), (0, -w % r)), constant_values=-jnp.inf).reshape(
+        b, -1, r).max(-1)
+    cb = jnp.argmax(blocks_BK, -1).astype(jnp.int32)
+    nm, s, cm = _online_lse(m, s, l_Bc, jnp.max(blocks_BK, -1))
+    # Strict '>' keeps the earliest block on ties, as argmax over the whole row would.
+    return nm, s, jnp.where(cm > m, off // r + cb, blk)
   b = h_BD.shape[0]
   init = (jnp.full((b,), -jnp.inf), jnp.zeros((b,)), jnp.zeros((b,), jnp.int32))
-  m, s, tok = _vocab_scan(head, h_BD, inv_temp, body, init)
-  return tok, m, m + jnp.log(s)
+  m, s, blk = _vocab_scan(head, h_BD, inv_temp, body, init)
+  if not argmax:
+    return None, m, m + jnp.log(s)
+  cols_BR = blk[:, None] * r + jnp.arange(r)
+  w_BDR = jnp.take(head.source_DV, jnp.minimum(cols_BR, valid - 1), axis=1).transpose(1, 0, 2)
+  l_BR = jnp.einsum("BD,BDR->BR", h_BD, w_BDR.astype(h_BD.dtype),
+                    preferred_element_type=jnp.float32) * inv_temp
+  l_BR = jnp.where(cols_BR < valid, l_BR, -jnp.inf)
+  j = jnp.argmax(l_BR, -1)
+  return blk * r + j.astype(jnp.int32), m, m + jnp.log(s)
 
 
-def _reservoir_pass(head, h_BD, inv_temp, u_NB3, tau_B=None):
-  """A draw ∝ exp(logits) over {logits >= tau} (all when tau is None), exact.
+def _reservoir_pass(head, h_BD, inv_temp, u_NBS3, tau_B=None):
+  """S independent draws per row ∝ exp(logits) over {logits >= tau} (all when tau is None).
 
   Within a chunk `_draw` picks a candidate; across chunks the running pick is replaced by the
   chunk's with probability (chunk mass) / (mass so far), so chunk c wins with probability
-  mass_c / total. Returns (token, its logit, logsumexp of the kept set).
+  mass_c / total: exact. Returns (tokens [B, S], their logits, max and sum exp(l - max) of the
+  kept set).
   """
-  def body(c, l_Bc, off, u_B3):
+  def body(c, l_Bc, off, u_BS3):
     m, s, tok, tok_logit = c
     if tau_B is not None:
       l_Bc = jnp.where(l_Bc >= tau_B[:, None], l_Bc, -jnp.inf)
@@ -243,24 +288,22 @@ def _reservoir_pass(head, h_BD, inv_temp, u_NB3, tau_B=None):
     nm_safe = jnp.where(jnp.isfinite(nm), nm, 0.0)
     w = jnp.sum(e_Bc, -1) * jnp.exp(cm_safe - nm_safe) * jnp.isfinite(cm)
     s = s * jnp.exp(m - nm_safe) + w
-    take = (w > 0) & (u_B3[:, 0] * s < w)
-    idx = _draw(e_Bc, u_B3[:, 1:])
-    picked = jnp.take_along_axis(l_Bc, idx[:, None], 1)[:, 0]
-    return (nm, s, jnp.where(take, off + idx, tok), jnp.where(take, picked, tok_logit))
-  b = h_BD.shape[0]
-  init = (jnp.full((b,), -jnp.inf), jnp.zeros((b,)), jnp.zeros((b,), jnp.int32),
-          jnp.zeros((b,)))
-  m, s, tok, tok_logit = _vocab_scan(head, h_BD, inv_temp, body, init, u_NB3)
-  return tok, tok_logit, m + jnp.log(s)
+    take_BS = (w > 0)[:, None] & (u_BS3[..., 0] * s[:, None] < w[:, None])
+    idx_BS = _draw(e_Bc, u_BS3[..., 1:])
+    picked_BS = jnp.take_along_axis(l_Bc, idx_BS, 1)
+    return (nm, s, jnp.where(take_BS, off + idx_BS, tok), jnp.where(take_BS, picked_BS, tok_logit))
+  b, n_draws = h_BD.shape[0], u_NBS3.shape[2]
+  init = (jnp.full((b,), -jnp.inf), jnp.zeros((b,)), jnp.zeros((b, n_draws), jnp.int32),
+          jnp.zeros((b, n_draws)))
+  m, s, tok, tok_logit = _vocab_scan(head, h_BD, inv_temp, body, init, u_NBS3)
+  return tok, tok_logit, m, s
 
 
 def _candidates_pass(head, h_BD, inv_temp, k):
   """(max, logsumexp, top-k logits [B, k] descending, their ids) per row."""
   def body(c, l_Bc, off, _):
     m, s, vals, ids = c
-    cm = jnp.max(l_Bc, -1)
-    nm = jnp.maximum(m, cm)
-    s = s * jnp.exp(m - nm) + jnp.sum(jnp.exp(l_Bc - cm[:, None]), -1) * jnp.exp(cm - nm)
+    nm, s, _ = _online_lse(m, s, l_Bc)
     cv, ci = jax.lax.top_k(l_Bc, min(k, l_Bc.shape[1]))
     vals, pos = jax.lax.top_k(jnp.concatenate([vals, cv], 1), k)
     ids = jnp.take_along_axis(jnp.concatenate([ids, off + ci.astype(jnp.int32)], 1), pos, 1)
@@ -272,108 +315,128 @@ def _candidates_pass(head, h_BD, inv_temp, k):
   return m, m + jnp.log(s), vals, ids
 
 
-def _mass_pass(head, h_BD, inv_temp, ref_B, above_B, floor_B):
-  """sum over logits l > above and l >= floor of exp(l - ref), per row."""
+def _mass_above_pass(head, h_BD, inv_temp, v_BS, tau_B, ref_B):
+  """[B, S]: sum of exp(l - ref) over logits l > v[:, s] with l >= tau (the mass ranked above)."""
   def body(acc, l_Bc, off, _):
-    keep = (l_Bc > above_B[:, None]) & (l_Bc >= floor_B[:, None])
-    return acc + jnp.sum(jnp.where(keep, jnp.exp(l_Bc - ref_B[:, None]), 0.0), -1)
-  return _vocab_scan(head, h_BD, inv_temp, body, jnp.zeros(h_BD.shape[:1]))
+    e_Bc = jnp.where(l_Bc >= tau_B[:, None], jnp.exp(l_Bc - ref_B[:, None]), 0.0)
+    return acc + jnp.sum(jnp.where(l_Bc[:, :, None] > v_BS[:, None, :], e_Bc[:, :, None], 0.0), 1)
+  return _vocab_scan(head, h_BD, inv_temp, body, jnp.zeros(v_BS.shape))
 
 
-def _float_key(x):
-  """float32 -> uint32 with the same order (radix-sort key)."""
-  b = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(0x80000000))
-
-
-def _key_float(k):
-  b = jnp.where(k >> 31 == 1, k & jnp.uint32(0x7FFFFFFF), ~k)
-  return jax.lax.bitcast_convert_type(b, jnp.float32)
-
-
-def _top_p_threshold(head, h_BD, inv_temp, top_p, max_B, mass_B, floor_B):
-  """Smallest logit value v such that the kept mass strictly above v is < top_p · mass.
-
-  mass above v only changes at logit values, so the bisection over float bit patterns (32 steps,
-  one head pass each) ends exactly on a logit value: the nucleus is {l >= v}.
-  """
-  lo = jnp.broadcast_to(_float_key(jnp.float32(-jnp.inf)), max_B.shape)
-  hi = _float_key(max_B)  # nothing lies above the max: kept mass 0 < top_p
-
-  def step(_, bounds):
-    lo, hi = bounds
-    mid = lo + (hi - lo) // 2
-    ok = _mass_pass(head, h_BD, inv_temp, max_B, _key_float(mid), floor_B) < top_p * mass_B
-    return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
-  _, hi = jax.lax.fori_loop(0, 32, step, (lo, hi))
-  return _key_float(hi)
+# ------------------------------------------------------------------------------------------------
+# One token per row.
 
 
 def _cut_threshold(sp: SamplingParams, m_B, lse_B, vals_BK, valid: int):
-  """From the top-K candidates: (threshold tau, top-k floor, covered) per row.
+  """From the top-K candidates (K = top_k + 1): (threshold tau, top-k floor, covered) per row.
 
   covered: every token with logit >= tau is among the candidates and tau is exact, so the draw
-  can be made among them.
+  can be made among them (false only when the k-th value is tied beyond the candidates).
   """
   b, k = vals_BK.shape
   all_in = k >= valid  # the candidates are the whole vocabulary
-  tau_k = vals_BK[:, sp.top_k - 1] if 0 < sp.top_k < valid else jnp.full((b,), -jnp.inf)
-  tau, covered = tau_k, jnp.ones((b,), bool)
-  if sp.top_k and not all_in:
-    covered &= vals_BK[:, -1] < tau_k  # no ties of the k-th value outside the candidates
+  tau_k = vals_BK[:, sp.top_k - 1] if sp.top_k < valid else jnp.full((b,), -jnp.inf)
+  covered = jnp.ones((b,), bool) if all_in else vals_BK[:, -1] < tau_k
+  tau = tau_k
   if sp.top_p < 1.0:
     p_BK = jnp.exp(vals_BK - m_B[:, None]) * (vals_BK >= tau_k[:, None])
-    mass_B = jnp.sum(p_BK, -1) if sp.top_k else jnp.exp(lse_B - m_B)
-    reach_BK = jnp.cumsum(p_BK, -1) >= sp.top_p * mass_B[:, None]
+    reach_BK = jnp.cumsum(p_BK, -1) >= sp.top_p * jnp.sum(p_BK, -1, keepdims=True)
     tau = jnp.maximum(tau, jnp.take_along_axis(vals_BK, jnp.argmax(reach_BK, -1)[:, None], 1)[:, 0])
-    covered &= jnp.any(reach_BK, -1) | all_in
   if sp.min_p > 0.0:
     tau = jnp.maximum(tau, m_B + math.log(sp.min_p))
-  if not all_in:
-    covered &= vals_BK[:, -1] < tau
   return tau, tau_k, covered
 
 
-def _next_token(sp: SamplingParams, head: _Head, h_BD, u_BU, valid: int, num_candidates: int):
-  """One token per row from hidden states h_BD. Returns (token, log-prob, used the fallback).
+def _nucleus_draw(sp: SamplingParams, head, h_BD, inv_temp, uniforms, num_draws, tau_B=None):
+  """A draw from the distribution cut at tau (None: no cut) and then at top_p, exactly.
 
-  u_BU: the row's uniforms for this step, [B, 3 * num_chunks + 1].
+  top-p by rejection: draw S candidates from the cut distribution and keep the first whose
+  higher-ranked mass is < top_p of the total; conditioned on acceptance a draw follows the
+  nucleus distribution exactly. Each candidate is accepted with probability >= top_p, so one
+  round (two head passes) almost always settles every row; rows that do not are redrawn.
+  Returns (token, logit, logsumexp of the kept set, extra rounds).
+  """
+  n = uniforms.num_chunks
+  s = num_draws if sp.top_p < 1.0 else 1
+
+  def draw(round_):
+    u_NBS3 = uniforms(round_, (n, s, 3)).transpose(1, 0, 2, 3)
+    return _reservoir_pass(head, h_BD, inv_temp, u_NBS3, tau_B)
+
+  tok_BS, logit_BS, m, z = draw(1)
+  lse = m + jnp.log(z)
+  if sp.top_p == 1.0:
+    return tok_BS[:, 0], logit_BS[:, 0], lse, jnp.int32(0)
+  floor = jnp.full(m.shape, -jnp.inf) if tau_B is None else tau_B
+
+  def judge(tok_BS, logit_BS):
+    ok_BS = _mass_above_pass(head, h_BD, inv_temp, logit_BS, floor, m) < sp.top_p * z[:, None]
+    j = _first_true(ok_BS, ok_BS)[:, None]
+    return (jnp.take_along_axis(tok_BS, j, 1)[:, 0], jnp.take_along_axis(logit_BS, j, 1)[:, 0],
+            jnp.any(ok_BS, -1))
+
+  tok, logit, ok = judge(tok_BS, logit_BS)
+
+  def redraw(c):
+    round_, tok, logit, ok = c
+    t, l, o = judge(*draw(round_ + 2)[:2])
+    new = ~ok & o  # rows settled earlier keep their token
+    return round_ + 1, jnp.where(new, t, tok), jnp.where(new, l, logit), ok | o
+  # The cap is never reached in practice: a row fails a round with probability < (1-top_p)^S.
+  rounds, tok, logit, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[3]) & (c[0] < 64), redraw,
+                                             (jnp.int32(0), tok, logit, ok))
+  return tok, logit, lse, rounds
+
+
+class _Uniforms:
+  """Per-row uniforms: round r of a step gets uniform(fold_in(row step key, r), shape)."""
+
+  def __init__(self, keys_B, num_chunks):
+    self.keys_B, self.num_chunks = keys_B, num_chunks
+
+  def __call__(self, round_, shape):
+    return jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, round_), shape))(self.keys_B)
+
+
+def _next_token(sp: SamplingParams, head: _Head, h_BD, keys_B, valid: int, num_draws: int):
+  """One token per row from hidden states h_BD and per-row step keys.
+
+  Returns (token, log-prob before the cuts, extra head passes spent on the cuts' exactness).
   """
   inv_temp = 1.0 / sp.temperature
-  b = h_BD.shape[0]
-  no_fallback = jnp.zeros((), bool)
   if sp.greedy:
-    tok, logit, lse = _greedy_pass(head, h_BD, inv_temp)
-    return tok, logit - lse, no_fallback
-  u_NB3 = u_BU[:, 1:].reshape(b, -1, 3).transpose(1, 0, 2)
+    tok, logit, lse = _greedy_pass(head, h_BD, inv_temp, valid)
+    return tok, logit - lse, jnp.int32(0)
+  uniforms = _Uniforms(keys_B, _num_chunks(valid, head_chunk(head)))
   if not sp.cuts:
-    tok, logit, lse = _reservoir_pass(head, h_BD, inv_temp, u_NB3)
-    return tok, logit - lse, no_fallback
+    tok, logit, lse, _ = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms, 1)
+    return tok, logit - lse, jnp.int32(0)
+  min_p_cut = (lambda m: m + math.log(sp.min_p)) if sp.min_p > 0.0 else (lambda m: -jnp.inf)
 
-  m, lse, vals, ids = _candidates_pass(head, h_BD, inv_temp, num_candidates)
+  if not 0 < sp.top_k < valid:  # top-p and/or min-p only
+    lse, tau = None, None
+    if sp.min_p > 0.0:
+      _, m, lse = _greedy_pass(head, h_BD, inv_temp, valid, argmax=False)
+      tau = min_p_cut(m)
+    tok, logit, kept_lse, rounds = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms, num_draws,
+                                                 tau)
+    return tok, logit - (kept_lse if lse is None else lse), rounds
+
+  # top-k: the k + 1 best candidates decide everything unless the k-th value is tied beyond them.
+  m, lse, vals, ids = _candidates_pass(head, h_BD, inv_temp, sp.top_k + 1)
   tau, tau_k, covered = _cut_threshold(sp, m, lse, vals, valid)
-  pick = _inverse_cdf(jnp.exp(vals - m[:, None]) * (vals >= tau[:, None]), u_BU[:, 0])
-  tok = jnp.take_along_axis(ids, pick[:, None], 1)[:, 0]
-  logit = jnp.take_along_axis(vals, pick[:, None], 1)[:, 0]
+  pick = _inverse_cdf(jnp.exp(vals - m[:, None]) * (vals >= tau[:, None]), uniforms(0, (1,)))
+  tok = jnp.take_along_axis(ids, pick, 1)[:, 0]
+  logit = jnp.take_along_axis(vals, pick, 1)[:, 0]
 
   def exact(_):
-    # A row whose kept set overflows the candidates: exact threshold, then a streaming draw.
-    t = tau
-    if sp.top_p < 1.0:
-      mass = (_mass_pass(head, h_BD, inv_temp, m, jnp.full((b,), -jnp.inf), tau_k)
-              if sp.top_k else jnp.exp(lse - m))
-      t = jnp.maximum(tau_k, _top_p_threshold(head, h_BD, inv_temp, sp.top_p, m, mass, tau_k))
-      if sp.min_p > 0.0:
-        t = jnp.maximum(t, m + math.log(sp.min_p))
-    t_tok, t_logit, _ = _reservoir_pass(head, h_BD, inv_temp, u_NB3, t)
-    return t_tok, t_logit
-
-  fallback = ~jnp.all(covered)
-  f_tok, f_logit = jax.lax.cond(fallback, exact, lambda _: (tok, logit), None)
-  # Per-row choice: a covered row's draw never depends on whether another row fell back.
-  tok = jnp.where(covered, tok, f_tok)
-  logit = jnp.where(covered, logit, f_logit)
-  return tok, logit - lse, fallback
+    floor = jnp.maximum(tau_k, min_p_cut(m))
+    t, l, _, rounds = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms, num_draws, floor)
+    return t, l, rounds + 1
+  f_tok, f_logit, extra = jax.lax.cond(jnp.all(covered), lambda _: (tok, logit, jnp.int32(0)),
+                                       exact, None)
+  # Per-row choice: a covered row's draw never depends on whether another row was tied.
+  return jnp.where(covered, tok, f_tok), jnp.where(covered, logit, f_logit) - lse, extra
 
 
 # ------------------------------------------------------------------------------------------------
@@ -395,7 +458,7 @@ class Sampler:
     mesh: a (data, fsdp, tensor) mesh; the batch is split over data × fsdp.
     dtype: compute dtype when `model` is a config (default fp32).
     vocab_chunk: columns of the head processed at a time (keeps one chunk's logits in cache).
-    top_p_candidates: candidates kept for top-p / min-p before the exact fallback.
+    top_p_draws: candidates drawn per row and step for top-p's rejection step (module doc).
   """
 
   def __init__(self, model: qwen.Qwen | qwen.QwenConfig, *, max_new_tokens: int,
@@ -403,7 +466,7 @@ class Sampler:
                greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, min_p: float = 0.0, valid_vocab_size: int | None = None,
                pad_id: int = 0, mesh=None, dtype=None, vocab_chunk: int = 4096,
-               top_p_candidates: int = 512):
+               top_p_draws: int = 8):
     if isinstance(model, qwen.QwenConfig):
       model = qwen.Qwen(model, dtype=jnp.float32 if dtype is None else dtype)
     elif not isinstance(model, qwen.Qwen):
@@ -425,22 +488,18 @@ class Sampler:
       raise ValueError(f"stop_ids {bad} are outside the vocabulary [0, {cfg.vocab_size})")
     if not 0 <= pad_id < cfg.vocab_size:
       raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {cfg.vocab_size})")
-    if vocab_chunk < 1 or top_p_candidates < 1:
-      raise ValueError(f"vocab_chunk={vocab_chunk} and top_p_candidates={top_p_candidates} "
-                       "must be >= 1")
+    if vocab_chunk < 1 or vocab_chunk % _ARGMAX_BLOCK:
+      raise ValueError(f"vocab_chunk={vocab_chunk} must be a positive multiple of {_ARGMAX_BLOCK}")
+    if top_p_draws < 1:
+      raise ValueError(f"top_p_draws={top_p_draws} must be >= 1")
     self.defaults = _settings(greedy, temperature, top_k, top_p, min_p)
     self.max_new_tokens, self.stop_ids, self.buckets = int(max_new_tokens), stop_ids, buckets
     self.valid, self.pad_id, self.mesh = valid, int(pad_id), mesh
     self.vocab_chunk = min(int(vocab_chunk), valid)
-    self.top_p_candidates = int(top_p_candidates)
+    self.top_p_draws = int(top_p_draws)
     self._prefill = jax.jit(self._prefill_impl, static_argnums=(3,))
     # The cache (argument 1) is donated: the decode loop updates the prefill's buffer in place.
     self._decode = jax.jit(self._decode_impl, static_argnums=(5,), donate_argnums=(1,))
-
-  def _num_candidates(self, sp: SamplingParams) -> int:
-    if 0 < sp.top_k < self.valid:
-      return sp.top_k + 1  # one more than k: shows whether the k-th value is tied beyond it
-    return min(self.top_p_candidates, self.valid)
 
   # --- device side -------------------------------------------------------------------------
 
@@ -479,12 +538,10 @@ class Sampler:
         row_ids_R2)
     head = _prepare_head(qwen.head_kernel(params, cfg), self.valid, self.vocab_chunk)
     stop = jnp.asarray(self.stop_ids or (-1,), jnp.int32)
-    num_uniforms = 1 + 3 * _num_chunks(self.valid, self.vocab_chunk)
 
     def next_token(h_RD, step):
-      u_RU = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, step),
-                                                   (num_uniforms,)))(keys_R)
-      return _next_token(sp, head, h_RD, u_RU, self.valid, self._num_candidates(sp))
+      step_keys_R = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys_R)
+      return _next_token(sp, head, h_RD, step_keys_R, self.valid, self.top_p_draws)
 
     # One sampling site in the program (half the compile time of sampling token 0 separately):
     # each step samples from the carried hidden state, then runs the forward for the next step.
@@ -493,7 +550,7 @@ class Sampler:
                  tokens=jnp.full((r, c), self.pad_id, jnp.int32),
                  logp=jnp.zeros((r, c), jnp.float32), done=jnp.zeros((r,), bool),
                  stopped=jnp.zeros((r,), bool), lengths=jnp.zeros((r,), jnp.int32),
-                 fallbacks=jnp.int32(0))
+                 extra_rounds=jnp.int32(0))
 
     def cond(s):
       return (s["step"] < c) & ~jnp.all(s["done"])
@@ -511,14 +568,14 @@ class Sampler:
       return dict(step=i + 1, cache=cache, hidden=hidden[:, 0], tokens=put(s["tokens"], tok),
                   logp=put(s["logp"], jnp.where(live, logp, 0.0)),
                   done=s["done"] | stopped, stopped=s["stopped"] | stopped,
-                  lengths=s["lengths"] + live, fallbacks=s["fallbacks"] + fb)
+                  lengths=s["lengths"] + live, extra_rounds=s["extra_rounds"] + fb)
 
     out = jax.lax.while_loop(cond, body, carry)
     results = {
         "tokens": self._constrain(out["tokens"], ("batch", None)),
         "lengths": out["lengths"], "truncated": ~out["stopped"],
         "logprobs": self._constrain(out["logp"], ("batch", None)),
-        "steps": out["step"], "fallbacks": out["fallbacks"],
+        "steps": out["step"], "extra_rounds": out["extra_rounds"],
     }
     # Returning the cache aliases it with the donated input, so no copy is made on entry.
     return results, out["cache"]
@@ -614,7 +671,7 @@ class Sampler:
         "sampler/seconds": seconds,
         "sampler/prefill_seconds": prefill_s,
         "sampler/decode_steps": int(results["steps"]),
-        "sampler/cut_fallback_steps": int(results["fallbacks"]),
+        "sampler/cut_extra_rounds": int(results["extra_rounds"]),
         "sampler/prompt_bucket": p,
     }
     return SampleOutput(results["tokens"], results["lengths"], results["truncated"],
