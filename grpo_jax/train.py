@@ -64,29 +64,38 @@ def _datasets(config, workdir):
   return (data.load_rows(source, d.train_split, **kw), data.load_rows(source, d.eval_split, **kw))
 
 
-def _model(config, tokenizer, mesh):
+def _model_config(config, tokenizer):
+  """(QwenConfig, generation_config or None) without loading any weights."""
   m = config.model
-  param_dtype = DTYPES[config.optim.param_dtype]
   if m.random_init:
     t = m.tiny
     # Exactly the tokenizer's ids: no unused rows whose logits would enter the loss's softmax.
-    vocab = len(tokenizer)
     cfg = qwen.QwenConfig(
-        vocab_size=vocab, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_layers=t.num_layers, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
-        head_dim=t.head_dim, rope_theta=t.rope_theta, tie_word_embeddings=t.tie_word_embeddings,
-        max_position_embeddings=4096)
-    params = qwen.init_params(cfg, jax.random.key(config.seed), param_dtype)
-    shard = sharding.param_shardings(qwen.logical_axes(cfg), qwen.abstract_params(cfg), mesh)
-    params, generation_config = jax.device_put(params, shard), None
+        vocab_size=len(tokenizer), hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, rope_theta=t.rope_theta,
+        tie_word_embeddings=t.tie_word_embeddings, max_position_embeddings=4096)
+    generation_config = None
   else:
-    params, cfg = weights.load_checkpoint(m.checkpoint, param_dtype=param_dtype, mesh=mesh)
-    generation_config = weights.read_generation_config(weights.resolve(m.checkpoint))
+    path = weights.resolve(m.checkpoint)
+    cfg, generation_config = weights.read_config(path), weights.read_generation_config(path)
   if cfg.vocab_size < len(tokenizer):
     raise validate.ConfigError(
         f"config.model: the model's vocabulary ({cfg.vocab_size}) is smaller than the "
         f"tokenizer's ({len(tokenizer)}); they do not belong together")
-  return params, cfg, generation_config
+  return cfg, generation_config
+
+
+def _initial_params(config, cfg, mesh):
+  """The starting policy: random (tiny preset) or the checkpoint, placed in its shardings."""
+  param_dtype = DTYPES[config.optim.param_dtype]
+  if config.model.random_init:
+    params = qwen.init_params(cfg, jax.random.key(config.seed), param_dtype)
+    shard = sharding.param_shardings(qwen.logical_axes(cfg), qwen.abstract_params(cfg), mesh)
+    return jax.device_put(params, shard)
+  params, _ = weights.load_checkpoint(config.model.checkpoint, param_dtype=param_dtype,
+                                      mesh=mesh)
+  return params
 
 
 @dataclasses.dataclass
@@ -121,15 +130,17 @@ def run(config, workdir: str) -> dict:
   if config.train.eval_examples:
     eval_rows = eval_rows[:config.train.eval_examples]
   rewards = build_rewards(config.rewards)
-  params, cfg, generation_config = _model(config, tokenizer, mesh)
+  cfg, generation_config = _model_config(config, tokenizer)
   trainer = Trainer(config, cfg, mesh, tokenizer, stop_ids)
+  num_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
   print(f"grpo_jax: {cfg.model_type} {cfg.num_layers}x{cfg.hidden_size}, "
-        f"{sum(x.size for x in jax.tree.leaves(params)) / 1e6:.2f}M params, "
+        f"{num_params / 1e6:.2f}M params, "
         f"{len(train_rows)} train / {len(eval_rows)} eval prompts, mesh {dict(mesh.shape)}, "
         f"workdir {workdir}", flush=True)
 
   latest = checkpoint.latest_step(workdir)
   if latest is None:
+    params = _initial_params(config, cfg, mesh)
     if config.sft.steps:
       params = run_sft(config, trainer, params, train_rows)
     state = trainer.init_state(params)
@@ -186,10 +197,12 @@ def run(config, workdir: str) -> dict:
         m["eval/accuracy"] = evaluate(config, trainer, state["params"], tokenizer, eval_rows)
       metrics_writer.write(done, m)
       samples_writer.write(done, samples)
-      bar.set_postfix(reward=f"{m['reward/total/mean']:.3f}",
-                      acc=f"{m['reward/math_accuracy/mean']:.2f}"
-                      if "reward/math_accuracy/mean" in m else "-",
-                      eval=f"{m['eval/accuracy']:.2f}" if "eval/accuracy" in m else None)
+      postfix = {"reward": f"{m['reward/total/mean']:.3f}"}
+      if "reward/math_accuracy/mean" in m:
+        postfix["acc"] = f"{m['reward/math_accuracy/mean']:.2f}"
+      if "eval/accuracy" in m:
+        postfix["eval"] = f"{m['eval/accuracy']:.3f}"
+      bar.set_postfix(postfix)
       if done % config.train.checkpoint_every == 0 or done == config.train.steps:
         save(done)
       if stop["requested"]:
@@ -323,7 +336,6 @@ class Trainer:
         "completion/truncated_frac": float(truncated.mean()),
         "time/sample_s": t_sample, "time/reward_s": t_reward, "time/train_s": t_train,
         **out.metrics,
-        "data/epoch_step": step,
     })
     n = min(cfg.train.samples_per_step, len(texts))
     samples = [{"prompt": prompt_texts[i], "completion": texts[i],
