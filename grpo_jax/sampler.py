@@ -128,19 +128,20 @@ def _settings(greedy=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> S
 
 
 class _Head(NamedTuple):
-  """The [D, V_valid] head split as full chunks [n, D, c] plus one narrower rest [D, r]."""
-  chunks_NDc: Array | None
-  rest_Dr: Array | None
-  source_DV: Array  # the whole head, for recomputing a few columns per row
+  """The [V_valid, D] head (vocabulary-major, like a tied embedding) as full chunks [n, c, D]
+  plus one narrower rest [r, D]. Chunk logits are computed vocabulary-major too, [c, B]: on
+  CPU that matmul and the reductions over c (vectorised across the batch) are ~15% faster
+  than the [B, c] layout."""
+  chunks_NcD: Array | None
+  rest_rD: Array | None
+  source_VD: Array  # the whole head, for recomputing a few rows of logits per batch row
 
 
-def _prepare_head(head_DV: Array, valid: int, chunk: int) -> _Head:
+def _prepare_head(head_VD: Array, valid: int, chunk: int) -> _Head:
   n = valid // chunk
-  chunks = None
-  if n:
-    chunks = head_DV[:, :n * chunk].reshape(head_DV.shape[0], n, chunk).transpose(1, 0, 2)
-  rest = head_DV[:, n * chunk:valid] if valid > n * chunk else None
-  return _Head(chunks, rest, head_DV)
+  chunks = head_VD[:n * chunk].reshape(n, chunk, head_VD.shape[1]) if n else None
+  rest = head_VD[n * chunk:valid] if valid > n * chunk else None
+  return _Head(chunks, rest, head_VD)
 
 
 def _num_chunks(valid: int, chunk: int) -> int:
@@ -148,30 +149,30 @@ def _num_chunks(valid: int, chunk: int) -> int:
 
 
 def head_chunk(head: _Head) -> int:
-  return head.chunks_NDc.shape[2] if head.chunks_NDc is not None else head.rest_Dr.shape[1]
+  return head.chunks_NcD.shape[1] if head.chunks_NcD is not None else head.rest_rD.shape[0]
 
 
 def _vocab_scan(head: _Head, h_BD: Array, inv_temp: float, body, carry, per_chunk=None):
-  """carry = body(carry, logits_Bc / temperature, column offset, per_chunk[i]) over all chunks.
+  """carry = body(carry, logits_cB / temperature, vocab offset, per_chunk[i]) over all chunks.
 
   `per_chunk` is a pytree with a leading axis of _num_chunks entries (e.g. random numbers).
   """
-  n = 0 if head.chunks_NDc is None else head.chunks_NDc.shape[0]
-  chunk = 0 if head.chunks_NDc is None else head.chunks_NDc.shape[2]
+  n = 0 if head.chunks_NcD is None else head.chunks_NcD.shape[0]
+  chunk = 0 if head.chunks_NcD is None else head.chunks_NcD.shape[1]
   take = lambda sl: jax.tree.map(lambda x: x[sl], per_chunk)
 
-  def logits(w_Dc):
-    return jnp.einsum("BD,Dc->Bc", h_BD, w_Dc.astype(h_BD.dtype),
+  def logits(w_cD):
+    return jnp.einsum("cD,BD->cB", w_cD.astype(h_BD.dtype), h_BD,
                       preferred_element_type=jnp.float32) * inv_temp
 
   if n:
     def step(c, xs):
-      w_Dc, i, extra = xs
-      return body(c, logits(w_Dc), i * chunk, extra), None
-    carry, _ = jax.lax.scan(step, carry, (head.chunks_NDc, jnp.arange(n, dtype=jnp.int32),
+      w_cD, i, extra = xs
+      return body(c, logits(w_cD), i * chunk, extra), None
+    carry, _ = jax.lax.scan(step, carry, (head.chunks_NcD, jnp.arange(n, dtype=jnp.int32),
                                           take(slice(0, n))))
-  if head.rest_Dr is not None:
-    carry = body(carry, logits(head.rest_Dr), jnp.int32(n * chunk), take(n))
+  if head.rest_rD is not None:
+    carry = body(carry, logits(head.rest_rD), jnp.int32(n * chunk), take(n))
   return carry
 
 
@@ -188,7 +189,7 @@ def _first_true(mask: Array, fallback: Array) -> Array:
   return jnp.where(jnp.any(mask, axis=-1), first, last).astype(jnp.int32)
 
 
-_ARGMAX_BLOCK = 32  # columns per block in the greedy pass; divides every vocab_chunk we allow
+_ARGMAX_BLOCK = 32  # vocabulary entries per block in the greedy pass; divides every vocab_chunk
 
 
 def _block_size(width: int) -> int:
@@ -211,27 +212,28 @@ def _inverse_cdf(w_BR: Array, u_BS: Array) -> Array:
   return _first_true(hit_BSR, jnp.broadcast_to(positive_B1R, hit_BSR.shape))
 
 
-def _draw(e_BC: Array, u_BS2: Array) -> Array:
-  """[B, S] indices drawn with P ∝ e over C: a block of ~sqrt(C) entries, then one inside it."""
-  b, c = e_BC.shape
+def _draw(e_cB: Array, u_BS2: Array) -> Array:
+  """[B, S] indices drawn with P ∝ e over c: a block of ~sqrt(c) entries, then one inside it."""
+  c, b = e_cB.shape
   s = u_BS2.shape[1]
   r = _block_size(c)
-  blocks_BNR = jnp.pad(e_BC, ((0, 0), (0, -c % r))).reshape(b, -1, r)
-  blk_BS = _inverse_cdf(blocks_BNR.sum(-1), u_BS2[..., 0])
-  inner_BSR = jnp.take_along_axis(blocks_BNR, blk_BS[..., None], 1)
+  blocks_NRB = jnp.pad(e_cB, ((0, -c % r), (0, 0))).reshape(-1, r, b)
+  blk_BS = _inverse_cdf(blocks_NRB.sum(1).T, u_BS2[..., 0])
+  inner_BSR = blocks_NRB[blk_BS, :, jnp.arange(b)[:, None]]
   inner_BS = _inverse_cdf(inner_BSR.reshape(b * s, r), u_BS2[..., 1].reshape(b * s, 1))
   return blk_BS * r + inner_BS.reshape(b, s)
 
 
 # ------------------------------------------------------------------------------------------------
-# Streaming passes over the vocabulary. Each returns per-row results; logits are temperature-scaled.
+# Streaming passes over the vocabulary. Each returns per-row results; logits are temperature-scaled
+# and arrive vocabulary-major, [c, B].
 
 
-def _online_lse(m, s, l_Bc, cm=None):
+def _online_lse(m, s, l_cB, cm=None):
   """Running (max, sum exp(l - max)) updated with one chunk; also the chunk's max."""
-  cm = jnp.max(l_Bc, -1) if cm is None else cm
+  cm = jnp.max(l_cB, 0) if cm is None else cm
   nm = jnp.maximum(m, cm)
-  s = s * jnp.exp(m - nm) + jnp.sum(jnp.exp(l_Bc - cm[:, None]), -1) * jnp.exp(cm - nm)
+  s = s * jnp.exp(m - nm) + jnp.sum(jnp.exp(l_cB - cm[None, :]), 0) * jnp.exp(cm - nm)
   return nm, s, cm
 
 
@@ -239,20 +241,20 @@ def _greedy_pass(head, h_BD, inv_temp, valid, argmax=True):
   """(argmax token or None, its logit = the max, logsumexp) per row.
 
   The argmax is found in two steps: the pass keeps only the best block of `_ARGMAX_BLOCK`
-  columns (a plain max reduction, much cheaper on CPU than a value-and-index reduction over
-  every column), then that block's logits are recomputed per row and searched.
+  entries (a plain max reduction, much cheaper on CPU than a value-and-index reduction over
+  every entry), then that block's logits are recomputed per row and searched.
   """
   r = _ARGMAX_BLOCK
 
-  def body(c, l_Bc, off, _):
+  def body(c, l_cB, off, _):
     m, s, blk = c
-    b, w = l_Bc.shape
     if not argmax:
-      return _online_lse(m, s, l_Bc)[:2] + (blk,)
-    blocks_BK = jnp.pad(l_Bc, ((0, 0), (0, -w % r)), constant_values=-jnp.inf).reshape(
-        b, -1, r).max(-1)
-    cb = jnp.argmax(blocks_BK, -1).astype(jnp.int32)
-    nm, s, cm = _online_lse(m, s, l_Bc, jnp.max(blocks_BK, -1))
+      return _online_lse(m, s, l_cB)[:2] + (blk,)
+    w, b = l_cB.shape
+    blocks_KB = jnp.pad(l_cB, ((0, -w % r), (0, 0)), constant_values=-jnp.inf).reshape(
+        -1, r, b).max(1)
+    cb = jnp.argmax(blocks_KB, 0).astype(jnp.int32)
+    nm, s, cm = _online_lse(m, s, l_cB, jnp.max(blocks_KB, 0))
     # Strict '>' keeps the earliest block on ties, as argmax over the whole row would.
     return nm, s, jnp.where(cm > m, off // r + cb, blk)
   b = h_BD.shape[0]
@@ -260,13 +262,12 @@ def _greedy_pass(head, h_BD, inv_temp, valid, argmax=True):
   m, s, blk = _vocab_scan(head, h_BD, inv_temp, body, init)
   if not argmax:
     return None, m, m + jnp.log(s)
-  cols_BR = blk[:, None] * r + jnp.arange(r)
-  w_BDR = jnp.take(head.source_DV, jnp.minimum(cols_BR, valid - 1), axis=1).transpose(1, 0, 2)
-  l_BR = jnp.einsum("BD,BDR->BR", h_BD, w_BDR.astype(h_BD.dtype),
+  rows_BR = blk[:, None] * r + jnp.arange(r)
+  w_BRD = head.source_VD[jnp.minimum(rows_BR, valid - 1)]
+  l_BR = jnp.einsum("BRD,BD->BR", w_BRD.astype(h_BD.dtype), h_BD,
                     preferred_element_type=jnp.float32) * inv_temp
-  l_BR = jnp.where(cols_BR < valid, l_BR, -jnp.inf)
-  j = jnp.argmax(l_BR, -1)
-  return blk * r + j.astype(jnp.int32), m, m + jnp.log(s)
+  l_BR = jnp.where(rows_BR < valid, l_BR, -jnp.inf)
+  return blk * r + jnp.argmax(l_BR, -1).astype(jnp.int32), m, m + jnp.log(s)
 
 
 def _reservoir_pass(head, h_BD, inv_temp, u_NBS3, tau_B=None):
@@ -277,20 +278,20 @@ def _reservoir_pass(head, h_BD, inv_temp, u_NBS3, tau_B=None):
   mass_c / total: exact. Returns (tokens [B, S], their logits, max and sum exp(l - max) of the
   kept set).
   """
-  def body(c, l_Bc, off, u_BS3):
+  def body(c, l_cB, off, u_BS3):
     m, s, tok, tok_logit = c
     if tau_B is not None:
-      l_Bc = jnp.where(l_Bc >= tau_B[:, None], l_Bc, -jnp.inf)
-    cm = jnp.max(l_Bc, -1)
+      l_cB = jnp.where(l_cB >= tau_B[None, :], l_cB, -jnp.inf)
+    cm = jnp.max(l_cB, 0)
     cm_safe = jnp.where(jnp.isfinite(cm), cm, 0.0)  # a chunk may be entirely cut
-    e_Bc = jnp.exp(l_Bc - cm_safe[:, None])
+    e_cB = jnp.exp(l_cB - cm_safe[None, :])
     nm = jnp.maximum(m, cm)
     nm_safe = jnp.where(jnp.isfinite(nm), nm, 0.0)
-    w = jnp.sum(e_Bc, -1) * jnp.exp(cm_safe - nm_safe) * jnp.isfinite(cm)
+    w = jnp.sum(e_cB, 0) * jnp.exp(cm_safe - nm_safe) * jnp.isfinite(cm)
     s = s * jnp.exp(m - nm_safe) + w
     take_BS = (w > 0)[:, None] & (u_BS3[..., 0] * s[:, None] < w[:, None])
-    idx_BS = _draw(e_Bc, u_BS3[..., 1:])
-    picked_BS = jnp.take_along_axis(l_Bc, idx_BS, 1)
+    idx_BS = _draw(e_cB, u_BS3[..., 1:])
+    picked_BS = jnp.take_along_axis(l_cB, idx_BS.T, 0).T
     return (nm, s, jnp.where(take_BS, off + idx_BS, tok), jnp.where(take_BS, picked_BS, tok_logit))
   b, n_draws = h_BD.shape[0], u_NBS3.shape[2]
   init = (jnp.full((b,), -jnp.inf), jnp.zeros((b,)), jnp.zeros((b, n_draws), jnp.int32),
@@ -301,10 +302,10 @@ def _reservoir_pass(head, h_BD, inv_temp, u_NBS3, tau_B=None):
 
 def _candidates_pass(head, h_BD, inv_temp, k):
   """(max, logsumexp, top-k logits [B, k] descending, their ids) per row."""
-  def body(c, l_Bc, off, _):
+  def body(c, l_cB, off, _):
     m, s, vals, ids = c
-    nm, s, _ = _online_lse(m, s, l_Bc)
-    cv, ci = jax.lax.top_k(l_Bc, min(k, l_Bc.shape[1]))
+    nm, s, _ = _online_lse(m, s, l_cB)
+    cv, ci = jax.lax.top_k(l_cB.T, min(k, l_cB.shape[0]))
     vals, pos = jax.lax.top_k(jnp.concatenate([vals, cv], 1), k)
     ids = jnp.take_along_axis(jnp.concatenate([ids, off + ci.astype(jnp.int32)], 1), pos, 1)
     return nm, s, vals, ids
@@ -317,9 +318,10 @@ def _candidates_pass(head, h_BD, inv_temp, k):
 
 def _mass_above_pass(head, h_BD, inv_temp, v_BS, tau_B, ref_B):
   """[B, S]: sum of exp(l - ref) over logits l > v[:, s] with l >= tau (the mass ranked above)."""
-  def body(acc, l_Bc, off, _):
-    e_Bc = jnp.where(l_Bc >= tau_B[:, None], jnp.exp(l_Bc - ref_B[:, None]), 0.0)
-    return acc + jnp.sum(jnp.where(l_Bc[:, :, None] > v_BS[:, None, :], e_Bc[:, :, None], 0.0), 1)
+  def body(acc, l_cB, off, _):
+    e_cB = jnp.where(l_cB >= tau_B[None, :], jnp.exp(l_cB - ref_B[None, :]), 0.0)
+    above_cBS = l_cB[:, :, None] > v_BS[None, :, :]
+    return acc + jnp.sum(jnp.where(above_cBS, e_cB[:, :, None], 0.0), 0)
   return _vocab_scan(head, h_BD, inv_temp, body, jnp.zeros(v_BS.shape))
 
 
@@ -465,7 +467,7 @@ class Sampler:
                stop_ids: Sequence[int] = (), buckets: Sequence[int] = DEFAULT_BUCKETS,
                greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, min_p: float = 0.0, valid_vocab_size: int | None = None,
-               pad_id: int = 0, mesh=None, dtype=None, vocab_chunk: int = 4096,
+               pad_id: int = 0, mesh=None, dtype=None, vocab_chunk: int = 8192,
                top_p_draws: int = 8):
     if isinstance(model, qwen.QwenConfig):
       model = qwen.Qwen(model, dtype=jnp.float32 if dtype is None else dtype)
@@ -536,7 +538,8 @@ class Sampler:
     p = state["mask"].shape[1] - c
     keys_R = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(rng, i[0]), i[1]))(
         row_ids_R2)
-    head = _prepare_head(qwen.head_kernel(params, cfg), self.valid, self.vocab_chunk)
+    # qwen.head_kernel is [D, V]; for a tied model its .T is the embedding itself, no copy.
+    head = _prepare_head(qwen.head_kernel(params, cfg).T, self.valid, self.vocab_chunk)
     stop = jnp.asarray(self.stop_ids or (-1,), jnp.int32)
 
     def next_token(h_RD, step):
