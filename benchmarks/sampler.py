@@ -101,9 +101,9 @@ def mesh_and_put(params, cfg, devices):
 def gsm8k_prompts(tokenizer):
   with open(fixtures.GSM8K / "test.jsonl") as f:
     questions = [json.loads(line)["question"] for line in f][:NUM_PROMPTS]
-  return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                             add_generation_prompt=True, tokenize=True)["input_ids"])
-          for q in questions]
+  chats = [[{"role": "user", "content": q}] for q in questions]
+  return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)
+               ["input_ids"]) for c in chats]
 
 
 def generation_workload(repeats, devices):

@@ -64,7 +64,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +115,11 @@ class SamplingParams:
 
 def _settings(greedy=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> SamplingParams:
   """SamplingParams from user values; temperature 0 means greedy (log-probs at temperature 1)."""
+  for name, v in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not math.isfinite(v):
+      raise ValueError(f"{name}={v!r} must be a finite number")
+  if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
+    raise ValueError(f"top_k={top_k!r} must be an int >= 0 (0 disables it)")
   if temperature == 0:
     greedy, temperature = True, 1.0
   if greedy:  # the cuts cannot change an argmax; normalised away so greedy compiles once
@@ -403,7 +408,8 @@ class _Uniforms:
 def _next_token(sp: SamplingParams, head: _Head, h_BD, keys_B, valid: int, num_draws: int):
   """One token per row from hidden states h_BD and per-row step keys.
 
-  Returns (token, log-prob before the cuts, extra head passes spent on the cuts' exactness).
+  Returns (token, log-prob before the cuts, extra rounds: top-p redraws, or 1 where a tie at
+  the k-th value sent top-k down the streaming path).
   """
   inv_temp = 1.0 / sp.temperature
   if sp.greedy:
