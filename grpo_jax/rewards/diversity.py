@@ -41,9 +41,7 @@ def group_diversity(e_ND: np.ndarray, group_size: int, leave_one_out: bool) -> l
 class DiversityReward:
   def __init__(self, opts: DiversityOptions):
     self.opts = opts
-    self.model = frozen_model.FrozenModel(
-        opts.checkpoint, tokenizer=opts.tokenizer, dtype=opts.dtype, batch_size=opts.batch_size,
-        max_tokens=opts.max_tokens, field="rewards.diversity.checkpoint")
+    self.model = frozen_model.FrozenModel.from_options(opts, "rewards.diversity.checkpoint")
     tok = self.model.tokenizer
     self.eos_id = tok.eos_token_id if tok.eos_token_id is not None else tok.pad_token_id
     if opts.append_eos and self.eos_id is None:

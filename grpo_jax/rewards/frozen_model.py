@@ -55,6 +55,12 @@ class FrozenModel:
     self._last_hidden = jax.jit(self._last_hidden_impl)
     self._logprobs = jax.jit(self._logprobs_impl)
 
+  @classmethod
+  def from_options(cls, opts, field: str) -> "FrozenModel":
+    """From a reward's options (checkpoint, tokenizer, dtype, batch_size, max_tokens)."""
+    return cls(opts.checkpoint, tokenizer=opts.tokenizer, dtype=opts.dtype,
+               batch_size=opts.batch_size, max_tokens=opts.max_tokens, field=field)
+
   def _last_hidden_impl(self, params, tokens_BT, mask_BT):
     positions_BT = qwen.positions_from_mask(mask_BT)
     hidden_BTD, _ = self.model.apply({"params": params}, tokens_BT, positions_BT, mask_BT)

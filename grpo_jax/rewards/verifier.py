@@ -21,9 +21,7 @@ from grpo_jax.rewards.model_options import VerifierOptions
 class VerifierReward:
   def __init__(self, opts: VerifierOptions):
     self.opts = opts
-    self.model = frozen_model.FrozenModel(
-        opts.checkpoint, tokenizer=opts.tokenizer, dtype=opts.dtype, batch_size=opts.batch_size,
-        max_tokens=opts.max_tokens, field="rewards.verifier.checkpoint")
+    self.model = frozen_model.FrozenModel.from_options(opts, "rewards.verifier.checkpoint")
     self.yes_id = self.model.single_token_id(opts.yes_token, "rewards.verifier.yes_token")
     self.no_id = self.model.single_token_id(opts.no_token, "rewards.verifier.no_token")
     self._template_kwargs = json.loads(opts.chat_template_kwargs_json) if opts.chat_template_kwargs_json else {}
