@@ -15,13 +15,11 @@ import json
 import os
 import signal
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import logging
 from tqdm.auto import tqdm
 
 from grpo_jax import (checkpoint, data, grpo, logging_io, plots, sampler as sampler_lib,

@@ -1,7 +1,5 @@
 """The supervised warm start: batch layout and loss against transformers' cross-entropy."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import torch
