@@ -27,7 +27,6 @@ from grpo_jax import (checkpoint, data, grpo, logging_io, plots, sampler as samp
 from grpo_jax.models import qwen, weights
 from grpo_jax.rewards import build_rewards, score
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 SUMMARY_FILE = "summary.json"
 
 
@@ -86,7 +85,7 @@ def _model_config(config, tokenizer):
 
 def _initial_params(config, cfg, mesh):
   """The starting policy: random (tiny preset) or the checkpoint, placed in its shardings."""
-  param_dtype = DTYPES[config.optim.param_dtype]
+  param_dtype = jnp.dtype(config.optim.param_dtype)
   if config.model.random_init:
     params = qwen.init_params(cfg, jax.random.key(config.seed), param_dtype)
     shard = sharding.param_shardings(qwen.logical_axes(cfg), qwen.abstract_params(cfg), mesh)
@@ -98,20 +97,23 @@ def _initial_params(config, cfg, mesh):
 
 @dataclasses.dataclass
 class Prompts:
-  """One batch of prompts, tokenised, with the dataset rows they came from."""
-  rows: list[dict]
+  """One batch of prompts: the chat-templated texts and their left-padded tokens."""
   texts: list[str]
   tokens_BP: np.ndarray
   mask_BP: np.ndarray
 
 
-def _prompts(config, tokenizer, rows) -> Prompts:
+def _prompt_texts(config, tokenizer, rows) -> list[str]:
   d = config.data
-  texts = [data.build_prompt(tokenizer, r["question"], d.system_prompt, d.user_template)
-           for r in rows]
+  return [data.build_prompt(tokenizer, r["question"], d.system_prompt, d.user_template)
+          for r in rows]
+
+
+def _prompts(config, tokenizer, rows) -> Prompts:
+  texts = _prompt_texts(config, tokenizer, rows)
   ids = data.encode_prompts(tokenizer, texts)
-  tokens, mask = data.pad_to_bucket(ids, d.prompt_buckets, tokenizer.pad_token_id)
-  return Prompts(rows, texts, tokens, mask)
+  tokens, mask = data.pad_to_bucket(ids, config.data.prompt_buckets, tokenizer.pad_token_id)
+  return Prompts(texts, tokens, mask)
 
 
 # --- the program -------------------------------------------------------------------------------
@@ -373,15 +375,13 @@ def run_sft(config, trainer: Trainer, params, rows):
   stop = tok.convert_tokens_to_ids(tok.eos_token)
   length = max(config.data.prompt_buckets) + config.sampling.max_new_tokens
   bar = tqdm(range(s.steps), desc="sft warm start", dynamic_ncols=True, mininterval=2.0)
-  for _ in bar:
+  for i in bar:
     batch_rows = [rows[i] for i in order.next_indices()]
-    prompts = data.encode_prompts(tok, [data.build_prompt(tok, r["question"],
-                                                          config.data.system_prompt,
-                                                          config.data.user_template)
-                                        for r in batch_rows])
+    prompts = data.encode_prompts(tok, _prompt_texts(config, tok, batch_rows))
     completions = [tok(sft.reference_completion(r["answer"]),
                        add_special_tokens=False).input_ids + [stop] for r in batch_rows]
     tokens, mask, loss_mask = sft.sft_batch(prompts, completions, length, tok.pad_token_id)
     params, opt_state, loss = step_fn(params, opt_state, tokens, mask, loss_mask)
-    bar.set_postfix(loss=f"{float(loss):.3f}")
+    if i % 10 == 0:  # reading the loss waits for the device; not every step
+      bar.set_postfix(loss=f"{float(loss):.3f}")
   return params

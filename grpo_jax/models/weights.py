@@ -258,8 +258,7 @@ def save_checkpoint(params, cfg: qwen.QwenConfig, out_dir, max_shard_bytes: int 
   out_dir = Path(out_dir)
   tensors: list[tuple[str, np.ndarray]] = []
   for path, hf_name, (_, to_hf) in _top_map(cfg):
-    tensors.append((hf_name, np.asarray(jax.device_get(_get(params, path)))))
-    tensors[-1] = (hf_name, to_hf(tensors[-1][1], cfg))
+    tensors.append((hf_name, to_hf(np.asarray(jax.device_get(_get(params, path))), cfg)))
   for path, hf_name, (_, to_hf) in _layer_map(cfg):
     stacked = np.asarray(jax.device_get(_get(params["layers"], path)))
     tensors += [(hf_name.format(i=i), to_hf(stacked[i], cfg)) for i in range(cfg.num_layers)]
