@@ -1,9 +1,17 @@
 """Entry point: python -m grpo_jax.main --config=configs/gsm8k.py[:preset] --workdir=DIR
 [--config.a.b=value ...]. Running it again on the same workdir resumes from the last
-checkpoint."""
+checkpoint.
+
+A user error (grpo_jax.errors.UserError: config, data, paths, mesh, checkpoint, scorer) prints
+one line naming the bad thing and exits with status 2; a bug keeps its traceback.
+"""
+
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from grpo_jax.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, optionally with a preset: configs/gsm8k.py:tiny",
@@ -18,7 +26,11 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   from grpo_jax import train  # imports jax: after flags, so --help stays fast
 
-  train.run(_CONFIG.value, _WORKDIR.value)
+  try:
+    train.run(_CONFIG.value, _WORKDIR.value)
+  except UserError as e:
+    print(f"grpo_jax: error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

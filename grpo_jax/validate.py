@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 
 from grpo_jax import grpo, train_step
+from grpo_jax.errors import UserError
 from grpo_jax.rewards import KNOWN_REWARDS
 
 
-class ConfigError(ValueError):
-  pass
+class ConfigError(UserError, ValueError):
+  """A config field is invalid; the message starts with `config.<field>:`."""
 
 
 def _check(ok: bool, setting: str, message: str) -> None:

@@ -26,13 +26,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from grpo_jax import sharding as sharding_lib
+from grpo_jax.errors import UserError
 from grpo_jax.models import qwen
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
   """A checkpoint is missing, malformed or does not match its config."""
 
 
