@@ -16,11 +16,15 @@ Rows are plain dicts in GSM8K's schema, whatever the source's field names were:
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 from collections.abc import Sequence
 
 import numpy as np
+
+from grpo_jax import hub
+from grpo_jax.errors import UserError
 
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # "#### 1,080" -> "1080"; GSM8K gold answers are integers, possibly negative, with commas.
@@ -36,67 +40,90 @@ def gold_answer(answer_text: str) -> str:
   return match.group(1).replace(",", "")
 
 
-def _local_files(source: str, split: str) -> list[str] | None:
-  """Files for a local source: a file, a glob, or a directory holding `<split>.<ext>`."""
-  if os.path.isdir(source):
-    found = [os.path.join(source, split + ext) for ext in _LOCAL_BUILDERS
-             if os.path.isfile(os.path.join(source, split + ext))]
-    if not found:
-      raise FileNotFoundError(
-          f"data directory {source!r} has no {split}.json, {split}.jsonl or {split}.parquet")
-    return found[:1]
-  if any(source.endswith(ext) for ext in _LOCAL_BUILDERS) or glob.has_magic(source):
+def _local_files(source: str, split: str, field: str) -> list[str] | None:
+  """Files for a local source (a file, a glob, or a directory holding `<split>.<ext>`); None for
+  a hub id (see grpo_jax.hub for the rule)."""
+  if glob.has_magic(source):
     files = sorted(glob.glob(os.path.expanduser(source)))
     if not files:
-      raise FileNotFoundError(f"no data file matches {source!r}")
+      raise UserError(f"{field}: no data file matches {source!r}")
     return files
-  if source.startswith((".", "/", "~")):
-    raise FileNotFoundError(f"data path {source!r} does not exist")
-  return None  # Not local: a hub dataset id.
+  path = hub.local_path(source, field)
+  if path is None and source.endswith(tuple(_LOCAL_BUILDERS)):
+    raise UserError(f"{field}: data file {source!r} does not exist")
+  if path is None or os.path.isfile(path):
+    return path and [path]
+  found = [os.path.join(path, split + ext) for ext in _LOCAL_BUILDERS
+           if os.path.isfile(os.path.join(path, split + ext))]
+  if not found:
+    raise UserError(f"{field}: data directory {source!r} has no {split}.json, {split}.jsonl or "
+                    f"{split}.parquet")
+  return found[:1]
+
+
+def _first_bad_json_line(files: Sequence[str]) -> str | None:
+  """'file:line: reason' for the first line of a JSON-lines file that is not a JSON object."""
+  for path in files:
+    if not path.endswith(".jsonl"):
+      continue
+    with open(path, encoding="utf-8", errors="replace") as f:
+      for number, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        try:
+          row = json.loads(line)
+        except json.JSONDecodeError as e:
+          return f"{path}:{number}: not valid JSON ({e})"
+        if not isinstance(row, dict):
+          return f"{path}:{number}: expected a JSON object, got {type(row).__name__}"
+  return None
 
 
 def load_rows(source: str, split: str = "train", *, config_name: str | None = None,
               question_field: str = "question", answer_field: str = "answer",
-              cache_dir: str | None = None) -> list[dict[str, str]]:
+              cache_dir: str | None = None,
+              field: str = "config.data.source") -> list[dict[str, str]]:
   """Loads problems as [{"question": ..., "answer": ...}] from local files or the hub.
 
   source: a .json/.jsonl/.parquet file or glob, a directory with `<split>.jsonl` (etc.), or a hub
   id such as "openai/gsm8k" (with config_name="main"). Every answer must end in '#### N'.
+  Bad data raises UserError naming the file and line or row; `field` names the setting.
   """
   import datasets  # Heavy import, only needed here.
 
-  files = _local_files(source, split)
-  try:
-    if files is not None:
-      ext = os.path.splitext(files[0])[1]
-      if ext not in _LOCAL_BUILDERS:
-        raise ValueError(f"data file {files[0]!r}: expected .json, .jsonl or .parquet")
+  files = _local_files(source, split, field)
+  if files is not None:
+    ext = os.path.splitext(files[0])[1]
+    if ext not in _LOCAL_BUILDERS:
+      raise UserError(f"{field}: data file {files[0]!r}: expected .json, .jsonl or .parquet")
+    try:
       ds = datasets.load_dataset(_LOCAL_BUILDERS[ext], data_files=files, split="train",
                                  cache_dir=cache_dir)
-    else:
+    except datasets.exceptions.DatasetGenerationError as e:
+      where = _first_bad_json_line(files) or f"{', '.join(files)}: {e.__cause__ or e}"
+      raise UserError(f"{field}: cannot read {where}") from e
+  else:
+    hub.prepare()
+    try:
       ds = datasets.load_dataset(source, config_name, split=split, cache_dir=cache_dir)
-  except (ConnectionError, FileNotFoundError) as e:
-    if files is not None:
-      raise
-    raise ConnectionError(
-        f"could not load dataset {source!r} (config {config_name!r}, split {split!r}) from the "
-        "hub: not cached or no network. Pass a local .jsonl/.parquet file or directory.") from e
+    except (ConnectionError, FileNotFoundError, ValueError) as e:
+      raise hub.unavailable(source, field, "data set", e) from e
 
   where = ", ".join(files) if files is not None else f"{source} [{split}]"
-  for field in (question_field, answer_field):
-    if field not in ds.column_names:
-      raise KeyError(f"{where}: field {field!r} is missing (columns: {ds.column_names}); "
-                     "set the question/answer field names to match the data")
+  for name in (question_field, answer_field):
+    if name not in ds.column_names:
+      raise UserError(f"{where}: field {name!r} is missing (columns: {ds.column_names}); set "
+                      "config.data.question_field / answer_field to match the data")
   rows = [{"question": q, "answer": a}
           for q, a in zip(ds[question_field], ds[answer_field], strict=True)]
   for i, row in enumerate(rows):
-    for key, field in (("question", question_field), ("answer", answer_field)):
+    for key, name in (("question", question_field), ("answer", answer_field)):
       if not isinstance(row[key], str):
-        raise TypeError(f"{where}: row {i}, field {field!r} is {row[key]!r}, not a string")
+        raise UserError(f"{where}: row {i}, field {name!r} is {row[key]!r}, not a string")
     try:
       gold_answer(row["answer"])
     except ValueError as e:
-      raise ValueError(f"{where}: row {i}, field {answer_field!r}: {e}") from None
+      raise UserError(f"{where}: row {i}, field {answer_field!r}: {e}") from None
   return rows
 
 

@@ -33,5 +33,10 @@ def main(argv):
     sys.exit(2)
 
 
-if __name__ == "__main__":
+def run():
+  """The `grpo-jax` console script: the same as python -m grpo_jax.main."""
   app.run(main)
+
+
+if __name__ == "__main__":
+  run()

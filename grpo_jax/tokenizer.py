@@ -21,6 +21,8 @@ from tokenizers import decoders, models, pre_tokenizers
 import transformers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from grpo_jax import hub
+
 # Special tokens in Qwen2.5's order; the tiny tokenizer gives them ids 256, 257, 258.
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Reasoning/answer tags as ordinary added tokens (special=False) so that decoding with
@@ -37,32 +39,25 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def _looks_like_path(name_or_path: str) -> bool:
-  # Hub ids are 'name' or 'owner/name'; anything else is meant as a filesystem path.
-  return (os.path.exists(name_or_path) or name_or_path.startswith((".", "/", "~"))
-          or name_or_path.count("/") > 1 or os.sep != "/" and os.sep in name_or_path)
-
-
-def load_tokenizer(name_or_path: str) -> transformers.PreTrainedTokenizerBase:
-  """Loads a tokenizer from a local directory or a hub id (hub ids need network or the HF cache)."""
-  if _looks_like_path(name_or_path):
-    path = os.path.expanduser(name_or_path)
-    if not os.path.isdir(path):
-      raise FileNotFoundError(f"tokenizer directory {name_or_path!r} does not exist")
-    return transformers.AutoTokenizer.from_pretrained(path)
+def load_tokenizer(name_or_path: str,
+                   field: str = "config.model.tokenizer") -> transformers.PreTrainedTokenizerBase:
+  """Loads a tokenizer from a local directory or a hub id (see grpo_jax.hub for the rule)."""
+  local = hub.local_path(name_or_path, field)
+  if local is not None:
+    return transformers.AutoTokenizer.from_pretrained(local)
+  hub.prepare()
   try:
     return transformers.AutoTokenizer.from_pretrained(name_or_path)
   except OSError as e:
-    raise OSError(
-        f"could not load tokenizer {name_or_path!r} from the Hugging Face hub: it is not a local "
-        "directory, and it is not in the local HF cache or the hub cannot be reached (offline?). "
-        "Pass a local path to a tokenizer directory instead.") from e
+    raise hub.unavailable(name_or_path, field, "tokenizer", e) from e
 
 
 def _generation_config_path(name_or_path: str) -> str | None:
-  if _looks_like_path(name_or_path):
-    path = os.path.join(os.path.expanduser(name_or_path), "generation_config.json")
+  local = hub.local_path(name_or_path, "tokenizer")
+  if local is not None:
+    path = os.path.join(local, "generation_config.json")
     return path if os.path.isfile(path) else None
+  hub.prepare()
   try:
     return huggingface_hub.hf_hub_download(name_or_path, "generation_config.json")
   except (OSError, hf_errors.EntryNotFoundError):

@@ -44,7 +44,8 @@ def _tokenizer(config, workdir, train_rows):
     corpus += ["user assistant system"] * 100
     name = tokenizer_lib.build_tiny_tokenizer(os.path.join(workdir, "tokenizer"), corpus,
                                               config.model.tiny.vocab_size)
-  tok = tokenizer_lib.load_tokenizer(name)
+  field = "config.model.tokenizer" if config.model.tokenizer else "config.model.checkpoint"
+  tok = tokenizer_lib.load_tokenizer(name, field)
   return tok, tokenizer_lib.stop_ids(tok, name)
 
 
@@ -74,7 +75,7 @@ def _model_config(config, tokenizer):
         tie_word_embeddings=t.tie_word_embeddings, max_position_embeddings=4096)
     generation_config = None
   else:
-    path = weights.resolve(m.checkpoint)
+    path = weights.resolve(m.checkpoint, "config.model.checkpoint")
     cfg, generation_config = weights.read_config(path), weights.read_generation_config(path)
   if cfg.vocab_size < len(tokenizer):
     raise validate.ConfigError(

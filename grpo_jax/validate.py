@@ -31,6 +31,12 @@ def batch_devices(config, num_devices: int) -> int:
     shape[shape.index(-1)] = num_devices // known
   _check(math.prod(shape) <= num_devices, "mesh",
          f"{tuple(shape)} needs {math.prod(shape)} devices, only {num_devices} present")
+  # A mesh over a subset of the devices is allowed (a 1-device run on an 8-device host), but
+  # only a divisor of the device count: (1, 3, 1) on 8 devices is a typo, not a plan.
+  _check(num_devices % math.prod(shape) == 0, "mesh",
+         f"{tuple(config.mesh)} uses {math.prod(shape)} of the {num_devices} devices, which does "
+         f"not divide {num_devices}; use a shape whose product divides it, e.g. "
+         f"(1, {num_devices}, 1) or (1, -1, 1)")
   return shape[0] * shape[1]
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from grpo_jax import data
 from grpo_jax import tokenizer as tokenizer_lib
+from grpo_jax.errors import UserError
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
 GSM8K = SHARED / "gsm8k"
@@ -62,24 +63,44 @@ def test_file_path_custom_fields_and_parquet(tmp_path, cache_dir):
 def test_bad_input_errors_name_file_and_field(tmp_path, cache_dir):
   path = tmp_path / "renamed.jsonl"
   path.write_text(json.dumps({"problem": "1+1?", "answer": "#### 2"}) + "\n")
-  with pytest.raises(KeyError, match=r"renamed\.jsonl.*'question' is missing.*problem"):
+  with pytest.raises(UserError, match=r"renamed\.jsonl.*'question' is missing.*problem"):
     data.load_rows(str(path), cache_dir=cache_dir)
 
   path = tmp_path / "noanswer.jsonl"
   path.write_text(json.dumps({"question": "a", "answer": "#### 2"}) + "\n"
                   + json.dumps({"question": "b", "answer": "two"}) + "\n")
-  with pytest.raises(ValueError, match=r"noanswer\.jsonl: row 1, field 'answer'"):
+  with pytest.raises(UserError, match=r"noanswer\.jsonl: row 1, field 'answer'"):
     data.load_rows(str(path), cache_dir=cache_dir)
 
-  with pytest.raises(FileNotFoundError, match="has no validation.json"):
+  with pytest.raises(UserError, match="has no validation.json"):
     data.load_rows(str(GSM8K), split="validation", cache_dir=cache_dir)
-  with pytest.raises(FileNotFoundError, match="nothere"):
+  with pytest.raises(UserError, match="nothere"):
     data.load_rows(str(tmp_path / "nothere.jsonl"), cache_dir=cache_dir)
-  with pytest.raises(FileNotFoundError, match="data path .*no_dir' does not exist"):
+  with pytest.raises(UserError, match="config.data.source: .*no_dir' does not exist"):
     data.load_rows(str(tmp_path / "no_dir"), cache_dir=cache_dir)
   # conftest sets HF_HUB_OFFLINE=1: a hub id that is not cached says so and names itself.
-  with pytest.raises(ConnectionError, match="'grpo-jax-test/no-such-dataset'.*local"):
+  with pytest.raises(UserError, match="'grpo-jax-test/no-such-dataset'.*local path.*hf download"):
     data.load_rows("grpo-jax-test/no-such-dataset", config_name="main", cache_dir=cache_dir)
+
+
+def test_malformed_jsonl_line_is_named(tmp_path, cache_dir):
+  lines = (GSM8K / "train.jsonl").read_text().splitlines()[:5]
+  lines[3] = lines[3][:-7]  # a real row, cut short
+  (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+  with pytest.raises(UserError, match=r"train\.jsonl:4: not valid JSON"):
+    data.load_rows(str(tmp_path), cache_dir=cache_dir)
+
+
+def test_existing_relative_path_is_local_and_missing_one_is_named(tmp_path, monkeypatch,
+                                                                  cache_dir):
+  (tmp_path / "my" / "gsm").mkdir(parents=True)
+  (tmp_path / "my" / "gsm" / "test.jsonl").write_text(
+      (GSM8K / "test.jsonl").read_text().splitlines()[0] + "\n")
+  monkeypatch.chdir(tmp_path)
+  # 'my/gsm' has the shape of a hub id; it exists, so it is local.
+  assert len(data.load_rows("my/gsm", split="test", cache_dir=cache_dir)) == 1
+  with pytest.raises(UserError, match=r"config.data.source: 'my/gsm2/' does not exist"):
+    data.load_rows("my/gsm2/", split="test", cache_dir=cache_dir)
 
 
 def test_prompts_with_real_tokenizer():

@@ -5,6 +5,7 @@ import pathlib
 import pytest
 
 from grpo_jax import tokenizer as tokenizer_lib
+from grpo_jax.errors import UserError
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
 QWEN_DIR = str(SHARED / "qwen2-tokenizer")
@@ -51,10 +52,10 @@ def test_stop_ids_fall_back_to_tokenizer_eos(qwen, tmp_path):
 
 
 def test_missing_tokenizer_errors_name_it(tmp_path):
-  with pytest.raises(FileNotFoundError, match="no_such_tok"):
+  with pytest.raises(UserError, match="no_such_tok' does not exist"):
     tokenizer_lib.load_tokenizer(str(tmp_path / "no_such_tok"))
   # conftest sets HF_HUB_OFFLINE=1: an uncached hub id must say to pass a local path.
-  with pytest.raises(OSError, match=r"'grpo-jax-test/not-a-repo'.*local path"):
+  with pytest.raises(UserError, match=r"'grpo-jax-test/not-a-repo' is not a local path.*--local-dir"):
     tokenizer_lib.load_tokenizer("grpo-jax-test/not-a-repo")
 
 

@@ -13,6 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 import fixtures
 from grpo_jax.models import qwen, weights
+from grpo_jax.errors import UserError
 
 VOCAB = 128
 
@@ -110,7 +111,7 @@ def broken(ckpts, tmp_path):
 
 
 def test_missing_directory_and_files(broken, tmp_path):
-  with pytest.raises(weights.CheckpointError, match="does not exist"):
+  with pytest.raises(UserError, match="does not exist"):
     weights.load_checkpoint(tmp_path / "nowhere")
   (broken / "model.safetensors").unlink()
   with pytest.raises(weights.CheckpointError, match="neither model.safetensors"):
@@ -159,5 +160,5 @@ def test_corrupt_safetensors_header(broken):
 
 def test_hub_id_offline_gives_a_clear_error(monkeypatch):
   monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-  with pytest.raises(weights.CheckpointError, match="not in the local cache"):
+  with pytest.raises(UserError, match="not in the local Hugging Face cache.*--local-dir"):
     weights.load_checkpoint("Qwen/definitely-not-cached-model")

@@ -25,7 +25,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from grpo_jax import sharding as sharding_lib
+from grpo_jax import hub, sharding as sharding_lib
 from grpo_jax.errors import UserError
 from grpo_jax.models import qwen
 
@@ -104,24 +104,22 @@ def _get(tree, path):
 
 # --- reading -----------------------------------------------------------------------------------
 
-def resolve(path_or_id: str | os.PathLike) -> Path:
+def resolve(path_or_id: str | os.PathLike, field: str = "checkpoint") -> Path:
   """A local checkpoint directory, or a hub id downloaded (or found in the cache) via
-  huggingface_hub. Offline and not cached gives an error that says so."""
-  path = Path(path_or_id).expanduser()
-  if path.is_dir():
-    return path
+  huggingface_hub; see grpo_jax.hub for the rule. `field` names the setting in errors."""
   name = str(path_or_id)
-  if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
-    raise CheckpointError(f"checkpoint directory {name!r} does not exist")
+  local = hub.local_path(name, field)
+  if local is not None:
+    if not os.path.isdir(local):
+      raise CheckpointError(f"{field}: {name!r} is a file; expected a checkpoint directory")
+    return Path(local)
   from huggingface_hub import snapshot_download  # only needed for hub ids
+  hub.prepare()
   try:
     return Path(snapshot_download(
         name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"]))
   except Exception as e:  # offline, unknown repo, gated, ...
-    raise CheckpointError(
-        f"could not fetch {name!r} from the Hugging Face hub and it is not in the local cache "
-        f"({type(e).__name__}: {e}). Download it where there is network "
-        f"(huggingface-cli download {name}) or pass a local directory.") from e
+    raise hub.unavailable(name, field, "checkpoint", e) from e
 
 
 def read_config(ckpt: Path) -> qwen.QwenConfig:
