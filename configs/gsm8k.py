@@ -109,7 +109,10 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
 
   # Supervised warm start (cold start) on the training answers before GRPO; 0 = off.
   # The targets are the dataset's answers without GSM8K's <<calculator>> annotations.
-  c.sft = config_dict.ConfigDict(dict(steps=0, batch_size=32, lr=1e-3))
+  # target_accuracy > 0: stop at the first check (every eval_every steps) whose greedy accuracy
+  # on eval_examples training problems, held out of both phases, reaches it; steps is the most.
+  c.sft = config_dict.ConfigDict(dict(steps=0, batch_size=32, lr=1e-3, target_accuracy=0.0,
+                                      eval_every=50, eval_examples=256))
 
   c.mesh = (1, -1, 1)               # (data, fsdp, tensor); -1 takes the remaining devices
 

@@ -139,11 +139,17 @@ def run(config, workdir: str) -> dict:
         f"{len(train_rows)} train / {len(eval_rows)} eval prompts, mesh {dict(mesh.shape)}, "
         f"workdir {workdir}", flush=True)
 
+  # The warm start's stopping rule reads accuracy on training problems that neither phase trains
+  # on; the reported held-out accuracy stays on eval_rows, which no decision ever sees.
+  sft_eval_rows = []
+  if config.sft.steps and config.sft.target_accuracy:
+    train_rows, sft_eval_rows = (train_rows[:-config.sft.eval_examples],
+                                 train_rows[-config.sft.eval_examples:])
   latest = checkpoint.latest_step(workdir)
   if latest is None:
     params = _initial_params(config, cfg, mesh)
     if config.sft.steps:
-      params = run_sft(config, trainer, params, train_rows)
+      params = run_sft(config, trainer, params, train_rows, sft_eval_rows)
     state = trainer.init_state(params)
     ref_params = params if grpo.needs_reference(config.loss) else None
     start = 0
@@ -365,8 +371,14 @@ def evaluate(config, trainer: Trainer, params, tokenizer, rows) -> float:
   return correct / max(len(rows), 1)
 
 
-def run_sft(config, trainer: Trainer, params, rows):
-  """The supervised warm start; deterministic in the seed, never checkpointed (it is short)."""
+def run_sft(config, trainer: Trainer, params, rows, eval_rows=()):
+  """The supervised warm start; deterministic in the seed, never checkpointed (it is short).
+
+  With sft.target_accuracy > 0 it evaluates greedy accuracy on `eval_rows` every
+  sft.eval_every steps and stops at the first evaluation that reaches the target; sft.steps is
+  then the most it may take. A fixed step count leaves some seeds' policies too weak for GRPO to
+  find any reward (experiments/tiny_seeds.md).
+  """
   s, tok = config.sft, trainer.tokenizer
   model = qwen.Qwen(trainer.cfg, dtype=jnp.dtype(trainer.optim.compute_dtype))
   optimizer = optax.adam(s.lr)
@@ -375,7 +387,9 @@ def run_sft(config, trainer: Trainer, params, rows):
   order = data.PromptIterator(len(rows), s.batch_size, config.seed + 1)
   stop = tok.convert_tokens_to_ids(tok.eos_token)
   length = max(config.data.prompt_buckets) + config.sampling.max_new_tokens
+  target = s.target_accuracy if eval_rows else 0.0
   bar = tqdm(range(s.steps), desc="sft warm start", dynamic_ncols=True, mininterval=2.0)
+  acc = None
   for i in bar:
     batch_rows = [rows[i] for i in order.next_indices()]
     prompts = data.encode_prompts(tok, _prompt_texts(config, tok, batch_rows))
@@ -384,5 +398,16 @@ def run_sft(config, trainer: Trainer, params, rows):
     tokens, mask, loss_mask = sft.sft_batch(prompts, completions, length, tok.pad_token_id)
     params, opt_state, loss = step_fn(params, opt_state, tokens, mask, loss_mask)
     if i % 10 == 0:  # reading the loss waits for the device; not every step
-      bar.set_postfix(loss=f"{float(loss):.3f}")
+      bar.set_postfix(loss=f"{float(loss):.3f}", **({} if acc is None else {"val": f"{acc:.3f}"}))
+    if target and (i + 1) % s.eval_every == 0:
+      acc = evaluate(config, trainer, params, tok, eval_rows)
+      bar.write(f"grpo_jax: warm start step {i + 1}: validation accuracy {acc:.1%}")
+      if acc >= target:
+        bar.close()
+        print(f"grpo_jax: warm start reached {acc:.1%} on {len(eval_rows)} validation problems "
+              f"(target {target:.0%}) after {i + 1} steps", flush=True)
+        return params
+  if target:
+    print(f"grpo_jax: warning: the warm start ended at its limit of {s.steps} steps with "
+          f"validation accuracy {acc:.1%}, below its target {target:.0%}", flush=True)
   return params

@@ -89,6 +89,11 @@ def validate(config, num_devices: int) -> None:
   _check(t.eval_batch_size >= 1, "train.eval_batch_size", "must be >= 1")
   _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
   _check(config.sft.steps >= 0, "sft.steps", "must be >= 0")
+  _check(0 <= config.sft.target_accuracy <= 1, "sft.target_accuracy",
+         f"must be in [0, 1] (0 = run all sft.steps), got {config.sft.target_accuracy}")
+  if config.sft.target_accuracy:
+    _check(config.sft.eval_every >= 1, "sft.eval_every", "must be >= 1")
+    _check(config.sft.eval_examples >= 1, "sft.eval_examples", "must be >= 1")
   if config.model.random_init:
     _check(config.model.tokenizer != "", "model.tokenizer",
            "a randomly initialised model needs a tokenizer ('tiny' or a path)")

@@ -124,3 +124,34 @@ def test_preempted_runs_resume_to_the_same_params_bit_for_bit(tmp_path):
   for ra, rb in zip(ma, mb):
     assert ra.get("loss") == rb.get("loss") and ra.get("reward/total/mean") == rb.get(
         "reward/total/mean"), (ra, rb)
+
+
+def test_warm_start_stops_at_the_first_check_reaching_its_target(tmp_path, monkeypatch, capsys):
+  config = gsm8k.get_config("tiny")
+  config.data.update(synthetic_train=400, synthetic_test=40)
+  config.sft.update(steps=40, eval_every=10, target_accuracy=0.3, eval_examples=32, batch_size=8)
+  config.train.update(steps=0, eval_examples=8, eval_batch_size=8, tensorboard=False)
+  validation, trained = [], set()
+  real_evaluate, real_reference = train.evaluate, train.sft.reference_completion
+
+  def scripted_evaluate(config, trainer, params, tokenizer, rows):
+    if len(rows) != 32:  # the held-out eval at GRPO step 0: really measured
+      return real_evaluate(config, trainer, params, tokenizer, rows)
+    validation.append([r["answer"] for r in rows])
+    return (0.1, 0.25, 0.31, 0.9)[len(validation) - 1]
+
+  def recording_reference(answer):
+    trained.add(answer)
+    return real_reference(answer)
+
+  monkeypatch.setattr(train, "evaluate", scripted_evaluate)
+  monkeypatch.setattr(train.sft, "reference_completion", recording_reference)
+  train.run(config, str(tmp_path))
+  out = capsys.readouterr().out
+  assert "warm start reached 31.0% on 32 validation problems (target 30%) after 30 steps" in out
+  assert len(validation) == 3
+  # The validation problems are the last 32 training problems, and the warm start never saw them.
+  rows = [json.loads(line) for line in open(tmp_path / "data" / "train.jsonl")]
+  assert validation[0] == [r["answer"] for r in rows[-32:]]
+  assert len(trained) == 30 * 8  # 30 steps of 8 distinct rows: it stopped at the third check
+  assert not trained & set(validation[0])
