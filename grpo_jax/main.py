@@ -6,6 +6,7 @@ A user error (grpo_jax.errors.UserError: config, data, paths, mesh, checkpoint, 
 one line naming the bad thing and exits with status 2; a bug keeps its traceback.
 """
 
+import re
 import sys
 
 from absl import app, flags, logging
@@ -20,22 +21,51 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics, sam
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def _exit_user_error(message: str):
+  print(f"grpo_jax: error: {message}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
+  try:
+    config = _CONFIG.value
+    config.get("seed")  # ml_collections defers a config file's load error to the first access
+  except OSError as e:
+    _exit_user_error(f"--config: {str(e).splitlines()[-1].strip()}")
   from grpo_jax import train  # imports jax: after flags, so --help stays fast
 
   try:
-    train.run(_CONFIG.value, _WORKDIR.value)
+    train.run(config, _WORKDIR.value)
   except UserError as e:
-    print(f"grpo_jax: error: {e}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    _exit_user_error(str(e))
+
+
+def _parse_flags(argv):
+  """absl's parsing, with a bad flag, config file or override reported as a user error."""
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    text = str(e)
+    if isinstance(e, flags.Error):
+      # A config file's get_config that raised comes with its whole traceback: keep the flag
+      # and the exception's line.
+      lines = [line.strip() for line in text.splitlines() if line.strip()]
+      _exit_user_error(text.split(":", 1)[0] + ": " + lines[-1] if "Traceback" in text
+                       else " ".join(lines))
+    # ml_collections raises a bare AttributeError/KeyError for an unknown override field.
+    field = re.search(r"'(\w+)\\?'", text)
+    hint = re.search(r"Did you mean [^?]*\?", text)
+    _exit_user_error(f"a --config override names no config field"
+                     f"{' ' + repr(field.group(1)) if field else ''}"
+                     f"{'; ' + hint.group(0) if hint else ''}")
 
 
 def run():
   """The `grpo-jax` console script: the same as python -m grpo_jax.main."""
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

@@ -87,3 +87,14 @@ def test_mesh_that_does_not_divide_the_devices(tmp_path):
 def test_bad_field_value_is_named(tmp_path):
   proc = run_main(tmp_path / "run", "--config.sampling.num_generations=1")
   assert_user_error(proc, "config.sampling.num_generations")
+
+
+def test_unknown_override_and_missing_config_file_are_named(tmp_path):
+  proc = run_main(tmp_path / "run", "--config.train.stepz=3")
+  assert_user_error(proc, "'stepz'", 'Did you mean "steps"')
+  proc = subprocess.run([sys.executable, "-m", "grpo_jax.main", "--config=configs/nope.py:tiny",
+                         f"--workdir={tmp_path}/run"], cwd=REPO, capture_output=True, text=True,
+                        timeout=300)
+  assert_user_error(proc, "--config", "configs/nope.py")
+  proc = run_main(tmp_path / "run", "--config=configs/gsm8k.py:tinyy")
+  assert_user_error(proc, "unknown preset 'tinyy'")
