@@ -33,14 +33,17 @@ def _trees_equal(a, b):
       lambda x, y: x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)), a, b))
 
 
-@pytest.mark.parametrize("kind", ["qwen2_tied", "qwen2_untied", "qwen3"])
+@pytest.mark.parametrize("kind", ["qwen2_tied", "qwen2_untied", "qwen3", "qwen2_bidirectional"])
 def test_export_loads_in_transformers_with_identical_logits(ckpts, kind, tmp_path):
   params, cfg = weights.load_checkpoint(ckpts[kind])
   gen = weights.read_generation_config(ckpts[kind])
   out = weights.save_checkpoint(params, cfg, tmp_path / "export", generation_config=gen)
   tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 7))
+  # Identical logits for the bidirectional kind too: transformers reads is_causal back.
   np.testing.assert_array_equal(_hf_logits(out, tokens), _hf_logits(ckpts[kind], tokens))
   assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [127, 126]
+  hf_config = json.loads((out / "config.json").read_text())
+  assert hf_config.get("is_causal", True) == (kind != "qwen2_bidirectional")
   # load -> export -> load is bit-identical, and so are the tensors on disk.
   again, cfg2 = weights.load_checkpoint(out)
   assert cfg2 == cfg and _trees_equal(params, again)
