@@ -3,6 +3,7 @@ the bad file or tensor."""
 
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +102,33 @@ def test_real_tokenizer_vocab_and_151936_row_embedding(tmp_path):
   ours = np.asarray(model.apply({"params": params}, hidden, method=qwen.Qwen.logits))
   assert ours.shape[-1] == 151_936  # rows past the tokenizer are carried, not dropped
   assert np.abs(ours - _hf_logits(path, ids)).max() <= 1e-4
+
+
+def test_export_with_tokenizer_is_complete_and_atomic(ckpts, tmp_path):
+  """save_checkpoint(tokenizer=...) writes the tokenizer files and chat template beside the
+  weights (AutoTokenizer loads the directory alone); a failure keeps the previous export."""
+  from transformers import AutoTokenizer
+
+  tok = AutoTokenizer.from_pretrained(fixtures.REAL_TOKENIZER)
+  params, cfg = weights.load_checkpoint(ckpts["qwen2_tied"])
+  out = weights.save_checkpoint(params, cfg, tmp_path / "export", tokenizer=tok)
+  again = AutoTokenizer.from_pretrained(out)
+  messages = [{"role": "user", "content": "What is 12 * 7?"}]
+  assert again.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
+      tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+  assert len(again) == len(tok) and again.eos_token == tok.eos_token
+  assert again.pad_token == tok.pad_token
+  assert weights.read_config(out) == cfg  # config.json is still ours
+
+  class Broken:
+    def save_pretrained(self, directory):
+      (Path(directory) / "tokenizer.json").write_text("{")
+      raise OSError("disk full")
+
+  with pytest.raises(OSError, match="disk full"):
+    weights.save_checkpoint(params, cfg, out, tokenizer=Broken())
+  assert AutoTokenizer.from_pretrained(out).chat_template == tok.chat_template
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temp dir left behind
 
 
 # --- errors name the bad file or tensor --------------------------------------------------------
