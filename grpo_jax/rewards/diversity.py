@@ -28,10 +28,11 @@ _GTE_QWEN = "gte-qwen"  # gte-Qwen1.5 and gte-Qwen2: both bidirectional
 def embedder_is_causal(attention: str, checkpoint: str) -> bool:
   """The attention an embedder runs: 'causal' / 'bidirectional' as given; 'auto' follows the
   checkpoint's config.json "is_causal" where it has one. Otherwise gte-Qwen is bidirectional:
-  Alibaba-NLP's gte-Qwen2 config.json has no is_causal (their remote code sets the attention),
-  so it is recognised by name: in the checkpoint argument or its resolved path (a hub id, a hub
-  cache folder), config.json's _name_or_path, or its auto_map (fine-tunes keep both). Anything
-  else is causal. A renamed local copy of gte-Qwen2 needs attention='bidirectional'."""
+  its config.json need not say so (its own remote modeling code chose the attention), so it is
+  recognised by name, in the checkpoint argument or its resolved path (a hub id, a hub cache
+  folder), config.json's _name_or_path, or its auto_map (fine-tunes keep the last two).
+  Anything else is causal. A renamed local copy of gte-Qwen2 needs attention='bidirectional'.
+  """
   if attention != "auto":
     return attention == "causal"
   path = weights.resolve(checkpoint)
