@@ -481,6 +481,8 @@ class Sampler:
       raise TypeError(f"model must be a qwen.Qwen or a qwen.QwenConfig, got {type(model)}")
     self.model, cfg = model, model.cfg
     self.cfg = cfg
+    if not cfg.is_causal:  # fail here, not inside the first jit trace
+      raise qwen.BidirectionalDecodeError(qwen.not_causal_message(cfg))
     if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens > 0):
       raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int > 0")
     buckets = tuple(sorted(set(buckets)))

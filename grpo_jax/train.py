@@ -227,7 +227,7 @@ def run(config, workdir: str) -> dict:
     generation_config = {"eos_token_id": stop_ids}
   if not stop["requested"]:
     weights.save_checkpoint(state["params"], cfg, os.path.join(workdir, "final_model"),
-                            generation_config=generation_config)
+                            generation_config=generation_config, tokenizer=tokenizer)
   return summary
 
 

@@ -1,7 +1,8 @@
 """Tiny Qwen checkpoints built offline with transformers (random init), for tests.
 
 Each kind exercises one switch of the model code: tied vs untied head, Qwen3's q/k norms with
-head_dim != hidden / heads, a checkpoint saved in several shards.
+head_dim != hidden / heads, a checkpoint saved in several shards, bidirectional attention
+(config.json "is_causal": false, as an embedder such as gte-Qwen2 runs).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 REAL_TOKENIZER = SHARED / "qwen2-tokenizer"
 GSM8K = SHARED / "gsm8k"
 
-KINDS = ("qwen2_tied", "qwen2_untied", "qwen3", "qwen2_sharded")
+KINDS = ("qwen2_tied", "qwen2_untied", "qwen3", "qwen2_sharded", "qwen2_bidirectional")
 
 
 def hf_config(kind: str, vocab_size: int = 128):
@@ -28,6 +29,9 @@ def hf_config(kind: str, vocab_size: int = 128):
     return transformers.Qwen2Config(tie_word_embeddings=True, **common)
   if kind == "qwen2_untied":
     return transformers.Qwen2Config(tie_word_embeddings=False, **common)
+  if kind == "qwen2_bidirectional":
+    # transformers >= 5.2 builds a bidirectional (padding-only) mask when is_causal is false.
+    return transformers.Qwen2Config(tie_word_embeddings=True, is_causal=False, **common)
   raise ValueError(f"unknown fixture kind {kind!r}; known: {KINDS}")
 
 

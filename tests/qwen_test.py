@@ -1,5 +1,7 @@
 """The Flax Qwen forward against transformers (PyTorch, fp32) on tiny random checkpoints."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ import pytest
 import torch
 
 import fixtures
-from grpo_jax import sharding
+from grpo_jax import sampler as sampler_lib, sharding
 from grpo_jax.models import qwen, weights
 
 VOCAB = 128
@@ -130,9 +132,48 @@ def test_kv_cache_prefill_then_decode_equals_full_forward(checkpoints):
   assert np.abs(logits - full)[real].max() <= 1e-5
 
 
+def test_bidirectional_attention_sees_later_tokens_and_cannot_decode(checkpoints):
+  """is_causal=false: changing a row's last token changes its first position's output (it
+  never does causally); padding still hides the pad slots; a KV cache is refused."""
+  params, cfg = weights.load_checkpoint(checkpoints["qwen2_bidirectional"])
+  assert not cfg.is_causal
+  causal_cfg = dataclasses.replace(cfg, is_causal=True)
+  tokens, mask = _left_padded_batch()
+  edited = tokens.copy()
+  edited[:, -1] = (edited[:, -1] + 1) % VOCAB
+  real = mask.astype(bool)
+  first = real.argmax(1)  # each row's first real slot
+  rows = np.flatnonzero(first < tokens.shape[1] - 1)  # rows with more than one real token
+  for c, sees_later in ((cfg, True), (causal_cfg, False)):
+    a, b = _our_logits(params, c, tokens, mask), _our_logits(params, c, edited, mask)
+    change = np.abs(a - b)[rows, first[rows]].max(-1)
+    if sees_later:
+      assert change.min() > 1e-3, change
+    else:
+      assert change.max() == 0.0, change
+  # The bidirectional forward is not the causal one (which transformers' is_causal=false
+  # checkpoint would then fail to match in test_logits_match_transformers_with_left_padding).
+  diff = np.abs(_our_logits(params, cfg, tokens, mask) - _our_logits(params, causal_cfg, tokens,
+                                                                     mask))[real]
+  assert diff.max() > 1e-2
+  model = qwen.Qwen(cfg)
+  with pytest.raises(qwen.BidirectionalDecodeError, match="bidirectional"):
+    model.apply({"params": params}, jnp.asarray(tokens), qwen.positions_from_mask(mask),
+                jnp.asarray(mask), cache=qwen.init_cache(cfg, len(tokens), tokens.shape[1]),
+                cache_index=0)
+  with pytest.raises(qwen.BidirectionalDecodeError, match="cannot generate token by token"):
+    sampler_lib.Sampler(model, max_new_tokens=4)
+
+
 def test_config_roundtrip_and_bad_configs():
   cfg = qwen.QwenConfig.from_hf(fixtures.hf_config("qwen3").to_dict())
   assert qwen.QwenConfig.from_hf(cfg.to_hf()) == cfg
+  assert cfg.is_causal and "is_causal" not in cfg.to_hf()  # causal exports are unchanged
+  bidir = qwen.QwenConfig.from_hf(fixtures.hf_config("qwen2_bidirectional").to_dict())
+  assert not bidir.is_causal and bidir.to_hf()["is_causal"] is False
+  assert qwen.QwenConfig.from_hf(bidir.to_hf()) == bidir
+  with pytest.raises(ValueError, match="is_causal must be true or false"):
+    qwen.QwenConfig.from_hf(fixtures.hf_config("qwen2_tied").to_dict() | {"is_causal": "no"})
   with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
     qwen.QwenConfig.from_hf({"model_type": "llama"})
   bad = fixtures.hf_config("qwen2_tied").to_dict() | {"rope_parameters": {"rope_type": "yarn"}}

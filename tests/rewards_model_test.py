@@ -1,9 +1,13 @@
 """verifier and diversity run batched through the project's Flax Qwen, checked against transformers."""
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
 from fixtures import REAL_TOKENIZER, hf_model, make_checkpoint
+from grpo_jax import data
 from grpo_jax import rewards as rewards_lib
 from grpo_jax import tokenizer as tokenizer_lib
 from grpo_jax.rewards import diversity, verifier
@@ -107,6 +111,68 @@ def test_diversity_embeddings_and_rewards(embedder_dirs):
       assert got[i] == pytest.approx(want, abs=1e-6)
     assert got[:3] == pytest.approx([0.0] * 3, abs=1e-6)  # identical completions: no diversity
     assert min(got[3:]) > 1e-4
+
+
+def test_bidirectional_embedder_equals_transformers_with_left_padding(embedder_dirs, tmp_path):
+  """A checkpoint with "is_causal": false (gte-Qwen2's attention) embeds as transformers runs it:
+  the left-padded batch of FrozenModel against transformers on the same left-padded batch."""
+  _, tok = embedder_dirs
+  ckpt = make_checkpoint(tmp_path, "qwen2_bidirectional", vocab_size=272, seed=3)
+  opts = DiversityOptions(checkpoint=str(ckpt), tokenizer=tok, batch_size=4, max_tokens=32,
+                          dtype="float32")
+  reward = diversity.DiversityReward(opts)  # attention='auto' reads is_causal: false
+  assert not reward.model.cfg.is_causal
+  completions = ["The answer is 72.", "7", "Completely different! " * 10, "I think it is 7"]
+  ids = [reward.token_ids(c) for c in completions]
+  h_ours = reward.model.last_hidden(ids)
+  e_ours = reward.embed(completions)
+
+  tokens, mask = data.pad_to_bucket(ids, reward.model.buckets, pad_id=0)
+  pads = (~mask).sum(1)
+  assert len(set(pads)) == 4 and (pads > 0).sum() == 3  # three rows left-padded, one full
+  ref = hf_model(ckpt)
+  assert ref.config.is_causal is False
+  positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
+  with torch.no_grad():
+    h_ref = ref.model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(int)),
+                      position_ids=torch.tensor(positions)).last_hidden_state[:, -1].double().numpy()
+  e_ref = h_ref / np.linalg.norm(h_ref, axis=-1, keepdims=True)
+  assert np.abs(h_ours - h_ref).max() <= 1e-4
+  assert np.abs(e_ours - e_ref).max() <= 1e-4
+  # The same texts embedded causally are far from this: the test can tell the two apart.
+  causal = diversity.DiversityReward(DiversityOptions(**{**opts.__dict__, "attention": "causal"}))
+  assert causal.model.cfg.is_causal
+  assert np.abs(causal.embed(completions) - e_ours).max() > 1e-2
+
+
+def test_embedder_attention_auto_follows_config_then_the_gte_name(tmp_path):
+  def ckpt(name, **fields):
+    path = tmp_path / name
+    path.mkdir()
+    hf = {"model_type": "qwen2", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+          "num_hidden_layers": 1, "num_attention_heads": 2} | fields
+    (path / "config.json").write_text(json.dumps(hf))
+    return str(path)
+
+  is_causal = diversity.embedder_is_causal
+  plain = ckpt("embedder")
+  assert is_causal("auto", plain)
+  assert not is_causal("auto", ckpt("says_so", is_causal=False))
+  # gte-Qwen2's own config.json has no is_causal: its name marks it, wherever it appears.
+  assert not is_causal("auto", ckpt("gte-Qwen2-1.5B-instruct"))
+  assert not is_causal("auto", ckpt("finetune", _name_or_path="Alibaba-NLP/gte-Qwen2-7B-instruct"))
+  assert not is_causal("auto", ckpt("st_export", auto_map={
+      "AutoModel": "Alibaba-NLP/gte-Qwen2-1.5B-instruct--modeling_qwen.Qwen2Model"}))
+  link = tmp_path / "hub" / "models--Alibaba-NLP--gte-Qwen2-1.5B-instruct"
+  link.parent.mkdir()
+  shutil.copytree(plain, link)
+  assert not is_causal("auto", str(link))
+  # An explicit is_causal wins over the name; an explicit option wins over both.
+  assert is_causal("auto", ckpt("gte-qwen2-causal-variant", is_causal=True))
+  assert not is_causal("bidirectional", plain)
+  assert is_causal("causal", ckpt("gte-Qwen2-x", is_causal=False))
+  with pytest.raises(ValueError, match="attention: must be one of"):
+    DiversityOptions(attention="full")
 
 
 def test_group_diversity_edge_cases():

@@ -10,11 +10,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
+import torch
 from safetensors.numpy import load_file
 
 import fixtures
 from configs import gsm8k
-from grpo_jax import logging_io, train
+from grpo_jax import data, logging_io, sampler as sampler_lib, tokenizer as tokenizer_lib, train
+from grpo_jax.models import qwen, weights
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,16 +26,26 @@ def _gold(answer: str) -> str:
   return answer.rsplit("####", 1)[1].strip().replace(",", "")
 
 
-def test_real_gsm8k_through_the_whole_data_path(tmp_path):
+@pytest.fixture(scope="module")
+def gsm8k_run(tmp_path_factory):
+  """(config, workdir, summary) of a two-step tiny run on the real GSM8K files."""
   config = gsm8k.get_config("tiny")
   config.data.source = str(fixtures.GSM8K)
   config.data.prompt_buckets = (160, 320)
   config.sampling.num_generations = 2
   config.sampling.max_new_tokens = 6
   config.sft.steps = 0
+  # A random tied head makes greedy decoding repeat the prompt's last token ('\n') forever;
+  # an untied one gives varied continuations for the final_model generate comparison.
+  config.model.tiny.tie_word_embeddings = False
   config.train.update(steps=2, prompts_per_step=2, eval_examples=4, eval_batch_size=4,
                       eval_every=1, checkpoint_every=1, samples_per_step=2, tensorboard=False)
-  summary = train.run(config, str(tmp_path))
+  workdir = tmp_path_factory.mktemp("gsm8k_run")
+  return config, workdir, train.run(config, str(workdir))
+
+
+def test_real_gsm8k_through_the_whole_data_path(gsm8k_run):
+  config, tmp_path, summary = gsm8k_run
 
   train_rows = [json.loads(line) for line in open(fixtures.GSM8K / "train.jsonl")]
   assert len(train_rows) == 7473
@@ -55,6 +68,51 @@ def test_real_gsm8k_through_the_whole_data_path(tmp_path):
     assert set(sample["rewards"]) == {"math_accuracy"}
   assert (tmp_path / "metrics.png").is_file()
   assert (tmp_path / "final_model" / "config.json").is_file()
+
+
+def test_final_model_loads_in_transformers_and_generates_like_the_sampler(gsm8k_run):
+  """final_model/ alone is a complete checkpoint: AutoTokenizer and AutoModelForCausalLM load
+  it, and transformers' greedy generate from it equals grpo_jax's greedy sampler token for
+  token on the run's chat-templated prompts."""
+  import transformers
+
+  config, workdir, _ = gsm8k_run
+  final = workdir / "final_model"
+  tok = transformers.AutoTokenizer.from_pretrained(final)
+  run_tok = tokenizer_lib.load_tokenizer(str(workdir / "tokenizer"))  # what the run trained with
+  assert tok.chat_template == run_tok.chat_template and tok.get_vocab() == run_tok.get_vocab()
+  hf = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+
+  questions = [json.loads(line)["question"] for line in open(fixtures.GSM8K / "test.jsonl")][:4]
+  texts = [data.build_prompt(tok, q, config.data.system_prompt, config.data.user_template)
+           for q in questions]
+  assert texts[0].startswith("<|im_start|>user\n") and texts[0].endswith("<|im_start|>assistant\n")
+  ids = data.encode_prompts(tok, texts)
+  assert ids == data.encode_prompts(run_tok, texts)
+  new_tokens = 16
+  stop = hf.generation_config.eos_token_id  # from final_model/generation_config.json
+  assert sorted(stop) == sorted(tokenizer_lib.stop_ids(run_tok, str(workdir / "tokenizer")))
+
+  tokens_BP, mask_BP = data.pad_to_bucket(ids, config.data.prompt_buckets, tok.pad_token_id)
+  with torch.no_grad():
+    ref = hf.generate(input_ids=torch.tensor(tokens_BP, dtype=torch.long),
+                      attention_mask=torch.tensor(mask_BP, dtype=torch.long), do_sample=False,
+                      max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id)
+  ref = ref[:, tokens_BP.shape[1]:].numpy()
+
+  params, cfg = weights.load_checkpoint(final)
+  sampler = sampler_lib.Sampler(qwen.Qwen(cfg), max_new_tokens=new_tokens, stop_ids=stop,
+                                buckets=config.data.prompt_buckets, greedy=True,
+                                valid_vocab_size=tokenizer_lib.valid_vocab_size(tok),
+                                pad_id=tok.pad_token_id)
+  out = sampler(params, ids)
+  tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+  for b in range(len(ids)):
+    is_stop = np.isin(ref[b], stop)
+    n = int(is_stop.argmax()) + 1 if is_stop.any() else new_tokens  # the stop id included
+    assert lengths[b] == n, (b, lengths[b], ref[b])
+    np.testing.assert_array_equal(tokens[b, :n], ref[b, :n], err_msg=f"prompt {b}")
+  assert len(np.unique(tokens)) > 8  # varied continuations, not one repeated token
 
 
 TINY_FLAGS = ["--config.sft.steps=10", "--config.train.steps=6", "--config.train.checkpoint_every=2",

@@ -3,6 +3,7 @@ the bad file or tensor."""
 
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,14 +35,17 @@ def _trees_equal(a, b):
       lambda x, y: x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)), a, b))
 
 
-@pytest.mark.parametrize("kind", ["qwen2_tied", "qwen2_untied", "qwen3"])
+@pytest.mark.parametrize("kind", ["qwen2_tied", "qwen2_untied", "qwen3", "qwen2_bidirectional"])
 def test_export_loads_in_transformers_with_identical_logits(ckpts, kind, tmp_path):
   params, cfg = weights.load_checkpoint(ckpts[kind])
   gen = weights.read_generation_config(ckpts[kind])
   out = weights.save_checkpoint(params, cfg, tmp_path / "export", generation_config=gen)
   tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 7))
+  # Identical logits for the bidirectional kind too: transformers reads is_causal back.
   np.testing.assert_array_equal(_hf_logits(out, tokens), _hf_logits(ckpts[kind], tokens))
   assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [127, 126]
+  hf_config = json.loads((out / "config.json").read_text())
+  assert hf_config.get("is_causal", True) == (kind != "qwen2_bidirectional")
   # load -> export -> load is bit-identical, and so are the tensors on disk.
   again, cfg2 = weights.load_checkpoint(out)
   assert cfg2 == cfg and _trees_equal(params, again)
@@ -99,6 +103,33 @@ def test_real_tokenizer_vocab_and_151936_row_embedding(tmp_path):
   ours = np.asarray(model.apply({"params": params}, hidden, method=qwen.Qwen.logits))
   assert ours.shape[-1] == 151_936  # rows past the tokenizer are carried, not dropped
   assert np.abs(ours - _hf_logits(path, ids)).max() <= 1e-4
+
+
+def test_export_with_tokenizer_is_complete_and_atomic(ckpts, tmp_path):
+  """save_checkpoint(tokenizer=...) writes the tokenizer files and chat template beside the
+  weights (AutoTokenizer loads the directory alone); a failure keeps the previous export."""
+  from transformers import AutoTokenizer
+
+  tok = AutoTokenizer.from_pretrained(fixtures.REAL_TOKENIZER)
+  params, cfg = weights.load_checkpoint(ckpts["qwen2_tied"])
+  out = weights.save_checkpoint(params, cfg, tmp_path / "export", tokenizer=tok)
+  again = AutoTokenizer.from_pretrained(out)
+  messages = [{"role": "user", "content": "What is 12 * 7?"}]
+  assert again.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
+      tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+  assert len(again) == len(tok) and again.eos_token == tok.eos_token
+  assert again.pad_token == tok.pad_token
+  assert weights.read_config(out) == cfg  # config.json is still ours
+
+  class Broken:
+    def save_pretrained(self, directory):
+      (Path(directory) / "tokenizer.json").write_text("{")
+      raise OSError("disk full")
+
+  with pytest.raises(OSError, match="disk full"):
+    weights.save_checkpoint(params, cfg, out, tokenizer=Broken())
+  assert AutoTokenizer.from_pretrained(out).chat_template == tok.chat_template
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temp dir left behind
 
 
 # --- errors name the bad file or tensor --------------------------------------------------------

@@ -17,6 +17,11 @@ Masks are explicit: `attn_mask_BS` is 1 where a key slot holds a real token. A q
 sees the key slots s <= t whose mask is 1, so left-padded batches are exact. Positions (RoPE)
 are passed separately; `positions_from_mask` gives them for left-padded prompts.
 
+A checkpoint whose config.json says `"is_causal": false` (an embedder such as gte-Qwen2, as
+transformers >= 5.2 reads it) is bidirectional: a query sees every key slot whose mask is 1,
+later ones included. Such a model has no next-token distribution to decode from, so calling it
+with a KV cache raises `BidirectionalDecodeError`.
+
 Parameters carry logical axis names ('vocab', 'embed', 'q_heads', 'kv_heads', 'head_dim',
 'mlp', 'norm', 'layers'); grpo_jax.sharding maps them onto the device mesh with one table.
 Parameter names follow the Hugging Face checkpoint so the weight map stays readable.
@@ -31,12 +36,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.errors import UserError
+
 Array = jax.Array
 # {'k': [L, B, K, S, H], 'v': [L, B, K, S, H]}: kv heads before slots, so a decode step's
 # attention reads each head's keys contiguously (no per-step transpose of the cache).
 Cache = dict[str, Array]
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+class BidirectionalDecodeError(UserError, ValueError):
+  """A bidirectional model (is_causal=false, e.g. an embedder) was asked to decode."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +67,8 @@ class QwenConfig:
   qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE.
   max_position_embeddings: int = 32768
   model_type: str = "qwen2"
+  # False: every token attends to every real token (config.json "is_causal": false).
+  is_causal: bool = True
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -83,6 +96,9 @@ class QwenConfig:
       raise ValueError(f"{source}: use_sliding_window=true is not supported")
     if hf.get("hidden_act", "silu") != "silu":
       raise ValueError(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported")
+    is_causal = hf.get("is_causal", True)
+    if not isinstance(is_causal, bool):
+      raise ValueError(f"{source}: is_causal must be true or false, got {is_causal!r}")
     heads = hf["num_attention_heads"]
     qwen3 = model_type == "qwen3"
     attention_bias = bool(hf.get("attention_bias", False))
@@ -102,6 +118,7 @@ class QwenConfig:
         qk_norm=qwen3,
         max_position_embeddings=hf.get("max_position_embeddings", 32768),
         model_type=model_type,
+        is_causal=is_causal,
     )
 
   def to_hf(self) -> dict[str, Any]:
@@ -124,6 +141,8 @@ class QwenConfig:
         "tie_word_embeddings": self.tie_word_embeddings,
         "use_sliding_window": False,
     }
+    if not self.is_causal:  # absent means causal, so causal exports stay as they were
+      hf["is_causal"] = False
     if self.model_type == "qwen3":
       hf["attention_bias"] = self.qkv_bias
     elif self.o_bias or not self.qkv_bias:
@@ -234,16 +253,18 @@ class Attention(nn.Module):
                                                   idx)
                for name, new in (("k", k_BKTH), ("v", v_BKTH))}
       keys, values, start = cache["k"][layer], cache["v"][layer], cache_index
-    out_BTNH = attend(q, keys.astype(self.dtype), values.astype(self.dtype), attn_mask_BS, start)
+    out_BTNH = attend(q, keys.astype(self.dtype), values.astype(self.dtype), attn_mask_BS, start,
+                      cfg.is_causal)
     y = Linear("BTNH,NHD->BTD", (cfg.num_heads, h, d), ("q_heads", "head_dim", "embed"),
                1 if cfg.o_bias else 0, self.dtype, self.param_dtype, name="o_proj")(out_BTNH)
     return y, cache
 
 
 def attend(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, attn_mask_BS: Array,
-           start: Array | int) -> Array:
+           start: Array | int, causal: bool = True) -> Array:
   """Grouped-query attention; the query at row t sits at key slot start + t.
 
+  causal: the query sees key slots <= its own; otherwise every slot whose mask is 1.
   Scores and softmax are fp32. A masked score is the most negative finite fp32 rather than
   -inf, so a query that sees no key (a left-pad position) gets a uniform, finite row.
   """
@@ -252,9 +273,10 @@ def attend(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, attn_mask_BS: Array,
   q = q_BTNH.reshape(b, t, kh, n // kh, h)
   scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k_BKSH,
                       preferred_element_type=jnp.float32) * (h ** -0.5)
-  q_slot = start + jnp.arange(t)
-  visible_TS = jnp.arange(s)[None, :] <= q_slot[:, None]
-  visible_BTS = visible_TS[None] & (attn_mask_BS[:, None, :] > 0)
+  visible_BTS = jnp.broadcast_to(attn_mask_BS[:, None, :] > 0, (b, t, s))
+  if causal:
+    q_slot = start + jnp.arange(t)
+    visible_BTS = visible_BTS & (jnp.arange(s)[None, :] <= q_slot[:, None])[None]
   scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSH.dtype)
   out = jnp.einsum("BKGTS,BKSH->BTKGH", probs, v_BKSH)
@@ -337,6 +359,8 @@ class Qwen(nn.Module):
     """Returns (hidden_BTD after the final norm, updated cache or None)."""
     if cache is not None and cache_index is None:
       raise ValueError("a cache needs a cache_index (the slot of the first token)")
+    if cache is not None and not self.cfg.is_causal:
+      raise BidirectionalDecodeError(not_causal_message(self.cfg))
     x = _constrain(self.embed_tokens(tokens_BT), self.act_sharding)
     carry = (x, cache, jnp.int32(0), positions_BT, attn_mask_BS,
              None if cache is None else jnp.asarray(cache_index, jnp.int32))
@@ -351,6 +375,12 @@ class Qwen(nn.Module):
       head = self.lm_head
     return jnp.einsum("BTD,DV->BTV", hidden_BTD, head.astype(self.dtype),
                       preferred_element_type=jnp.float32)
+
+
+def not_causal_message(cfg: QwenConfig) -> str:
+  return (f"this {cfg.model_type} model is bidirectional (config.json \"is_causal\": false, an "
+          "embedder): each token attends to later ones, so it cannot generate token by token "
+          "with a KV cache. Use a causal language model checkpoint to sample from.")
 
 
 def head_kernel(params, cfg: QwenConfig) -> Array:

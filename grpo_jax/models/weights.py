@@ -7,7 +7,7 @@ target sharding, so the host never holds more than one parameter of the model.
 
     params, cfg = load_checkpoint("Qwen/Qwen2.5-0.5B-Instruct")         # hub id (online or cached)
     params, cfg = load_checkpoint("/ckpts/qwen", mesh=make_mesh((1, 8, 1)))
-    save_checkpoint(params, cfg, "/out/policy", max_shard_bytes=2**30)   # transformers-loadable
+    save_checkpoint(params, cfg, "/out/policy", tokenizer=tok)  # transformers-loadable
 """
 
 from __future__ import annotations
@@ -122,16 +122,20 @@ def resolve(path_or_id: str | os.PathLike, field: str = "checkpoint") -> Path:
     raise hub.unavailable(name, field, "checkpoint", e) from e
 
 
-def read_config(ckpt: Path) -> qwen.QwenConfig:
-  cfg_file = ckpt / "config.json"
+def read_hf_config(ckpt: Path) -> dict:
+  """config.json as a dict (fields QwenConfig does not keep, e.g. _name_or_path, included)."""
+  cfg_file = Path(ckpt) / "config.json"
   if not cfg_file.is_file():
     raise CheckpointError(f"{cfg_file}: missing (every checkpoint needs its config.json)")
   try:
-    hf = json.loads(cfg_file.read_text())
+    return json.loads(cfg_file.read_text())
   except json.JSONDecodeError as e:
     raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
+
+
+def read_config(ckpt: Path) -> qwen.QwenConfig:
   try:
-    return qwen.QwenConfig.from_hf(hf, source=str(cfg_file))
+    return qwen.QwenConfig.from_hf(read_hf_config(ckpt), source=str(Path(ckpt) / "config.json"))
   except ValueError as e:
     raise CheckpointError(str(e)) from e
 
@@ -247,12 +251,14 @@ _DTYPE_NAMES = {np.dtype(jnp.float32): "float32", np.dtype(jnp.bfloat16): "bfloa
 
 
 def save_checkpoint(params, cfg: qwen.QwenConfig, out_dir, max_shard_bytes: int = 4 << 30,
-                    generation_config: dict | None = None, dtype=None) -> Path:
+                    generation_config: dict | None = None, dtype=None, tokenizer=None) -> Path:
   """Writes a Hugging Face checkpoint directory that transformers (and vLLM) load.
 
   Tensors are stored in `dtype` (default: the params' dtype). Past `max_shard_bytes` the
-  weights are split into model-0000k-of-0000n.safetensors with an index. The directory is
-  written beside its final place and renamed into it, so a crash never leaves half a checkpoint.
+  weights are split into model-0000k-of-0000n.safetensors with an index. With a `tokenizer`
+  its files (vocabulary, special tokens, chat template) go in too, so AutoTokenizer loads the
+  directory alone. The directory is written beside its final place and renamed into it, so a
+  crash never leaves half a checkpoint.
   """
   out_dir = Path(out_dir)
   tensors: list[tuple[str, np.ndarray]] = []
@@ -277,6 +283,8 @@ def save_checkpoint(params, cfg: qwen.QwenConfig, out_dir, max_shard_bytes: int 
   out_dir.parent.mkdir(parents=True, exist_ok=True)
   tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
   try:
+    if tokenizer is not None:  # first, so that config.json below is ours whatever it writes
+      tokenizer.save_pretrained(tmp)
     weight_map = {}
     for k, shard in enumerate(shards):
       fname = SINGLE_FILE if len(shards) == 1 else (

@@ -5,17 +5,43 @@ group mean of norm ~0). The embedding is gte-Qwen2's: the final-norm hidden stat
 network at the last token (the appended <|endoftext|> when append_eos), L2-normalised.
   reward_i = 1 - cos(e_i, mean_j e_j)                 over the group of e_i
   leave_one_out: 1 - cos(e_i, mean_{j != i} e_j)
+
+gte-Qwen2 was trained with bidirectional attention (every token sees the whole text), so by
+default (`attention='auto'`, see `embedder_is_causal`) a gte-Qwen checkpoint runs that way, as
+transformers runs a checkpoint whose config.json says "is_causal": false.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
+from grpo_jax.models import weights
 from grpo_jax.rewards import frozen_model, text
 from grpo_jax.rewards.model_options import DiversityOptions
 
 _EPS = 1e-6
+_GTE_QWEN = "gte-qwen"  # gte-Qwen1.5 and gte-Qwen2: both bidirectional
+
+
+def embedder_is_causal(attention: str, checkpoint: str) -> bool:
+  """The attention an embedder runs: 'causal' / 'bidirectional' as given; 'auto' follows the
+  checkpoint's config.json "is_causal" where it has one. Otherwise gte-Qwen is bidirectional:
+  its config.json need not say so (its own remote modeling code chose the attention), so it is
+  recognised by name, in the checkpoint argument or its resolved path (a hub id, a hub cache
+  folder), config.json's _name_or_path, or its auto_map (fine-tunes keep the last two).
+  Anything else is causal. A renamed local copy of gte-Qwen2 needs attention='bidirectional'.
+  """
+  if attention != "auto":
+    return attention == "causal"
+  path = weights.resolve(checkpoint)
+  hf = weights.read_hf_config(path)
+  if "is_causal" in hf:
+    return weights.read_config(path).is_causal  # validated there
+  names = [str(checkpoint), str(Path(path).resolve()), str(hf.get("_name_or_path", ""))]
+  names += [str(v) for v in (hf.get("auto_map") or {}).values()]
+  return not any(_GTE_QWEN in n.lower() for n in names)
 
 
 def group_diversity(e_ND: np.ndarray, group_size: int, leave_one_out: bool) -> list[float | None]:
@@ -41,7 +67,10 @@ def group_diversity(e_ND: np.ndarray, group_size: int, leave_one_out: bool) -> l
 class DiversityReward:
   def __init__(self, opts: DiversityOptions):
     self.opts = opts
-    self.model = frozen_model.FrozenModel.from_options(opts, "rewards.diversity.checkpoint")
+    # An empty checkpoint is reported by FrozenModel, naming the field.
+    is_causal = embedder_is_causal(opts.attention, opts.checkpoint) if opts.checkpoint else None
+    self.model = frozen_model.FrozenModel.from_options(opts, "rewards.diversity.checkpoint",
+                                                       is_causal=is_causal)
     tok = self.model.tokenizer
     self.eos_id = tok.eos_token_id if tok.eos_token_id is not None else tok.pad_token_id
     if opts.append_eos and self.eos_id is None:

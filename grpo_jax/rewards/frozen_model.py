@@ -12,6 +12,7 @@ padding puts every row's last real token there.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -43,11 +44,15 @@ def middle_cut(ids: Sequence[int], max_tokens: int) -> list[int]:
 
 class FrozenModel:
   def __init__(self, checkpoint: str, *, tokenizer: str = "", dtype: str = "float32",
-               batch_size: int = 8, max_tokens: int = 2048, field: str = "checkpoint"):
+               batch_size: int = 8, max_tokens: int = 2048, field: str = "checkpoint",
+               is_causal: bool | None = None):
+    """is_causal: the attention to run (None: what the checkpoint's config.json says)."""
     if not checkpoint:
       raise ValueError(f"{field} is empty: set it to a local checkpoint folder")
     jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
     self.params, self.cfg = weights.load_checkpoint(checkpoint, param_dtype=jdtype)
+    if is_causal is not None:
+      self.cfg = dataclasses.replace(self.cfg, is_causal=is_causal)
     self.model = qwen.Qwen(self.cfg, dtype=jdtype, param_dtype=jdtype)
     self.tokenizer = tokenizer_lib.load_tokenizer(tokenizer or checkpoint)
     self.batch_size, self.max_tokens = batch_size, max_tokens
@@ -56,10 +61,11 @@ class FrozenModel:
     self._logprobs = jax.jit(self._logprobs_impl)
 
   @classmethod
-  def from_options(cls, opts, field: str) -> "FrozenModel":
+  def from_options(cls, opts, field: str, is_causal: bool | None = None) -> "FrozenModel":
     """From a reward's options (checkpoint, tokenizer, dtype, batch_size, max_tokens)."""
     return cls(opts.checkpoint, tokenizer=opts.tokenizer, dtype=opts.dtype,
-               batch_size=opts.batch_size, max_tokens=opts.max_tokens, field=field)
+               batch_size=opts.batch_size, max_tokens=opts.max_tokens, field=field,
+               is_causal=is_causal)
 
   def _last_hidden_impl(self, params, tokens_BT, mask_BT):
     positions_BT = qwen.positions_from_mask(mask_BT)

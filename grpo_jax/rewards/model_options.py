@@ -9,6 +9,7 @@ import dataclasses
 from grpo_jax.rewards import options
 
 DTYPES = ("float32", "bfloat16")
+ATTENTION = ("auto", "causal", "bidirectional")
 
 
 def _check_common(o) -> None:
@@ -60,6 +61,12 @@ class DiversityOptions:
   # gte-Qwen2's tokenizer appends <|endoftext|> and pools that position; keep it on for gte.
   append_eos: bool = True
   instruction: str = ""  # a prefix for every text ('' for documents, as gte embeds them)
+  # gte-Qwen2 was trained with bidirectional attention, but its config.json need not say so.
+  # 'auto': the checkpoint's "is_causal" where config.json has one, else bidirectional when the
+  # checkpoint's name, its _name_or_path or its auto_map mention gte-Qwen, else causal.
+  attention: str = "auto"
 
   def __post_init__(self):
     _check_common(self)
+    options.check(self.attention in ATTENTION, "attention",
+                  f"must be one of {ATTENTION}, got {self.attention!r}")
