@@ -224,7 +224,7 @@ def run(config, workdir: str) -> dict:
   summary = _summary(workdir)
   plots.plot_metrics(workdir)
   if generation_config is None:
-    generation_config = {"eos_token_id": stop_ids}
+    generation_config = {"eos_token_id": stop_ids, "pad_token_id": tokenizer.pad_token_id}
   if not stop["requested"]:
     weights.save_checkpoint(state["params"], cfg, os.path.join(workdir, "final_model"),
                             generation_config=generation_config, tokenizer=tokenizer)
