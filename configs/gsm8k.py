@@ -103,6 +103,10 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
       keep_checkpoints=3,
       samples_per_step=4,           # completions written to samples.md per step
       max_bad_steps=5,              # consecutive non-finite steps before the run stops
+      # DAPO's dynamic sampling: set aside groups whose G rewards are all equal (they teach
+      # nothing) and sample more prompts, up to max_sampling_rounds rounds per step.
+      dynamic_sampling=False,
+      max_sampling_rounds=3,
       tensorboard=True,
       wandb=False,
   ))

@@ -239,6 +239,31 @@ def group_advantages(rewards_BR, group_size, *, weights_R=None, scale_rewards="g
   return adv_B, stats
 
 
+def informative_groups(rewards_BR, group_size: int, weights_R=None,
+                       aggregation: str = "sum_then_normalize") -> jax.Array:
+  """bool [B / group_size]: the groups whose rewards differ between their completions.
+
+  Only these carry a group-relative signal: a group whose G rewards are equal gets advantages
+  of 0 (sum_then_normalize: its weighted total is constant; normalize_then_sum: every component
+  is). DAPO's dynamic sampling trains on these groups and samples more prompts for the rest.
+  """
+  rewards_BR = jnp.asarray(rewards_BR, jnp.float32)
+  if rewards_BR.ndim == 1:
+    rewards_BR = rewards_BR[:, None]
+  R = rewards_BR.shape[1]
+  weights_R = jnp.ones((R,), jnp.float32) if weights_R is None else jnp.asarray(
+      weights_R, jnp.float32)
+  valid_BR = ~jnp.isnan(rewards_BR)
+  if aggregation == "sum_then_normalize":
+    r_B = jnp.where(valid_BR, rewards_BR * weights_R, 0.0).sum(-1)
+    _, std_G = _centre_and_scale(r_B, valid_BR.any(-1), group_size, "none", 0.0)
+  else:
+    _, std_RG = jax.vmap(_centre_and_scale, in_axes=(1, 1, None, None, None))(
+        rewards_BR, valid_BR, group_size, "none", 0.0)
+    std_G = std_RG.max(0)
+  return std_G >= _ZERO_STD_ATOL
+
+
 # ------------------------------------------------------------------------------------------------
 # KL and the policy loss.
 

@@ -98,8 +98,9 @@ def _initial_params(config, cfg, mesh):
 
 @dataclasses.dataclass
 class Prompts:
-  """One batch of prompts: the chat-templated texts and their left-padded tokens."""
+  """One batch of prompts: the chat-templated texts, their token ids and left-padded tokens."""
   texts: list[str]
+  ids: list[list[int]]
   tokens_BP: np.ndarray
   mask_BP: np.ndarray
 
@@ -114,7 +115,34 @@ def _prompts(config, tokenizer, rows) -> Prompts:
   texts = _prompt_texts(config, tokenizer, rows)
   ids = data.encode_prompts(tokenizer, texts)
   tokens, mask = data.pad_to_bucket(ids, config.data.prompt_buckets, tokenizer.pad_token_id)
-  return Prompts(texts, tokens, mask)
+  return Prompts(texts, ids, tokens, mask)
+
+
+@dataclasses.dataclass
+class Rollouts:
+  """G sampled completions per prompt and their rewards, group-major (rows [p·G, (p+1)·G) are
+  prompt p's). `pool` concatenates rounds; `take` keeps whole groups, in the order given."""
+  rows: list[dict]                # per prompt: the dataset row
+  prompts: list[str]              # per prompt: chat-templated text
+  prompt_ids: list[list[int]]     # per prompt: token ids, unpadded
+  completion_ids_BC: np.ndarray   # per completion from here on
+  lengths_B: np.ndarray
+  truncated_B: np.ndarray
+  texts: list[str]
+  reward_BR: np.ndarray
+
+  @staticmethod
+  def pool(parts: list[Rollouts]) -> Rollouts:
+    return Rollouts(*[sum((getattr(p, f.name) for p in parts), []) if isinstance(
+        getattr(parts[0], f.name), list) else np.concatenate([getattr(p, f.name) for p in parts])
+                      for f in dataclasses.fields(Rollouts)])
+
+  def take(self, groups, g: int) -> Rollouts:
+    rows_B = [p * g + j for p in groups for j in range(g)]
+    return Rollouts([self.rows[p] for p in groups], [self.prompts[p] for p in groups],
+                    [self.prompt_ids[p] for p in groups], self.completion_ids_BC[rows_B],
+                    self.lengths_B[rows_B], self.truncated_B[rows_B],
+                    [self.texts[i] for i in rows_B], self.reward_BR[rows_B])
 
 
 # --- the program -------------------------------------------------------------------------------
@@ -187,8 +215,8 @@ def run(config, workdir: str) -> dict:
     bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps,
                desc="grpo", dynamic_ncols=True, mininterval=2.0)
     for step in bar:
-      rows = [train_rows[i] for i in it.next_indices()]
-      new_state, m, samples = trainer.grpo_step(state, ref_params, rows, rewards, step)
+      new_state, m, samples = trainer.grpo_step(
+          state, ref_params, lambda: [train_rows[i] for i in it.next_indices()], rewards, step)
       if m["step/skipped"]:  # the train step left the state unchanged
         bad += 1
         if bad >= config.train.max_bad_steps:
@@ -283,43 +311,77 @@ class Trainer:
       abstract["ref"] = abstract["train"]["params"]
     return abstract
 
-  def grpo_step(self, state, ref_params, rows, rewards, step):
-    """One generation batch: sample, score, advantages, num_iterations updates."""
+  def _rollouts(self, params, rows, rewards, key):
+    """Samples G completions for each row and scores them."""
     cfg, g = self.config, self.config.sampling.num_generations
     t0 = time.perf_counter()
     prompts = _prompts(cfg, self.tokenizer, rows)
-    key = jax.random.fold_in(self.base_key, step)
-    out = self.sampler.generate(state["params"], prompts.tokens_BP, prompts.mask_BP,
-                                num_samples=g, key=key)
-    completion_ids = np.asarray(out.tokens)
-    lengths = np.asarray(out.lengths)
-    truncated = np.asarray(out.truncated)
-    t_sample = time.perf_counter() - t0
-
+    out = self.sampler.generate(params, prompts.tokens_BP, prompts.mask_BP, num_samples=g,
+                                key=key)
+    completion_ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    t1 = time.perf_counter()
+    self.times["time/sample_s"] += t1 - t0
     texts = self.tokenizer.batch_decode(
         [ids[:n] for ids, n in zip(completion_ids, lengths)], skip_special_tokens=True)
     prompt_texts = [p for p in prompts.texts for _ in range(g)]
     columns = {"answer": [r["answer"] for r in rows for _ in range(g)],
                "question": [r["question"] for r in rows for _ in range(g)]}
     reward_BR, reward_metrics = score(rewards, prompt_texts, texts, g, columns)
-    weights_R = np.asarray([r.weight for r in rewards], np.float32)
-    adv_B, adv_stats = grpo.group_advantages(
-        reward_BR, g, weights_R=weights_R, scale_rewards=cfg.loss.scale_rewards,
-        aggregation=cfg.loss.reward_aggregation)
-    t_reward = time.perf_counter() - t0 - t_sample
+    self.times["time/reward_s"] += time.perf_counter() - t1
+    return Rollouts(list(rows), prompts.texts, prompts.ids, completion_ids, lengths,
+                    np.asarray(out.truncated), texts, reward_BR), reward_metrics, out.metrics
 
-    c = completion_ids.shape[1]
-    prompt_BP = np.repeat(np.asarray(out.prompt_tokens), g, axis=0)
-    pmask_BP = np.repeat(np.asarray(out.prompt_mask), g, axis=0)
-    cmask_BC = (np.arange(c)[None, :] < lengths[:, None]).astype(np.int32)
+  def grpo_step(self, state, ref_params, next_rows, rewards, step):
+    """One generation batch: sample, score, advantages, num_iterations updates.
+
+    next_rows() returns the next train.prompts_per_step dataset rows. With
+    train.dynamic_sampling (DAPO), groups whose G rewards are all equal (zero advantage: they
+    teach nothing) are set aside and further prompts sampled, up to train.max_sampling_rounds
+    rounds in all; a batch still short of prompts_per_step informative groups is completed with
+    set-aside groups, so the train step's shapes never change. Reward and completion metrics
+    describe the first round, an unbiased sample of the policy.
+    """
+    cfg, g, n = self.config, self.config.sampling.num_generations, self.config.train.prompts_per_step
+    weights_R = np.asarray([r.weight for r in rewards], np.float32)
+    key = jax.random.fold_in(self.base_key, step)
+    rounds = cfg.train.max_sampling_rounds if cfg.train.dynamic_sampling else 1
+    t0 = time.perf_counter()
+    self.times = {"time/sample_s": 0.0, "time/reward_s": 0.0}
+    parts, informative = [], []
+    for r in range(rounds):
+      part, part_metrics, sampler_metrics = self._rollouts(
+          state["params"], next_rows(), rewards, key if r == 0 else jax.random.fold_in(key, r))
+      if r == 0:
+        first, reward_metrics, first_sampler_metrics = part, part_metrics, sampler_metrics
+      parts.append(part)
+      informative.append(np.asarray(grpo.informative_groups(
+          part.reward_BR, g, weights_R, cfg.loss.reward_aggregation)))
+      if not cfg.train.dynamic_sampling or np.concatenate(informative).sum() >= n:
+        break
+    pool, informative = Rollouts.pool(parts), np.concatenate(informative)
+    if cfg.train.dynamic_sampling:
+      order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])
+      batch_r = pool.take(order[:n], g)
+    else:
+      batch_r = pool
+    t_rollouts = time.perf_counter() - t0
+
+    adv_B, adv_stats = grpo.group_advantages(
+        batch_r.reward_BR, g, weights_R=weights_R, scale_rewards=cfg.loss.scale_rewards,
+        aggregation=cfg.loss.reward_aggregation)
+    prompt_BP, pmask_BP = data.pad_to_bucket(batch_r.prompt_ids, cfg.data.prompt_buckets,
+                                             self.tokenizer.pad_token_id)
+    prompt_BP, pmask_BP = np.repeat(prompt_BP, g, axis=0), np.repeat(pmask_BP, g, axis=0)
+    c = batch_r.completion_ids_BC.shape[1]
+    cmask_BC = (np.arange(c)[None, :] < batch_r.lengths_B[:, None]).astype(np.int32)
     batch = {
-        "tokens_BS": np.concatenate([prompt_BP, completion_ids], 1).astype(np.int32),
+        "tokens_BS": np.concatenate([prompt_BP, batch_r.completion_ids_BC], 1).astype(np.int32),
         "attn_mask_BS": np.concatenate([pmask_BP, cmask_BC], 1).astype(np.int32),
         "completion_mask_BC": cmask_BC,
         "advantages_B": np.asarray(adv_B, np.float32),
     }
     if cfg.loss.mask_truncated_completions:
-      batch["truncated_B"] = truncated
+      batch["truncated_B"] = batch_r.truncated_B
     if cfg.loss.num_iterations > 1:
       batch["old_logp_BC"] = self.logprob_fn(state["params"], batch["tokens_BS"],
                                              batch["attn_mask_BS"], c)
@@ -331,24 +393,29 @@ class Trainer:
       state, m = self.step_fn(state, batch)
       train_metrics.append(m)
     m = {k: float(v) for k, v in jax.device_get(train_metrics[-1]).items()}
-    t_train = time.perf_counter() - t0 - t_sample - t_reward
+    t_train = time.perf_counter() - t0 - t_rollouts
 
-    total = np.nansum(reward_BR * weights_R, axis=1)
+    total = np.nansum(first.reward_BR * weights_R, axis=1)
     m.update(reward_metrics)
     m.update({f"advantages/{k}": float(v) for k, v in adv_stats.items()})
     m.update({
         "reward/total/mean": float(total.mean()), "reward/total/std": float(total.std()),
-        "completion/mean_length": float(lengths.mean()),
-        "completion/max_length": int(lengths.max()),
-        "completion/truncated_frac": float(truncated.mean()),
-        "time/sample_s": t_sample, "time/reward_s": t_reward, "time/train_s": t_train,
-        **out.metrics,
+        "completion/mean_length": float(first.lengths_B.mean()),
+        "completion/max_length": int(first.lengths_B.max()),
+        "completion/truncated_frac": float(first.truncated_B.mean()),
+        **self.times, "time/train_s": t_train,
+        **first_sampler_metrics,
     })
-    n = min(cfg.train.samples_per_step, len(texts))
-    samples = [{"prompt": prompt_texts[i], "completion": texts[i],
-                "rewards": {r.name: float(reward_BR[i, k]) for k, r in enumerate(rewards)},
-                "advantage": float(adv_B[i]), "gold": data.gold_answer(columns["answer"][i])}
-               for i in range(0, n * g, g)][:n]
+    if cfg.train.dynamic_sampling:
+      m["sampling/rounds"] = len(parts)
+      m["sampling/informative_frac_first_round"] = float(informative[:n].mean())
+      m["sampling/filled_groups"] = int(max(0, n - informative.sum()))
+    k = min(cfg.train.samples_per_step, n)
+    samples = [{"prompt": batch_r.prompts[p], "completion": batch_r.texts[p * g],
+                "rewards": {r.name: float(batch_r.reward_BR[p * g, j])
+                            for j, r in enumerate(rewards)},
+                "advantage": float(adv_B[p * g]),
+                "gold": data.gold_answer(batch_r.rows[p]["answer"])} for p in range(k)]
     return state, m, samples
 
 

@@ -88,6 +88,8 @@ def validate(config, num_devices: int) -> None:
   _check(t.eval_every >= 0, "train.eval_every", "must be >= 0")
   _check(t.eval_batch_size >= 1, "train.eval_batch_size", "must be >= 1")
   _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
+  _check(isinstance(t.max_sampling_rounds, int) and t.max_sampling_rounds >= 1,
+         "train.max_sampling_rounds", f"must be an int >= 1, got {t.max_sampling_rounds!r}")
   _check(config.sft.steps >= 0, "sft.steps", "must be >= 0")
   _check(0 <= config.sft.target_accuracy <= 1, "sft.target_accuracy",
          f"must be in [0, 1] (0 = run all sft.steps), got {config.sft.target_accuracy}")

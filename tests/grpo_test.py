@@ -206,6 +206,30 @@ def test_group_advantages_match_numpy(R, scale, aggregation):
   assert float(stats["frac_reward_missing"]) == pytest.approx(missing.mean())
 
 
+@pytest.mark.parametrize("R,aggregation", list(itertools.product([1, 3],
+                                                                  grpo.REWARD_AGGREGATIONS)))
+def test_informative_groups_are_those_with_a_signal(R, aggregation):
+  rewards, G = _reward_matrix(R)
+  weights = np.array([1.0, 0.5, 2.0][:R])
+  got = np.asarray(grpo.informative_groups(rewards, G, weights, aggregation))
+  # NumPy: a group informs when its present rows' weighted totals (sum_then_normalize) or any
+  # one component (normalize_then_sum) differ.
+  expected = []
+  for g in range(5):
+    block = rewards[g * G:(g + 1) * G]
+    present = ~np.all(np.isnan(block), -1)
+    if aggregation == "sum_then_normalize":
+      signals = [np.nansum(block * weights, -1)[present]]
+    else:
+      signals = [col[~np.isnan(col)] for col in block.T]
+    expected.append(any(len(x) > 1 and np.ptp(x) > 1e-6 for x in signals))
+  assert got.tolist() == expected and expected == [True, False, True, True, False]
+  # With group scaling, a group informs exactly when some advantage in it is non-zero.
+  if aggregation == "sum_then_normalize":
+    adv, _ = grpo.group_advantages(rewards, G, weights_R=weights, aggregation=aggregation)
+    assert [bool(np.any(np.asarray(adv)[g * G:(g + 1) * G] != 0)) for g in range(5)] == expected
+
+
 def test_group_advantages_worked_example():
   adv, stats = grpo.group_advantages(np.array([[1.0], [0.0], [np.nan], [1.0]]), 2, eps=0.0)
   # ddof=1: std of {1, 0} is sqrt(1/2); the lone present row in group 2 has no spread → 0.

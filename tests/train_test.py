@@ -1,6 +1,7 @@
 """The training program end to end: the real GSM8K files through the whole data path, and
 preemption (SIGKILL, SIGTERM) followed by a resume that equals an uninterrupted run bit for bit."""
 
+import hashlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import fixtures
 from configs import gsm8k
 from grpo_jax import data, logging_io, sampler as sampler_lib, tokenizer as tokenizer_lib, train
 from grpo_jax.models import qwen, weights
+from grpo_jax.rewards import Reward
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -213,3 +215,50 @@ def test_warm_start_stops_at_the_first_check_reaching_its_target(tmp_path, monke
   assert validation[0] == [r["answer"] for r in rows[-32:]]
   assert len(trained) == 30 * 8  # 30 steps of 8 distinct rows: it stopped at the third check
   assert not trained & set(validation[0])
+
+
+def _informs(question: str) -> bool:
+  return int(hashlib.sha256(question.encode()).hexdigest(), 16) % 7 < 3
+
+
+def test_dynamic_sampling_trains_on_informative_groups_first(tmp_path, monkeypatch):
+  # A scripted reward: in 3/7 of the groups (by a hash of the question) the first completion
+  # scores 1 and the others 0; every other group is constant. Which prompts each step trains on
+  # is then known in advance from the data order, independently of what the model samples.
+  # With this data the 5 steps take 2 or 3 rounds, and one step is short and filled.
+  def scripted(prompts, completions, group_size, question, **_):
+    return [float(_informs(q) and i % group_size == 0) for i, q in enumerate(question)]
+
+  monkeypatch.setattr(train, "build_rewards",
+                      lambda *a, **k: [Reward("scripted", 1.0, scripted)])
+  config = gsm8k.get_config("tiny")
+  config.data.update(synthetic_train=400, synthetic_test=40)
+  config.sampling.update(num_generations=4, max_new_tokens=4)
+  config.sft.steps = 0
+  config.train.update(steps=5, prompts_per_step=4, eval_examples=8, eval_batch_size=8,
+                      samples_per_step=4, tensorboard=False, dynamic_sampling=True,
+                      max_sampling_rounds=3)
+  train.run(config, str(tmp_path))
+
+  rows = [json.loads(line) for line in open(tmp_path / "data" / "train.jsonl")]
+  order = data.PromptIterator(len(rows), 4, config.seed)
+  records = logging_io.read_jsonl(str(tmp_path / "metrics.jsonl"))[1:]
+  assert {r["sampling/rounds"] for r in records} == {2, 3}
+  assert {r["sampling/filled_groups"] for r in records} == {0, 1}
+  samples = logging_io.read_jsonl(str(tmp_path / "samples.jsonl"))
+  for step, record in enumerate(records, 1):
+    seen = []
+    for _ in range(3):
+      seen += [rows[i] for i in order.next_indices()]
+      if sum(map(_informs, (r["question"] for r in seen))) >= 4:
+        break
+    chosen = ([r for r in seen if _informs(r["question"])]
+              + [r for r in seen if not _informs(r["question"])])[:4]
+    assert record["sampling/rounds"] == len(seen) // 4
+    assert record["sampling/filled_groups"] == sum(not _informs(r["question"]) for r in chosen)
+    assert record["advantages/frac_reward_zero_std"] == record["sampling/filled_groups"] / 4
+    step_samples = [s for s in samples if s["step"] == step]
+    assert [s["gold"] for s in step_samples] == [data.gold_answer(r["answer"]) for r in chosen]
+    for s, r in zip(step_samples, chosen):
+      assert r["question"] in s["prompt"]
+      assert s["advantage"] > 0 if _informs(r["question"]) else s["advantage"] == 0
