@@ -192,18 +192,17 @@ class Checkpointer:
     if not steps:
       raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
     candidates = [step] if step is not None else steps[::-1]
-    problems = []
     for s in candidates:
       problem = verify(os.path.join(self.directory, str(s)))
       if problem is None:
         return self._restore_verified(abstract_state, s)
-      problems.append(f"step {s}: {problem}")
       _warn(f"checkpoint step {s} in {self.directory} is unusable: {problem}"
             + ("; trying the one before" if s != candidates[-1] else ""))
     raise RestoreError(
-        f"no usable checkpoint in {self.directory} ({'; '.join(problems)}). Nothing was "
-        f"restored. To start the run over, delete {self.directory} (or the whole workdir); move "
-        "it elsewhere first if you want to keep the files")
+        f"no usable checkpoint in {self.directory}: step(s) {', '.join(map(str, candidates))} "
+        "are damaged or unfinished (the warnings above say how). Nothing was restored. To start "
+        f"the run over, delete {self.directory} (or the whole workdir); move it elsewhere first "
+        "if you want to keep the files")
 
   def _restore_verified(self, abstract_state, step: int) -> Restored:
     try:
@@ -265,9 +264,11 @@ def resume(workdir: str, abstract_state) -> Restored | None:
   The damaged steps it skipped are deleted: they would otherwise stay "latest" and stop this run
   from saving those steps again.
   """
-  if latest_step(workdir) is None:
+  if not os.path.isdir(checkpoint_dir(workdir)):
     return None
   with Checkpointer(workdir) as ckpt:
+    if not ckpt.all_steps():
+      return None
     restored = ckpt.restore(abstract_state)
     for s in ckpt.delete_after(restored.step):
       _warn(f"deleted the unusable checkpoint step {s}; this run recomputes it from step "

@@ -138,8 +138,9 @@ def run(config, workdir: str) -> dict:
         f"{len(train_rows)} train / {len(eval_rows)} eval prompts, mesh {dict(mesh.shape)}, "
         f"workdir {workdir}", flush=True)
 
-  latest = checkpoint.latest_step(workdir)
-  if latest is None:
+  # The latest checkpoint whose files pass their checksums; damaged newer ones are skipped.
+  restored = checkpoint.resume(workdir, trainer.abstract_checkpoint())
+  if restored is None:
     params = _initial_params(config, cfg, mesh)
     if config.sft.steps:
       params = run_sft(config, trainer, params, train_rows)
@@ -148,18 +149,17 @@ def run(config, workdir: str) -> dict:
     start = 0
     it = data.PromptIterator(len(train_rows), config.train.prompts_per_step, config.seed)
   else:
-    restored = checkpoint.restore(workdir, trainer.abstract_checkpoint())
     state, ref_params = restored.state["train"], restored.state.get("ref")
     start = restored.step
     it = data.PromptIterator(len(train_rows), config.train.prompts_per_step, config.seed,
                              position=restored.data_position)
     print(f"grpo_jax: resumed from step {start}", flush=True)
 
+  resume_step = -1 if restored is None else start
   metrics_writer = logging_io.MetricsWriter(
-      workdir, resume_step=start if latest is not None else -1,
-      tensorboard=config.train.tensorboard, wandb=config.train.wandb)
-  samples_writer = logging_io.SamplesWriter(
-      workdir, resume_step=start if latest is not None else -1)
+      workdir, resume_step=resume_step, tensorboard=config.train.tensorboard,
+      wandb=config.train.wandb)
+  samples_writer = logging_io.SamplesWriter(workdir, resume_step=resume_step)
   stop = {"requested": False}
   previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
   ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.train.keep_checkpoints)
@@ -171,7 +171,7 @@ def run(config, workdir: str) -> dict:
     ckpt.save(step, ckpt_state, it.position())
 
   try:
-    if latest is None:
+    if restored is None:
       acc = evaluate(config, trainer, state["params"], tokenizer, eval_rows)
       metrics_writer.write(0, {"eval/accuracy": acc})
       print(f"grpo_jax: held-out greedy accuracy at GRPO step 0: {acc:.1%}", flush=True)

@@ -227,11 +227,13 @@ def test_no_usable_checkpoint_is_a_user_error_naming_the_directory(tmp_path, cap
   for restore in (checkpoint.resume, checkpoint.restore):
     with pytest.raises(checkpoint.RestoreError) as e:
       restore(workdir, _state_with_data_file(0))
-    message = str(e.value)
+    message, err = str(e.value), capsys.readouterr().err
     assert isinstance(e.value, UserError)
-    assert f"no usable checkpoint in {ckpt_dir}" in message and f"delete {ckpt_dir}" in message
-    assert "step 2: it has no SHA256SUMS" in message and "step 1: state/" in message
-    assert "Traceback" not in capsys.readouterr().err
+    assert f"no usable checkpoint in {ckpt_dir}: step(s) 2, 1 are damaged" in message
+    assert f"delete {ckpt_dir}" in message
+    assert "step 2 in" in err and "it has no SHA256SUMS" in err
+    assert "step 1 in" in err and "does not match its checksum" in err
+    assert "Traceback" not in err
   assert sorted(os.listdir(ckpt_dir)) == ["1", "2"]  # nothing deleted when nothing was restored
   with pytest.raises(checkpoint.RestoreError, match="no usable checkpoint"):
     checkpoint.restore(workdir, _state_with_data_file(0), step=1)

@@ -1,5 +1,6 @@
-"""The training program end to end: the real GSM8K files through the whole data path, and
-preemption (SIGKILL, SIGTERM) followed by a resume that equals an uninterrupted run bit for bit."""
+"""The training program end to end: the real GSM8K files through the whole data path,
+preemption (SIGKILL, SIGTERM) followed by a resume that equals an uninterrupted run bit for bit,
+and damaged checkpoints (resume from the last good one, or stop with a clear error)."""
 
 import json
 import os
@@ -63,9 +64,9 @@ TINY_FLAGS = ["--config.sft.steps=10", "--config.train.steps=6", "--config.train
               "--config.data.synthetic_train=400", "--config.data.synthetic_test=40"]
 
 
-def _command(workdir):
+def _command(workdir, *extra_flags):
   return [sys.executable, "-m", "grpo_jax.main", "--config=configs/gsm8k.py:tiny",
-          f"--workdir={workdir}", *TINY_FLAGS]
+          f"--workdir={workdir}", *TINY_FLAGS, *extra_flags]
 
 
 def _env():
@@ -74,20 +75,21 @@ def _env():
   return env
 
 
-def _run(workdir):
-  done = subprocess.run(_command(workdir), cwd=REPO, env=_env(), capture_output=True,
-                        text=True, timeout=600)
+def _run(workdir, *extra_flags):
+  done = subprocess.run(_command(workdir, *extra_flags), cwd=REPO, env=_env(),
+                        capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   return done
 
 
-def _start_and_signal(workdir, at_step, sig):
+def _start_and_signal(workdir, at_step, sig, *extra_flags):
   """Starts a run and sends `sig` once the checkpoint of `at_step` is on disk."""
-  proc = subprocess.Popen(_command(workdir), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-  target = Path(workdir) / "checkpoints" / str(at_step)
+  proc = subprocess.Popen(_command(workdir, *extra_flags), cwd=REPO, env=_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  # Its checksums are the last file a save writes (a step without them is not resumed from).
+  target = Path(workdir) / "checkpoints" / str(at_step) / "SHA256SUMS"
   deadline = time.time() + 600
-  while not target.is_dir() and proc.poll() is None and time.time() < deadline:
+  while not target.is_file() and proc.poll() is None and time.time() < deadline:
     time.sleep(0.05)
   assert proc.poll() is None, f"the run ended before step {at_step}: {proc.stdout.read()[-3000:]}"
   proc.send_signal(sig)
@@ -124,3 +126,41 @@ def test_preempted_runs_resume_to_the_same_params_bit_for_bit(tmp_path):
   for ra, rb in zip(ma, mb):
     assert ra.get("loss") == rb.get("loss") and ra.get("reward/total/mean") == rb.get(
         "reward/total/mean"), (ra, rb)
+
+
+def _flip_a_bit(step_dir: Path):
+  """Flips one bit in the middle of the step's largest file (an array data file), as bit rot."""
+  path = max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
+             key=lambda p: p.stat().st_size)
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 1
+  path.write_bytes(data)
+
+
+def test_damaged_checkpoints_resume_from_the_last_good_one_or_stop_clearly(tmp_path):
+  workdir, no_sft = tmp_path / "run", "--config.sft.steps=0"  # the warm start is beside the point
+  ckpts = workdir / "checkpoints"
+  _run(workdir, no_sft)
+  assert sorted(int(p.name) for p in ckpts.iterdir()) == [2, 4, 6]
+  final = _final_params(workdir)
+
+  _flip_a_bit(ckpts / "6")
+  done = _run(workdir, no_sft)
+  assert "checkpoint step 6" in done.stderr and "does not match its checksum" in done.stderr
+  assert "resumed from step 4" in done.stdout
+  # Steps 5 and 6 were recomputed from step 4's intact values: the same final params as before.
+  again = _final_params(workdir)
+  assert again.keys() == final.keys()
+  for name in final:
+    np.testing.assert_array_equal(again[name], final[name], err_msg=name)
+  records = logging_io.read_jsonl(str(workdir / "metrics.jsonl"))
+  assert [r["step"] for r in records] == list(range(7))
+
+  for step_dir in ckpts.iterdir():
+    _flip_a_bit(step_dir)
+  failed = subprocess.run(_command(workdir, no_sft), cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=600)
+  assert failed.returncode == 2, failed.stderr[-3000:]
+  assert "Traceback" not in failed.stderr
+  assert f"grpo_jax: error: no usable checkpoint in {ckpts}" in failed.stderr
+  assert "resumed" not in failed.stdout and not (workdir / "checkpoints" / "0").exists()
