@@ -4,6 +4,7 @@ and damaged checkpoints (resume from the last good one, or stop with a clear err
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,6 +59,23 @@ def test_real_gsm8k_through_the_whole_data_path(tmp_path):
   assert (tmp_path / "final_model" / "config.json").is_file()
 
 
+def test_summary_reports_a_gain_only_for_a_completed_run(tmp_path, capsys):
+  rows = [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "loss": 0.5},
+          {"step": 2, "eval/accuracy": 0.5}, {"step": 3, "loss": 0.4}]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  stopped = train._summary(str(tmp_path), stopped_at=3)
+  assert stopped == {"stopped_early": True, "stopped_at_step": 3, "eval_accuracy_start": 0.25,
+                     "start_step": 0, "eval_accuracy_latest": 0.5, "latest_eval_step": 2}
+  assert json.loads((tmp_path / "summary.json").read_text()) == stopped
+  line = capsys.readouterr().out
+  assert "stopped early at step 3" in line and "50.0% at step 2" in line and "points" not in line
+
+  done = train._summary(str(tmp_path))
+  assert done == {"eval_accuracy_start": 0.25, "start_step": 0, "eval_accuracy_end": 0.5,
+                  "end_step": 2, "eval_accuracy_gain_points": 25.0}
+  assert "25.0% (step 0) -> 50.0% (step 2): +25.0 points" in capsys.readouterr().out
+
+
 TINY_FLAGS = ["--config.sft.steps=10", "--config.train.steps=6", "--config.train.checkpoint_every=2",
               "--config.train.prompts_per_step=4", "--config.train.eval_examples=8",
               "--config.train.eval_every=0", "--config.train.tensorboard=False",
@@ -103,17 +121,29 @@ def _final_params(workdir):
 
 def test_preempted_runs_resume_to_the_same_params_bit_for_bit(tmp_path):
   straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-  _run(straight)
+  # Steps after the signal's checkpoint to spare: under load orbax commits a checkpoint (and so
+  # the signal comes) a few steps after it was started; the run must not have finished by then.
+  steps = "--config.train.steps=10"
+  _run(straight, steps)
 
-  code, _ = _start_and_signal(interrupted, 2, signal.SIGKILL)
+  code, _ = _start_and_signal(interrupted, 2, signal.SIGKILL, steps)
   assert code == -signal.SIGKILL
   assert not (interrupted / "final_model").exists()
-  code, out = _start_and_signal(interrupted, 4, signal.SIGTERM)
+  code, out = _start_and_signal(interrupted, 4, signal.SIGTERM, steps)
   assert code == 0, out[-3000:]
   assert "resumed from step 2" in out or "resumed from step 4" in out
-  assert "SIGTERM: saved step" in out
-  out = _run(interrupted).stdout
+  stopped = int(re.search(r"SIGTERM: saved step (\d+)", out).group(1))
+  assert 4 <= stopped < 10, out[-3000:]
+  summary = json.loads((interrupted / "summary.json").read_text())
+  assert summary["stopped_early"] is True and summary["stopped_at_step"] == stopped
+  assert summary["start_step"] == 0 and "eval_accuracy_start" in summary
+  assert "eval_accuracy_gain_points" not in summary and "eval_accuracy_end" not in summary
+  assert f"stopped early at step {stopped}" in out and "points" not in out
+  out = _run(interrupted, steps).stdout
   assert "resumed from step" in out
+  summary = json.loads((interrupted / "summary.json").read_text())
+  assert "stopped_early" not in summary and summary["end_step"] == 10
+  assert "eval_accuracy_gain_points" in summary
 
   a, b = _final_params(straight), _final_params(interrupted)
   assert a.keys() == b.keys()
@@ -122,7 +152,7 @@ def test_preempted_runs_resume_to_the_same_params_bit_for_bit(tmp_path):
   # The metrics of the interrupted run, once resumed, are those of the straight run.
   ma = logging_io.read_jsonl(str(straight / "metrics.jsonl"))
   mb = logging_io.read_jsonl(str(interrupted / "metrics.jsonl"))
-  assert [r["step"] for r in mb] == [r["step"] for r in ma] == list(range(7))
+  assert [r["step"] for r in mb] == [r["step"] for r in ma] == list(range(11))
   for ra, rb in zip(ma, mb):
     assert ra.get("loss") == rb.get("loss") and ra.get("reward/total/mean") == rb.get(
         "reward/total/mean"), (ra, rb)
