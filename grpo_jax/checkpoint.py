@@ -11,7 +11,9 @@ with `cd checkpoints/<step> && sha256sum -c SHA256SUMS`). Restoring checks every
 against it first, because orbax alone would restore flipped bytes in a data file as silently
 wrong values. A step that fails (changed, missing or extra files; no SHA256SUMS because the
 process died while writing it) is skipped with a warning naming it, and the next older one is
-tried; when none is left, restore raises RestoreError naming the checkpoint directory.
+tried; when none is left, restore raises RestoreError naming the checkpoint directory. A step
+whose files are intact but do not fit the requested state also raises RestoreError at once: the
+config changed, and an older step would not fit either.
 
     with Checkpointer(workdir, max_to_keep=3) as ckpt:
       ckpt.save(step, {"params": params, "opt_state": opt_state, "rng": key}, it.position())
@@ -90,7 +92,7 @@ def write_checksums(step_dir: str) -> None:
 def verify(step_dir: str) -> str | None:
   """None when every file of step_dir matches SHA256SUMS (no more, no fewer); else what is wrong."""
   try:
-    with open(os.path.join(step_dir, CHECKSUMS_FILE)) as f:
+    with open(os.path.join(step_dir, CHECKSUMS_FILE), errors="replace") as f:
       lines = f.read().splitlines()
   except FileNotFoundError:
     return (f"it has no {CHECKSUMS_FILE}: its save did not finish (or it was written before "
@@ -117,8 +119,10 @@ class _ChecksummedRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
   """orbax's commit (rename tmp dir -> step dir), then the step's SHA256SUMS.
 
   Hooked here because this runs once the step's files are final, in orbax's save thread (async
-  saves stay async) and before wait()/close() return. A crash between the rename and the
-  checksums leaves a step without SHA256SUMS, which restore treats as unfinished.
+  saves stay async) and before wait()/close() return; orbax 0.12's own hook,
+  AsyncOptions.post_finalization_callback, runs before the rename and is not told the step. A
+  crash between the rename and the checksums leaves a step without SHA256SUMS, which restore
+  treats as unfinished.
   """
 
   async def finalize(self):
@@ -149,7 +153,6 @@ class Checkpointer:
     if max_to_keep < 1:
       raise ValueError(f"checkpoint max_to_keep must be >= 1, got {max_to_keep}")
     self.directory = checkpoint_dir(workdir)
-    self.read_only = read_only
     options = ocp.CheckpointManagerOptions(
         preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep),
         enable_async_checkpointing=async_save,
@@ -199,10 +202,10 @@ class Checkpointer:
       _warn(f"checkpoint step {s} in {self.directory} is unusable: {problem}"
             + ("; trying the one before" if s != candidates[-1] else ""))
     raise RestoreError(
-        f"no usable checkpoint in {self.directory}: step(s) {', '.join(map(str, candidates))} "
-        "are damaged or unfinished (the warnings above say how). Nothing was restored. To start "
-        f"the run over, delete {self.directory} (or the whole workdir); move it elsewhere first "
-        "if you want to keep the files")
+        f"no usable checkpoint in {self.directory}: tried step {', '.join(map(str, candidates))}, "
+        "damaged or unfinished (the warnings above say how). Nothing was restored. To start the "
+        f"run over, delete {self.directory} (or the whole workdir); move it elsewhere first if "
+        "you want to keep the files")
 
   def _restore_verified(self, abstract_state, step: int) -> Restored:
     try:
@@ -211,7 +214,7 @@ class Checkpointer:
           meta=ocp.args.JsonRestore()))
     except (ValueError, KeyError, TypeError) as e:
       raise RestoreError(
-          f"checkpoint {self.directory}/{step} does not match abstract_state: its files are "
+          f"checkpoint {self.directory}/{step} does not fit this run's state: its files are "
           f"intact, so this run's model or optimizer config differs from the one that saved it "
           f"({type(e).__name__}: {e}). Run with the config it was saved with, or use a new "
           "workdir") from e

@@ -94,7 +94,7 @@ def test_restore_errors_are_clear(tmp_path):
       ckpt.save(2, state, {"index": np.arange(2)})
   # A leaf missing: the files are intact, so the config differs; no falling back to older steps.
   bad = dict(state, params={"w": state["params"]["w"]})
-  with pytest.raises(checkpoint.RestoreError, match="does not match abstract_state") as e:
+  with pytest.raises(checkpoint.RestoreError, match="does not fit this run's state") as e:
     checkpoint.restore(str(tmp_path), bad)
   assert isinstance(e.value, UserError) and "config" in str(e.value)
   with pytest.raises(ValueError, match=r"abstract_state\['step'\] has no sharding"):
@@ -229,7 +229,7 @@ def test_no_usable_checkpoint_is_a_user_error_naming_the_directory(tmp_path, cap
       restore(workdir, _state_with_data_file(0))
     message, err = str(e.value), capsys.readouterr().err
     assert isinstance(e.value, UserError)
-    assert f"no usable checkpoint in {ckpt_dir}: step(s) 2, 1 are damaged" in message
+    assert f"no usable checkpoint in {ckpt_dir}: tried step 2, 1, damaged" in message
     assert f"delete {ckpt_dir}" in message
     assert "step 2 in" in err and "it has no SHA256SUMS" in err
     assert "step 1 in" in err and "does not match its checksum" in err
@@ -237,3 +237,20 @@ def test_no_usable_checkpoint_is_a_user_error_naming_the_directory(tmp_path, cap
   assert sorted(os.listdir(ckpt_dir)) == ["1", "2"]  # nothing deleted when nothing was restored
   with pytest.raises(checkpoint.RestoreError, match="no usable checkpoint"):
     checkpoint.restore(workdir, _state_with_data_file(0), step=1)
+
+
+def test_verify_names_what_is_wrong(tmp_path):
+  (tmp_path / "state").mkdir()
+  (tmp_path / "state" / "data").write_bytes(b"\x00" * 100)
+  (tmp_path / "_CHECKPOINT_METADATA").write_text("{}")
+  checkpoint.write_checksums(str(tmp_path))
+  assert checkpoint.verify(str(tmp_path)) is None
+  sums = (tmp_path / "SHA256SUMS").read_text()
+  assert sums.splitlines()[1].endswith("  state/data")  # `sha256sum -c` reads it
+  (tmp_path / "extra").write_text("x")
+  assert checkpoint.verify(str(tmp_path)) == "extra is not in its SHA256SUMS"
+  (tmp_path / "extra").unlink()
+  (tmp_path / "state" / "data").write_bytes(b"\x00" * 99 + b"\x01")
+  assert checkpoint.verify(str(tmp_path)) == "state/data does not match its checksum"
+  (tmp_path / "SHA256SUMS").write_bytes(b"\xff\xfe not utf-8\n" + sums.encode())
+  assert checkpoint.verify(str(tmp_path)) == "its SHA256SUMS is damaged"
