@@ -1,15 +1,25 @@
-"""Checkpoints with orbax: train state arrays + JSON (data position, ...), last K kept, atomic.
+"""Checkpoints with orbax: train state arrays + JSON (data position, ...), last K kept, atomic,
+checksummed.
 
-Layout: <workdir>/checkpoints/<step>/{state,meta}. orbax writes each step into
+Layout: <workdir>/checkpoints/<step>/{state,meta,SHA256SUMS}. orbax writes each step into
 `<step>.orbax-checkpoint-tmp` and renames it to `<step>` only when every file is written, so a
 crash mid-save leaves the previous steps untouched and the half-written one invisible (its tmp
 dir is deleted the next time a Checkpointer opens the workdir).
 
+Right after that rename, the save writes SHA256SUMS (the `sha256sum` format: check a step by hand
+with `cd checkpoints/<step> && sha256sum -c SHA256SUMS`). Restoring checks every file of a step
+against it first, because orbax alone would restore flipped bytes in a data file as silently
+wrong values. A step that fails (changed, missing or extra files; no SHA256SUMS because the
+process died while writing it) is skipped with a warning naming it, and the next older one is
+tried; when none is left, restore raises RestoreError naming the checkpoint directory. A step
+whose files are intact but do not fit the requested state also raises RestoreError at once: the
+config changed, and an older step would not fit either.
+
     with Checkpointer(workdir, max_to_keep=3) as ckpt:
       ckpt.save(step, {"params": params, "opt_state": opt_state, "rng": key}, it.position())
     # later, in a fresh process
-    if has_checkpoint(workdir):
-      restored = restore(workdir, abstract_state)   # leaves: ShapeDtypeStruct with .sharding
+    restored = resume(workdir, abstract_state)   # leaves: ShapeDtypeStruct with .sharding
+    if restored is not None:
       restored.step, restored.state["rng"], restored.data_position
 
 `state` is any pytree of jax arrays (typed PRNG keys included: orbax stores their key_data and
@@ -17,15 +27,25 @@ rewraps them with the abstract leaf's key type) and numpy arrays.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import hashlib
 import json
 import os
+import sys
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from grpo_jax.errors import UserError
+
 SUBDIR = "checkpoints"
+CHECKSUMS_FILE = "SHA256SUMS"
+
+
+class RestoreError(UserError, ValueError):
+  """No checkpoint of the workdir can be restored: all are damaged, or none fits this config."""
 
 
 @dataclasses.dataclass
@@ -38,6 +58,81 @@ class Restored:
 def checkpoint_dir(workdir: str) -> str:
   return os.path.join(os.path.abspath(os.path.expanduser(workdir)), SUBDIR)
 
+
+def _warn(message: str) -> None:
+  print(f"grpo_jax: warning: {message}", file=sys.stderr, flush=True)
+
+
+# --- checksums -----------------------------------------------------------------------------------
+
+def _files(step_dir: str) -> list[str]:
+  """Paths of the step's files relative to step_dir, sorted; the checksum file itself excluded."""
+  names = []
+  for root, _, files in os.walk(step_dir):
+    names += [os.path.relpath(os.path.join(root, f), step_dir) for f in files]
+  return sorted(n for n in names if n not in (CHECKSUMS_FILE, CHECKSUMS_FILE + ".tmp"))
+
+
+def _sha256(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_checksums(step_dir: str) -> None:
+  """Writes step_dir/SHA256SUMS for every file in step_dir; a crash leaves none, never half."""
+  lines = "".join(f"{_sha256(os.path.join(step_dir, n))}  {n}\n" for n in _files(step_dir))
+  tmp = os.path.join(step_dir, CHECKSUMS_FILE + ".tmp")
+  with open(tmp, "w") as f:
+    f.write(lines)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, os.path.join(step_dir, CHECKSUMS_FILE))
+
+
+def verify(step_dir: str) -> str | None:
+  """None when every file of step_dir matches SHA256SUMS (no more, no fewer); else what is wrong."""
+  try:
+    with open(os.path.join(step_dir, CHECKSUMS_FILE), errors="replace") as f:
+      lines = f.read().splitlines()
+  except FileNotFoundError:
+    return (f"it has no {CHECKSUMS_FILE}: its save did not finish (or it was written before "
+            "grpo_jax recorded checksums)")
+  expected = {}
+  for line in lines:
+    digest, sep, name = line.partition("  ")
+    if not sep or len(digest) != 64:
+      return f"its {CHECKSUMS_FILE} is damaged"
+    expected[name] = digest
+  names = _files(step_dir)
+  missing = sorted(expected.keys() - set(names))
+  if missing:
+    return f"{missing[0]} is missing"
+  for name in names:
+    if name not in expected:
+      return f"{name} is not in its {CHECKSUMS_FILE}"
+    if _sha256(os.path.join(step_dir, name)) != expected[name]:
+      return f"{name} does not match its checksum"
+  return None
+
+
+class _ChecksummedRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
+  """orbax's commit (rename tmp dir -> step dir), then the step's SHA256SUMS.
+
+  Hooked here because this runs once the step's files are final, in orbax's save thread (async
+  saves stay async) and before wait()/close() return; orbax 0.12's own hook,
+  AsyncOptions.post_finalization_callback, runs before the rename and is not told the step. A
+  crash between the rename and the checksums leaves a step without SHA256SUMS, which restore
+  treats as unfinished.
+  """
+
+  async def finalize(self):
+    await super().finalize()
+    final = self.get_final()
+    if final.name.isdigit():  # a step dir; orbax commits its items (state/, meta/) this way too
+      await asyncio.to_thread(write_checksums, os.fspath(final))
+
+
+# --- saving and restoring ------------------------------------------------------------------------
 
 def _abstract_with_shardings(abstract_state):
   """Abstract leaves for StandardRestore; every leaf must say where its array goes."""
@@ -64,7 +159,8 @@ class Checkpointer:
         # Removes the tmp dirs of saves a crash interrupted; finished steps are never touched.
         cleanup_tmp_directories=not read_only,
         read_only=read_only,
-        create=not read_only)
+        create=not read_only,
+        temporary_path_class=_ChecksummedRename)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def save(self, step: int, state, data_position: dict) -> bool:
@@ -78,31 +174,61 @@ class Checkpointer:
         meta=ocp.args.JsonSave({"step": int(step), "data_position": data_position})))
 
   def latest_step(self) -> int | None:
+    """The latest finished step, verified or not (restore checks it)."""
     return self._manager.latest_step()
 
   def all_steps(self) -> list[int]:
-    return list(self._manager.all_steps())
+    return sorted(self._manager.all_steps())
 
   def restore(self, abstract_state, step: int | None = None) -> Restored:
-    """Restores `step` (default: latest) with arrays placed as abstract_state's shardings say."""
-    if step is None:
-      step = self.latest_step()
-      if step is None:
-        raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
-    if step not in self._manager.all_steps():
+    """Restores `step`, by default the latest step whose files match their checksums, with arrays
+    placed as abstract_state's shardings say.
+
+    Each newer step that fails its checksums gets a warning naming it. Raises RestoreError when
+    no step (or not `step`) passes, or when a step that passes does not fit abstract_state (its
+    files are intact, so the run's config differs from the one that saved it).
+    """
+    steps = self.all_steps()
+    if step is not None and step not in steps:
       raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory} "
-                              f"(have {self.all_steps()})")
+                              f"(have {steps})")
+    if not steps:
+      raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
+    candidates = [step] if step is not None else steps[::-1]
+    for s in candidates:
+      problem = verify(os.path.join(self.directory, str(s)))
+      if problem is None:
+        return self._restore_verified(abstract_state, s)
+      _warn(f"checkpoint step {s} in {self.directory} is unusable: {problem}"
+            + ("; trying the one before" if s != candidates[-1] else ""))
+    raise RestoreError(
+        f"no usable checkpoint in {self.directory}: tried step {', '.join(map(str, candidates))}, "
+        "damaged or unfinished (the warnings above say how). Nothing was restored. To start the "
+        f"run over, delete {self.directory} (or the whole workdir); move it elsewhere first if "
+        "you want to keep the files")
+
+  def _restore_verified(self, abstract_state, step: int) -> Restored:
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(_abstract_with_shardings(abstract_state)),
           meta=ocp.args.JsonRestore()))
     except (ValueError, KeyError, TypeError) as e:
-      raise ValueError(f"checkpoint {self.directory}/{step} does not match abstract_state "
-                       f"(different model or optimizer config?): {e}") from e
+      raise RestoreError(
+          f"checkpoint {self.directory}/{step} does not fit this run's state: its files are "
+          f"intact, so this run's model or optimizer config differs from the one that saved it "
+          f"({type(e).__name__}: {e}). Run with the config it was saved with, or use a new "
+          "workdir") from e
     return Restored(step=step, state=out["state"], data_position=out["meta"]["data_position"])
 
+  def delete_after(self, step: int) -> list[int]:
+    """Deletes the steps after `step` (those restore skipped); returns them."""
+    newer = [s for s in self.all_steps() if s > step]
+    for s in newer:
+      self._manager.delete(s)
+    return newer
+
   def wait(self) -> None:
-    """Blocks until the async save in flight (if any) is on disk."""
+    """Blocks until the async save in flight (if any) is on disk, checksums included."""
     self._manager.wait_until_finished()
 
   def close(self) -> None:
@@ -133,3 +259,21 @@ def restore(workdir: str, abstract_state, step: int | None = None) -> Restored:
     raise FileNotFoundError(f"no checkpoint directory {checkpoint_dir(workdir)}")
   with Checkpointer(workdir, read_only=True) as ckpt:
     return ckpt.restore(abstract_state, step)
+
+
+def resume(workdir: str, abstract_state) -> Restored | None:
+  """What a run continues from: the latest usable checkpoint, or None when there is none yet.
+
+  The damaged steps it skipped are deleted: they would otherwise stay "latest" and stop this run
+  from saving those steps again.
+  """
+  if not os.path.isdir(checkpoint_dir(workdir)):
+    return None
+  with Checkpointer(workdir) as ckpt:
+    if not ckpt.all_steps():
+      return None
+    restored = ckpt.restore(abstract_state)
+    for s in ckpt.delete_after(restored.step):
+      _warn(f"deleted the unusable checkpoint step {s}; this run recomputes it from step "
+            f"{restored.step}")
+  return restored

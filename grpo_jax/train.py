@@ -173,8 +173,9 @@ def run(config, workdir: str) -> dict:
   if config.sft.steps and config.sft.target_accuracy:
     train_rows, sft_eval_rows = (train_rows[:-config.sft.eval_examples],
                                  train_rows[-config.sft.eval_examples:])
-  latest = checkpoint.latest_step(workdir)
-  if latest is None:
+  # The latest checkpoint whose files pass their checksums; damaged newer ones are skipped.
+  restored = checkpoint.resume(workdir, trainer.abstract_checkpoint())
+  if restored is None:
     params = _initial_params(config, cfg, mesh)
     if config.sft.steps:
       params = run_sft(config, trainer, params, train_rows, sft_eval_rows)
@@ -183,18 +184,17 @@ def run(config, workdir: str) -> dict:
     start = 0
     it = data.PromptIterator(len(train_rows), config.train.prompts_per_step, config.seed)
   else:
-    restored = checkpoint.restore(workdir, trainer.abstract_checkpoint())
     state, ref_params = restored.state["train"], restored.state.get("ref")
     start = restored.step
     it = data.PromptIterator(len(train_rows), config.train.prompts_per_step, config.seed,
                              position=restored.data_position)
     print(f"grpo_jax: resumed from step {start}", flush=True)
 
+  resume_step = -1 if restored is None else start
   metrics_writer = logging_io.MetricsWriter(
-      workdir, resume_step=start if latest is not None else -1,
-      tensorboard=config.train.tensorboard, wandb=config.train.wandb)
-  samples_writer = logging_io.SamplesWriter(
-      workdir, resume_step=start if latest is not None else -1)
+      workdir, resume_step=resume_step, tensorboard=config.train.tensorboard,
+      wandb=config.train.wandb)
+  samples_writer = logging_io.SamplesWriter(workdir, resume_step=resume_step)
   stop = {"requested": False}
   previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
   ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.train.keep_checkpoints)
@@ -205,8 +205,9 @@ def run(config, workdir: str) -> dict:
       ckpt_state["ref"] = ref_params
     ckpt.save(step, ckpt_state, it.position())
 
+  done = start
   try:
-    if latest is None:
+    if restored is None:
       acc = evaluate(config, trainer, state["params"], tokenizer, eval_rows)
       metrics_writer.write(0, {"eval/accuracy": acc})
       print(f"grpo_jax: held-out greedy accuracy at GRPO step 0: {acc:.1%}", flush=True)
@@ -249,30 +250,45 @@ def run(config, workdir: str) -> dict:
     metrics_writer.close()
     signal.signal(signal.SIGTERM, previous)
 
-  summary = _summary(workdir)
+  finished = done >= config.train.steps  # a SIGTERM in the last step still finishes the run
+  summary = _summary(workdir, stopped_at=None if finished else done)
   plots.plot_metrics(workdir)
   if generation_config is None:
     generation_config = {"eos_token_id": stop_ids, "pad_token_id": tokenizer.pad_token_id}
-  if not stop["requested"]:
+  if finished:
     weights.save_checkpoint(state["params"], cfg, os.path.join(workdir, "final_model"),
                             generation_config=generation_config, tokenizer=tokenizer)
   return summary
 
 
-def _summary(workdir):
+def _summary(workdir, stopped_at: int | None = None):
+  """summary.json from the eval rows of metrics.jsonl: held-out accuracy at the start and end of
+  GRPO and the gain. A run stopped early (SIGTERM) at step `stopped_at` has no end: it reports
+  where it stopped and what it measured, and no gain (that needs the completed run)."""
   evals = [r for r in logging_io.read_jsonl(os.path.join(workdir, logging_io.METRICS_FILE))
            if r.get("eval/accuracy") is not None]
-  summary = {}
-  if evals:
-    summary = {"eval_accuracy_start": evals[0]["eval/accuracy"], "start_step": evals[0]["step"],
-               "eval_accuracy_end": evals[-1]["eval/accuracy"], "end_step": evals[-1]["step"]}
+  if not evals:
+    return {}
+  first, last = evals[0], evals[-1]
+  summary = {"eval_accuracy_start": first["eval/accuracy"], "start_step": first["step"]}
+  if stopped_at is None:
+    summary.update(eval_accuracy_end=last["eval/accuracy"], end_step=last["step"])
     summary["eval_accuracy_gain_points"] = 100 * (summary["eval_accuracy_end"]
                                                   - summary["eval_accuracy_start"])
-    with open(os.path.join(workdir, SUMMARY_FILE), "w") as f:
-      json.dump(summary, f, indent=2)
-    print(f"grpo_jax: held-out greedy accuracy {summary['eval_accuracy_start']:.1%} (step "
-          f"{summary['start_step']}) -> {summary['eval_accuracy_end']:.1%} (step "
-          f"{summary['end_step']}): {summary['eval_accuracy_gain_points']:+.1f} points", flush=True)
+    line = (f"held-out greedy accuracy {first['eval/accuracy']:.1%} (step {first['step']}) -> "
+            f"{last['eval/accuracy']:.1%} (step {last['step']}): "
+            f"{summary['eval_accuracy_gain_points']:+.1f} points")
+  else:
+    summary = {"stopped_early": True, "stopped_at_step": stopped_at, **summary}
+    line = (f"stopped early at step {stopped_at}; held-out greedy accuracy "
+            f"{first['eval/accuracy']:.1%} at step {first['step']}")
+    if last["step"] > first["step"]:
+      summary.update(eval_accuracy_latest=last["eval/accuracy"], latest_eval_step=last["step"])
+      line += f", {last['eval/accuracy']:.1%} at step {last['step']}"
+    line += "; the gain is reported when the run completes (run the same command to resume)"
+  with open(os.path.join(workdir, SUMMARY_FILE), "w") as f:
+    json.dump(summary, f, indent=2)
+  print(f"grpo_jax: {line}", flush=True)
   return summary
 
 

@@ -1,4 +1,5 @@
-"""Checkpoints: bit-identical round trip into chosen shardings, keep-last-K, crash mid-save."""
+"""Checkpoints: bit-identical round trip into chosen shardings, keep-last-K, crash mid-save,
+damaged checkpoints (flipped bytes, missing metadata) skipped for the previous good step."""
 import os
 import pathlib
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grpo_jax import checkpoint
+from grpo_jax.errors import UserError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -90,9 +92,11 @@ def test_restore_errors_are_clear(tmp_path):
       ckpt.restore(state, step=2)
     with pytest.raises(TypeError, match="data_position must be JSON-serialisable"):
       ckpt.save(2, state, {"index": np.arange(2)})
-  bad = dict(state, params={"w": state["params"]["w"]})  # a leaf missing
-  with pytest.raises(ValueError, match="does not match abstract_state"):
+  # A leaf missing: the files are intact, so the config differs; no falling back to older steps.
+  bad = dict(state, params={"w": state["params"]["w"]})
+  with pytest.raises(checkpoint.RestoreError, match="does not fit this run's state") as e:
     checkpoint.restore(str(tmp_path), bad)
+  assert isinstance(e.value, UserError) and "config" in str(e.value)
   with pytest.raises(ValueError, match=r"abstract_state\['step'\] has no sharding"):
     checkpoint.restore(str(tmp_path), dict(state, step=jax.ShapeDtypeStruct((), jnp.int32)))
 
@@ -151,3 +155,102 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
   assert not [n for n in os.listdir(ckpt_dir) if "tmp" in n]
   assert checkpoint.latest_step(workdir) == 2
   _assert_bit_identical(checkpoint.restore(workdir, _state(1)).state, _state(1))
+
+
+def _state_with_data_file(seed):
+  """_state plus a 64 kB leaf: big enough that OCDBT keeps its bytes in a data file of its own
+  (small leaves are inlined in B-tree nodes, whose own checksums catch a flip)."""
+  state = _state(seed)
+  rng = np.random.default_rng(seed + 100)
+  state["params"]["embed"] = jax.device_put(rng.normal(size=(256, 64)).astype(np.float32),
+                                            state["params"]["w"].sharding)
+  return state
+
+
+def _save_steps(workdir, steps):
+  with checkpoint.Checkpointer(workdir) as ckpt:
+    for step in steps:
+      ckpt.save(step, _state_with_data_file(step), {"index": step})
+  return checkpoint.checkpoint_dir(workdir)
+
+
+def _flip_a_bit(step_dir):
+  """Flips one bit in the middle of the step's largest file (an array data file), as bit rot."""
+  path = max((p for p in pathlib.Path(step_dir, "state").rglob("*") if p.is_file()),
+             key=lambda p: p.stat().st_size)
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 1
+  path.write_bytes(data)
+
+
+def test_flipped_bits_in_the_latest_restore_the_previous_step_exactly(tmp_path, capsys):
+  workdir = str(tmp_path)
+  ckpt_dir = _save_steps(workdir, [1, 2, 3])
+  _flip_a_bit(os.path.join(ckpt_dir, "3"))
+  abstract = _state_with_data_file(0)
+  # What this guards against: orbax alone restores the flipped bit as a silently wrong value.
+  with checkpoint.Checkpointer(workdir, read_only=True) as ckpt:
+    unchecked = ckpt._restore_verified(abstract, 3).state
+  assert _bits(unchecked["params"]["embed"]) != _bits(_state_with_data_file(3)["params"]["embed"])
+  capsys.readouterr()
+
+  restored = checkpoint.resume(workdir, abstract)
+  err = capsys.readouterr().err
+  assert "checkpoint step 3" in err and "does not match its checksum" in err
+  assert restored.step == 2 and restored.data_position == {"index": 2}
+  _assert_bit_identical(restored.state, _state_with_data_file(2))
+  # The damaged step is gone, so the resumed run can save step 3 again.
+  assert checkpoint.latest_step(workdir) == 2
+  with checkpoint.Checkpointer(workdir) as ckpt:
+    assert ckpt.save(3, _state_with_data_file(3), {"index": 3})
+  _assert_bit_identical(checkpoint.restore(workdir, abstract).state, _state_with_data_file(3))
+
+
+def test_a_step_without_its_metadata_falls_back(tmp_path, capsys):
+  workdir = str(tmp_path)
+  ckpt_dir = _save_steps(workdir, [1, 2])
+  os.remove(os.path.join(ckpt_dir, "2", "state", "_METADATA"))
+  restored = checkpoint.restore(workdir, _state_with_data_file(0))
+  err = capsys.readouterr().err
+  assert "checkpoint step 2" in err and "state/_METADATA is missing" in err
+  assert "Traceback" not in err
+  assert restored.step == 1
+  _assert_bit_identical(restored.state, _state_with_data_file(1))
+  assert checkpoint.latest_step(workdir) == 2  # read-only restore deletes nothing
+
+
+def test_no_usable_checkpoint_is_a_user_error_naming_the_directory(tmp_path, capsys):
+  workdir = str(tmp_path)
+  ckpt_dir = _save_steps(workdir, [1, 2])
+  _flip_a_bit(os.path.join(ckpt_dir, "1"))
+  os.remove(os.path.join(ckpt_dir, "2", checkpoint.CHECKSUMS_FILE))  # died writing checksums
+  for restore in (checkpoint.resume, checkpoint.restore):
+    with pytest.raises(checkpoint.RestoreError) as e:
+      restore(workdir, _state_with_data_file(0))
+    message, err = str(e.value), capsys.readouterr().err
+    assert isinstance(e.value, UserError)
+    assert f"no usable checkpoint in {ckpt_dir}: tried step 2, 1, damaged" in message
+    assert f"delete {ckpt_dir}" in message
+    assert "step 2 in" in err and "it has no SHA256SUMS" in err
+    assert "step 1 in" in err and "does not match its checksum" in err
+    assert "Traceback" not in err
+  assert sorted(os.listdir(ckpt_dir)) == ["1", "2"]  # nothing deleted when nothing was restored
+  with pytest.raises(checkpoint.RestoreError, match="no usable checkpoint"):
+    checkpoint.restore(workdir, _state_with_data_file(0), step=1)
+
+
+def test_verify_names_what_is_wrong(tmp_path):
+  (tmp_path / "state").mkdir()
+  (tmp_path / "state" / "data").write_bytes(b"\x00" * 100)
+  (tmp_path / "_CHECKPOINT_METADATA").write_text("{}")
+  checkpoint.write_checksums(str(tmp_path))
+  assert checkpoint.verify(str(tmp_path)) is None
+  sums = (tmp_path / "SHA256SUMS").read_text()
+  assert sums.splitlines()[1].endswith("  state/data")  # `sha256sum -c` reads it
+  (tmp_path / "extra").write_text("x")
+  assert checkpoint.verify(str(tmp_path)) == "extra is not in its SHA256SUMS"
+  (tmp_path / "extra").unlink()
+  (tmp_path / "state" / "data").write_bytes(b"\x00" * 99 + b"\x01")
+  assert checkpoint.verify(str(tmp_path)) == "state/data does not match its checksum"
+  (tmp_path / "SHA256SUMS").write_bytes(b"\xff\xfe not utf-8\n" + sums.encode())
+  assert checkpoint.verify(str(tmp_path)) == "its SHA256SUMS is damaged"
