@@ -103,6 +103,9 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
       keep_checkpoints=3,
       samples_per_step=4,           # completions written to samples.md per step
       max_bad_steps=5,              # consecutive non-finite steps before the run stops
+      # Consecutive steps with a reward missing on >= 50% of completions (scorer down, judge
+      # replies that do not parse) before the run saves a checkpoint and stops; 0 = warn only.
+      max_missing_reward_steps=3,
       tensorboard=True,
       wandb=False,
   ))

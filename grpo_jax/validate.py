@@ -82,6 +82,10 @@ def validate(config, num_devices: int) -> None:
   _check(t.eval_every >= 0, "train.eval_every", "must be >= 0")
   _check(t.eval_batch_size >= 1, "train.eval_batch_size", "must be >= 1")
   _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
+  _check(isinstance(t.max_missing_reward_steps, int) and t.max_missing_reward_steps >= 0,
+         "train.max_missing_reward_steps", "must be an int >= 0 (0 = only warn)")
+  _check(isinstance(config.rewards.allow_missing, bool), "rewards.allow_missing",
+         f"must be True or False, got {config.rewards.allow_missing!r}")
   _check(config.sft.steps >= 0, "sft.steps", "must be >= 0")
   if config.model.random_init:
     _check(config.model.tokenizer != "", "model.tokenizer",

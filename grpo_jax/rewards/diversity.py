@@ -42,6 +42,7 @@ class DiversityReward:
   def __init__(self, opts: DiversityOptions):
     self.opts = opts
     self.model = frozen_model.FrozenModel.from_options(opts, "rewards.diversity.checkpoint")
+    self.source = f"embedding checkpoint {opts.checkpoint}"  # named in messages (health.py)
     tok = self.model.tokenizer
     self.eos_id = tok.eos_token_id if tok.eos_token_id is not None else tok.pad_token_id
     if opts.append_eos and self.eos_id is None:
