@@ -107,6 +107,9 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
       # nothing) and sample more prompts, up to max_sampling_rounds rounds per step.
       dynamic_sampling=False,
       max_sampling_rounds=3,
+      # Consecutive steps with a reward missing on >= 50% of completions (scorer down, judge
+      # replies that do not parse) before the run saves a checkpoint and stops; 0 = warn only.
+      max_missing_reward_steps=3,
       tensorboard=True,
       wandb=False,
   ))

@@ -14,6 +14,8 @@ import dataclasses
 import json
 import os
 import signal
+import sys
+import threading
 import time
 
 import jax
@@ -24,14 +26,15 @@ from tqdm.auto import tqdm
 
 from grpo_jax import (checkpoint, data, grpo, logging_io, plots, sampler as sampler_lib,
                       sft, sharding, synthetic, tokenizer as tokenizer_lib, train_step, validate)
+from grpo_jax.errors import UserError
 from grpo_jax.models import qwen, weights
-from grpo_jax.rewards import build_rewards, score
+from grpo_jax.rewards import Interrupted, MissingRewardsError, RewardHealth, build_rewards, probe, score
 
 SUMMARY_FILE = "summary.json"
 
 
-class TooManyBadSteps(RuntimeError):
-  pass
+class TooManyBadSteps(UserError):
+  """Consecutive non-finite steps: a setting (usually optim.lr) to change, not a crash."""
 
 
 # --- set-up ------------------------------------------------------------------------------------
@@ -111,6 +114,12 @@ def _prompt_texts(config, tokenizer, rows) -> list[str]:
           for r in rows]
 
 
+def _reward_columns(rows, g):
+  """The dataset columns rewards see, each row repeated for its G completions."""
+  return {"answer": [r["answer"] for r in rows for _ in range(g)],
+          "question": [r["question"] for r in rows for _ in range(g)]}
+
+
 def _prompts(config, tokenizer, rows) -> Prompts:
   texts = _prompt_texts(config, tokenizer, rows)
   ids = data.encode_prompts(tokenizer, texts)
@@ -158,7 +167,11 @@ def run(config, workdir: str) -> dict:
   tokenizer, stop_ids = _tokenizer(config, workdir, train_rows)
   if config.train.eval_examples:
     eval_rows = eval_rows[:config.train.eval_examples]
-  rewards = build_rewards(config.rewards)
+  interrupt = threading.Event()  # set on SIGTERM: a reward waiting on its scorer gives up
+  rewards = build_rewards(config.rewards, interrupt=interrupt)
+  probe_rows = train_rows[:2]  # real questions and gold answers: a working judge grades them
+  probe(rewards, _prompt_texts(config, tokenizer, probe_rows), [r["answer"] for r in probe_rows],
+        _reward_columns(probe_rows, 1), allow_missing=config.rewards.allow_missing)
   cfg, generation_config = _model_config(config, tokenizer)
   trainer = Trainer(config, cfg, mesh, tokenizer, stop_ids)
   num_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
@@ -196,7 +209,8 @@ def run(config, workdir: str) -> dict:
       wandb=config.train.wandb)
   samples_writer = logging_io.SamplesWriter(workdir, resume_step=resume_step)
   stop = {"requested": False}
-  previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
+  previous = signal.signal(signal.SIGTERM,
+                           lambda *_: (stop.update(requested=True), interrupt.set()))
   ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.train.keep_checkpoints)
 
   def save(step):
@@ -213,17 +227,27 @@ def run(config, workdir: str) -> dict:
       print(f"grpo_jax: held-out greedy accuracy at GRPO step 0: {acc:.1%}", flush=True)
       save(0)
     bad = 0
+    health = RewardHealth(rewards, config.train.max_missing_reward_steps,
+                          log=lambda line: tqdm.write(line, file=sys.stderr))
     bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps,
                desc="grpo", dynamic_ncols=True, mininterval=2.0)
     for step in bar:
-      new_state, m, samples = trainer.grpo_step(
-          state, ref_params, lambda: [train_rows[i] for i in it.next_indices()], rewards, step)
+      position = it.position()
+      try:
+        new_state, m, samples = trainer.grpo_step(
+            state, ref_params, lambda: [train_rows[i] for i in it.next_indices()], rewards, step)
+      except Interrupted:  # SIGTERM while a reward waited on its scorer: drop this step
+        it.restore(position)
+        save(step)
+        print(f"grpo_jax: SIGTERM: saved step {step}, exiting", flush=True)
+        break
       if m["step/skipped"]:  # the train step left the state unchanged
         bad += 1
         if bad >= config.train.max_bad_steps:
           raise TooManyBadSteps(
-              f"{bad} consecutive non-finite steps up to step {step + 1}; the last good "
-              f"checkpoint is in {checkpoint.checkpoint_dir(workdir)}")
+              f"{bad} consecutive non-finite steps up to step {step + 1} (train.max_bad_steps); "
+              f"try a lower optim.lr or optim.max_grad_norm. The last good checkpoint is in "
+              f"{checkpoint.checkpoint_dir(workdir)}")
       else:
         bad = 0
       state = new_state
@@ -241,6 +265,11 @@ def run(config, workdir: str) -> dict:
       bar.set_postfix(postfix)
       if done % config.train.checkpoint_every == 0 or done == config.train.steps:
         save(done)
+      try:
+        health.update(done, m)  # warns; raises after too many steps with a reward missing
+      except MissingRewardsError:
+        save(done)
+        raise
       if stop["requested"]:
         save(done)
         print(f"grpo_jax: SIGTERM: saved step {done}, exiting", flush=True)
@@ -340,8 +369,7 @@ class Trainer:
     texts = self.tokenizer.batch_decode(
         [ids[:n] for ids, n in zip(completion_ids, lengths)], skip_special_tokens=True)
     prompt_texts = [p for p in prompts.texts for _ in range(g)]
-    columns = {"answer": [r["answer"] for r in rows for _ in range(g)],
-               "question": [r["question"] for r in rows for _ in range(g)]}
+    columns = _reward_columns(rows, g)
     reward_BR, reward_metrics = score(rewards, prompt_texts, texts, g, columns)
     self.times["time/reward_s"] += time.perf_counter() - t1
     return Rollouts(list(rows), prompts.texts, prompts.ids, completion_ids, lengths,

@@ -90,6 +90,10 @@ def validate(config, num_devices: int) -> None:
   _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
   _check(isinstance(t.max_sampling_rounds, int) and t.max_sampling_rounds >= 1,
          "train.max_sampling_rounds", f"must be an int >= 1, got {t.max_sampling_rounds!r}")
+  _check(isinstance(t.max_missing_reward_steps, int) and t.max_missing_reward_steps >= 0,
+         "train.max_missing_reward_steps", "must be an int >= 0 (0 = only warn)")
+  _check(isinstance(config.rewards.allow_missing, bool), "rewards.allow_missing",
+         f"must be True or False, got {config.rewards.allow_missing!r}")
   _check(config.sft.steps >= 0, "sft.steps", "must be >= 0")
   _check(0 <= config.sft.target_accuracy <= 1, "sft.target_accuracy",
          f"must be in [0, 1] (0 = run all sft.steps), got {config.sft.target_accuracy}")

@@ -10,8 +10,11 @@ what each item should suffer:
   [badjson]         200 with a body that is not JSON
   [nochoices]       200 with valid JSON lacking 'choices'
   [prose]           200 whose message content is not a grade
+  [hangup]          reply normally, then close the kept-alive connection without notice
+A scorer that breaks mid-run: after `fail_after` requests every request gets `failure`:
+'500' (HTTP 500) or 'silent' (read, never answered until the server stops).
 The server is bounded: it refuses (drops) requests beyond max_requests and shuts itself down
-after lifetime_s even if a test forgets to stop it.
+after lifetime_s even if a test forgets to stop it. `connections` counts accepted connections.
 """
 from __future__ import annotations
 
@@ -30,6 +33,9 @@ _FLAKY_RE = re.compile(r"\[flaky=(\d+)\]")
 
 class _Server(http.server.ThreadingHTTPServer):
   daemon_threads = True
+  # socketserver's default backlog of 5 overflows when 16 clients connect at once, and the
+  # kernel then drops connects that are retried only after ~1 s; real servers (uvicorn) use 2048.
+  request_queue_size = 128
 
   def handle_error(self, request, client_address):
     # A client that timed out and left makes the late reply fail: expected, not worth a trace.
@@ -38,8 +44,12 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 class FakeChatServer:
-  def __init__(self, max_requests: int = 500, lifetime_s: float = 60.0):
-    self.max_requests = max_requests
+  def __init__(self, max_requests: int = 500, lifetime_s: float = 60.0,
+               fail_after: int | None = None, failure: str = "500"):
+    assert failure in ("500", "silent"), failure
+    self.max_requests, self.fail_after, self.failure = max_requests, fail_after, failure
+    self.connections = 0
+    self.released = threading.Event()  # set by stop(): silent handlers return
     self.lock = threading.Lock()
     self.requests = 0
     self.per_prompt = collections.Counter()
@@ -50,9 +60,18 @@ class FakeChatServer:
 
     class Handler(http.server.BaseHTTPRequestHandler):
       protocol_version = "HTTP/1.1"
+      # Headers and body go out in two writes; with Nagle's algorithm the body waits for the
+      # client's (delayed, up to 40 ms) ACK of the headers on a keep-alive connection. Real
+      # servers set TCP_NODELAY too.
+      disable_nagle_algorithm = True
 
       def log_message(self, *args):  # keep test output clean
         pass
+
+      def setup(self):
+        super().setup()
+        with server.lock:
+          server.connections += 1
 
       def do_POST(self):
         length = int(self.headers.get("Content-Length", 0))
@@ -61,10 +80,15 @@ class FakeChatServer:
         with server.lock:
           server.requests += 1
           over = server.requests > server.max_requests
+          broken = server.fail_after is not None and server.requests > server.fail_after
           server.per_prompt[prompt] += 1
           seen = server.per_prompt[prompt]
           server.bodies.append(body)
-        if over or "[drop]" in prompt or self.path != "/v1/chat/completions":
+        if broken and server.failure == "silent":
+          server.released.wait()
+          self.close_connection = True
+          return
+        if over or "[drop]" in prompt or not self.path.endswith("/v1/chat/completions"):
           self.close_connection = True
           self.connection.close()  # no status line at all: the client sees a dropped connection
           return
@@ -79,7 +103,7 @@ class FakeChatServer:
           with server.lock:
             server.in_flight -= 1
         flaky = _FLAKY_RE.search(prompt)
-        if "[500]" in prompt or (flaky and seen <= int(flaky.group(1))):
+        if broken or "[500]" in prompt or (flaky and seen <= int(flaky.group(1))):
           return self._send(500, b'{"error": "internal"}')
         if "[badjson]" in prompt:
           return self._send(200, b'{"choices": [{"message": {"content": "trunc')
@@ -96,6 +120,8 @@ class FakeChatServer:
             "choices": [{"index": 0, "finish_reason": "stop",
                          "message": {"role": "assistant", "content": content}}],
         }).encode())
+        if "[hangup]" in prompt:
+          self.close_connection = True
 
       def _send(self, status: int, payload: bytes):
         self.send_response(status)
@@ -126,6 +152,7 @@ class FakeChatServer:
         return
       self._stopped = True
     self._timer.cancel()
+    self.released.set()
     if self._thread.is_alive():  # shutdown() would wait forever on a server never started
       self.httpd.shutdown()
     self.httpd.server_close()

@@ -1,11 +1,12 @@
 """quality reward over HTTP, against a real loopback chat-completions server with faults."""
 import json
+import threading
 import time
 
 import pytest
 
 from grpo_jax import rewards as rewards_lib
-from grpo_jax.rewards import chat_http, quality
+from grpo_jax.rewards import chat_http, quality, scoring
 from fake_chat_server import FakeChatServer
 
 FALLBACK = 0.123
@@ -55,6 +56,9 @@ def test_faults_get_the_fallback_and_are_counted_with_bounded_retries():
   assert m["fallback_frac"] == pytest.approx(5 / 7)
   assert m["http_requests"] == 16 and m["http_retries"] == 9
   assert m["http_error/http_500"] == 4 and m["http_error/bad_json"] == 6 and m["http_error/connection"] == 3
+  # Each item without a grade is counted once, by why: its last failed attempt, or its reply.
+  assert {k: v for k, v in m.items() if k.startswith("missing/")} == {
+      "missing/http_500": 1, "missing/connection": 1, "missing/bad_json": 2, "missing/unparseable": 1}
 
 
 def test_slow_answers_time_out_with_bounded_retries():
@@ -66,7 +70,8 @@ def test_slow_answers_time_out_with_bounded_retries():
     slow_attempts = sum(n for p, n in server.per_prompt.items() if "[slow=3]" in p)
   assert got == [FALLBACK, 1.0]
   assert slow_attempts == 2 and r.last_metrics["http_error/timeout"] == 2
-  assert r.last_metrics["http_failures"] == 1
+  assert r.last_metrics["http_failures"] == 1 and r.last_metrics["missing/timeout"] == 1
+  assert "timed out" in r.last_problem
   # Two 1 s timeouts and a tiny backoff, not one 3 s reply (let alone two).
   assert elapsed < 2.9
 
@@ -79,6 +84,7 @@ def test_batch_deadline_bounds_the_call():
     elapsed = time.monotonic() - t0
   assert got == [FALLBACK, FALLBACK, 1.0]
   assert r.last_metrics["deadline_exceeded"] == 2 and r.last_metrics["http_failures"] == 2
+  assert r.last_metrics["missing/deadline"] == 2
   assert elapsed < 2.0  # the deadline, not the 3 s replies nor the 10 s timeout
 
 
@@ -110,13 +116,69 @@ def test_concurrency_is_bounded():
   assert elapsed >= 0.55  # three waves of two 0.2 s requests
 
 
+def test_connections_are_kept_alive_across_batches():
+  with FakeChatServer(max_requests=50, lifetime_s=30) as server:
+    r = _reward(server.url, max_concurrency=4)
+    for batch in range(3):
+      got = r(["q"] * 8, [f"{batch}.{i} [slow=0.02] [score=4,4,4,4]" for i in range(8)], group_size=8)
+      assert got == pytest.approx([0.8] * 8) and r.last_metrics["http_requests"] == 8
+    # 24 requests over at most max_concurrency connections: no handshake per request, and no
+    # burst of connects at the server each batch.
+    assert server.requests == 24 and server.connections <= 4
+
+
+def test_connections_the_server_closed_are_replaced_without_errors():
+  with FakeChatServer(max_requests=50, lifetime_s=30) as server:
+    r = _reward(server.url, max_concurrency=2)
+    assert r(["q"] * 4, [f"{i} [hangup] [score=5,5,5,5]" for i in range(4)], group_size=4) == [1.0] * 4
+    time.sleep(0.2)  # the server's FINs arrive (as after a real server's keep-alive timeout)
+    assert r(["q"] * 4, [f"{i} [score=5,5,5,5]" for i in range(4)], group_size=4) == [1.0] * 4
+    assert r.last_metrics["http_requests"] == 4 and r.last_metrics["http_retries"] == 0
+    assert server.connections >= 4
+
+
+def test_interrupt_ends_the_wait_on_a_silent_server():
+  interrupt = threading.Event()
+  with FakeChatServer(max_requests=50, lifetime_s=30, fail_after=0, failure="silent") as server:
+    r = quality.QualityReward(quality.QualityOptions(question_column="", http=chat_http.HttpOptions(
+        base_url=server.url, model="judge", timeout_s=30.0, deadline_s=60.0)), interrupt=interrupt)
+    timer = threading.Timer(0.5, interrupt.set)
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(scoring.Interrupted):
+      r(["q"] * 3, ["a", "b", "c"], group_size=3)
+    elapsed = time.monotonic() - t0
+    assert server.requests == 3  # all three were waiting on the server
+    # The threads still blocked on their sockets cannot delay the interpreter's exit.
+    assert all(t.daemon for t in threading.enumerate() if t.name == "chat_http")
+    with pytest.raises(scoring.Interrupted):  # once set, no new batch starts
+      r(["q"], ["d"], group_size=1)
+  assert 0.5 <= elapsed < 2.0  # polls every 0.1 s; slack for a busy machine
+
+
+def test_env_proxy_is_used_only_when_asked(monkeypatch):
+  with FakeChatServer(max_requests=20, lifetime_s=30) as server:
+    # The fake server plays a forwarding proxy: scorer.invalid does not resolve, so a grade
+    # can only come through it.
+    monkeypatch.setenv("http_proxy", server.url.removesuffix("/v1"))
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    via_proxy = _reward("http://scorer.invalid/v1", use_env_proxy=True)
+    assert via_proxy(["q"], ["a [score=5,5,5,5]"], group_size=1) == [1.0]
+    direct = _reward("http://scorer.invalid/v1", max_retries=0)
+    assert direct(["q"], ["b [score=5,5,5,5]"], group_size=1) == [FALLBACK]
+    assert server.requests == 1 and direct.last_metrics["missing/connection"] == 1
+
+
 def test_server_down_never_crashes():
   with FakeChatServer(max_requests=1, lifetime_s=5) as server:
     url = server.url
   # The server has stopped and its port is closed: connections are refused.
   r = _reward(url)
   assert r(["q"] * 2, ["a", "b"], group_size=2) == [FALLBACK, FALLBACK]
-  assert r.last_metrics["http_failures"] == 2 and r.last_metrics["http_error/connection"] == 6
+  m = r.last_metrics
+  assert m["http_failures"] == 2 and m["http_error/refused"] == 6 and m["missing/refused"] == 2
+  assert r.last_problem.startswith("no reply (refused 2): ConnectionRefusedError")
 
 
 def test_metrics_flow_through_score():

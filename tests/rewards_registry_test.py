@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from grpo_jax import rewards as rewards_lib
+from grpo_jax.errors import UserError
 from grpo_jax.rewards import Reward
 
 
@@ -74,7 +75,12 @@ def test_nested_options_and_plain_dicts():
   (r,) = rewards_lib.build_rewards(cfg)
   assert r.fn.opts.fallback == 0.3 and r.fn.opts.http.base_url == "http://10.0.0.1:1/v1"
   cfg.quality.http.timeout_s = -1.0
-  with pytest.raises(ValueError, match=r"rewards.quality.http: timeout_s"):
+  # A user error: grpo_jax.main prints it and exits 2, no traceback.
+  with pytest.raises(UserError, match=r"^rewards.quality.http: timeout_s"):
+    rewards_lib.build_rewards(cfg)
+  cfg.quality.http.timeout_s = 1.0
+  cfg.quality.backend = "local"
+  with pytest.raises(UserError, match=r"^rewards.quality.local.checkpoint is empty"):
     rewards_lib.build_rewards(cfg)
 
 

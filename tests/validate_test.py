@@ -24,6 +24,7 @@ def test_presets_are_valid(preset):
     ("mesh", (2, 8, 1), r"config\.mesh: \(2, 8, 1\) needs 16 devices"),
     ("sampling.top_p", 0.0, r"config\.sampling\.top_p: must be in \(0, 1\]"),
     ("optim.grad_accum_steps", 5, r"config\.optim\.grad_accum_steps: 5 does not divide"),
+    ("train.max_missing_reward_steps", -1, r"config\.train\.max_missing_reward_steps: must be an int >= 0"),
 ])
 def test_bad_settings_are_named(field, value, message):
   config = gsm8k.get_config("default")

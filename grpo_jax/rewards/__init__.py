@@ -7,20 +7,26 @@ completion (e.g. `answer=[...]`). None means "could not score" and becomes NaN i
   rewards = build_rewards(cfg)
   R, metrics = score(rewards, prompts, completions, group_size=G, columns={"answer": answers})
 
+A failing scorer is loud (see health.py): `probe` before training, `RewardHealth` per step.
+
 Ranges: math_accuracy {0, 1}; format {-0.1, +0.1}; quality [0.2, 1]; verifier [0, 1];
 diversity [0, 2].
 """
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import ml_collections
 
+from grpo_jax.errors import UserError
 from grpo_jax.rewards import format_reward, math_accuracy, model_options, options, quality
-from grpo_jax.rewards.scoring import Reward, score
+from grpo_jax.rewards.health import MissingRewardsError, RewardHealth, probe
+from grpo_jax.rewards.scoring import Interrupted, Reward, score
 
-__all__ = ["Reward", "build_rewards", "default_rewards_config", "score", "KNOWN_REWARDS"]
+__all__ = ["Reward", "build_rewards", "default_rewards_config", "score", "KNOWN_REWARDS",
+           "probe", "RewardHealth", "MissingRewardsError", "Interrupted", "RewardConfigError"]
 
 _OPTIONS = {
     "math_accuracy": math_accuracy.MathAccuracyOptions,
@@ -37,18 +43,25 @@ def default_rewards_config() -> ml_collections.ConfigDict:
   cfg = ml_collections.ConfigDict()
   cfg.names = ("math_accuracy", "format")
   cfg.weights = (1.0, 1.0)
+  # False: a model-based reward that cannot score the start-up probe (scorer unreachable,
+  # replies that do not parse) stops the run before training; True: warn and train on.
+  cfg.allow_missing = False
   for name, cls in _OPTIONS.items():
     cfg[name] = options.to_config(cls())
   return cfg
 
 
-def _build_fn(name: str, opts: Any):
+class RewardConfigError(UserError, ValueError):
+  """A reward's options, or what they point at (a judge checkpoint), are unusable."""
+
+
+def _build_fn(name: str, opts: Any, interrupt):
   if name == "math_accuracy":
     return functools.partial(math_accuracy.math_accuracy, opts=opts)
   if name == "format":
     return functools.partial(format_reward.format_reward, opts=opts)
   if name == "quality":
-    return quality.QualityReward(opts)
+    return quality.QualityReward(opts, interrupt=interrupt)
   if name == "verifier":
     from grpo_jax.rewards import verifier  # JAX model code, loaded only when configured
     return verifier.VerifierReward(opts)
@@ -58,7 +71,9 @@ def _build_fn(name: str, opts: Any):
   raise AssertionError(name)
 
 
-def build_rewards(rewards_cfg: Any) -> list[Reward]:
+def build_rewards(rewards_cfg: Any, interrupt: threading.Event | None = None) -> list[Reward]:
+  """The configured rewards. `interrupt`: set it (on SIGTERM) to make a reward waiting on a
+  remote scorer raise Interrupted instead of waiting out its deadline."""
   names, weights = tuple(rewards_cfg.names), tuple(rewards_cfg.weights)
   if len(names) != len(weights):
     raise ValueError(f"rewards.names has {len(names)} entries but rewards.weights has {len(weights)}")
@@ -71,6 +86,11 @@ def build_rewards(rewards_cfg: Any) -> list[Reward]:
     if isinstance(weight, bool) or not isinstance(weight, (int, float)):
       raise ValueError(f"rewards.weights: weight of {name!r} must be a number, got {weight!r}")
     sub = rewards_cfg.get(name) if hasattr(rewards_cfg, "get") else getattr(rewards_cfg, name, None)
-    opts = options.from_config(_OPTIONS[name], sub, f"rewards.{name}")
-    out.append(Reward(name=name, weight=float(weight), fn=_build_fn(name, opts)))
+    try:
+      opts = options.from_config(_OPTIONS[name], sub, f"rewards.{name}")
+      fn = _build_fn(name, opts, interrupt)
+    except ValueError as e:  # bad options, a missing judge checkpoint: the user's to fix
+      msg = str(e)
+      raise RewardConfigError(msg if msg.startswith(f"rewards.{name}") else f"rewards.{name}: {msg}") from e
+    out.append(Reward(name=name, weight=float(weight), fn=fn))
   return out

@@ -71,6 +71,7 @@ class DiversityReward:
     is_causal = embedder_is_causal(opts.attention, opts.checkpoint) if opts.checkpoint else None
     self.model = frozen_model.FrozenModel.from_options(opts, "rewards.diversity.checkpoint",
                                                        is_causal=is_causal)
+    self.source = f"embedding checkpoint {opts.checkpoint}"  # named in messages (health.py)
     tok = self.model.tokenizer
     self.eos_id = tok.eos_token_id if tok.eos_token_id is not None else tok.pad_token_id
     if opts.append_eos and self.eos_id is None:

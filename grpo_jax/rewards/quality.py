@@ -146,18 +146,30 @@ def parse_reward(reply: str | None) -> float | None:
 
 
 class QualityReward:
-  """Callable reward; `last_metrics` holds the backend counters of the latest call."""
+  """Callable reward; `last_metrics` holds the backend counters of the latest call.
 
-  def __init__(self, opts: QualityOptions, backend=None):
+  `source` names the scorer (URL and model, or the local checkpoint) for messages, and
+  `last_problem` says why the latest call's first missing grade is missing ('' if none is).
+  `interrupt` (http backend): an Event that makes a waiting call raise scoring.Interrupted.
+  """
+
+  def __init__(self, opts: QualityOptions, backend=None, interrupt=None):
     self.opts = opts
+    self._client = None
     if backend is not None:
       self._complete = backend
     elif opts.backend == "http":
-      self._complete = chat_http.ChatClient(opts.http).complete
+      self._client = chat_http.ChatClient(opts.http, interrupt=interrupt)
+      self._complete = self._client.complete
     else:
       from grpo_jax.rewards import quality_local  # imports JAX and the sampler only when used
       self._complete = quality_local.LocalChatBackend(opts.local).complete
+    if opts.backend == "http":
+      self.source = f"{opts.http.base_url} (model {opts.http.model!r})"
+    else:
+      self.source = f"local judge {opts.local.checkpoint}"
     self.last_metrics: dict[str, float] = {}
+    self.last_problem = ""
 
   def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns) -> list[float | None]:
     completions = text.clean_all(completions, field="completions")
@@ -173,7 +185,18 @@ class QualityReward:
     replies, counters = self._complete([render(q, c, self.opts) for q, c in zip(questions, completions)])
     rewards = [parse_reward(r) for r in replies]
     counters = dict(counters)
-    counters["parse_failures"] = float(sum(r is not None and v is None for r, v in zip(replies, rewards)))
+    unparsed = [r for r, v in zip(replies, rewards) if r is not None and v is None]
+    counters["parse_failures"] = float(len(unparsed))
+    if unparsed:
+      counters["missing/unparseable"] = float(len(unparsed))
     counters["fallback_frac"] = float(sum(v is None for v in rewards) / max(len(rewards), 1))
     self.last_metrics = counters
+    self.last_problem = ""
+    if any(r is None for r in replies):
+      why = ", ".join(f"{k.removeprefix('missing/')} {int(v)}" for k, v in counters.items()
+                      if k.startswith("missing/") and k != "missing/unparseable")
+      detail = getattr(self._client, "last_error", "")
+      self.last_problem = f"no reply ({why or 'no reason given'})" + (f": {detail}" if detail else "")
+    elif unparsed:
+      self.last_problem = f"the reply is not a JSON grade: {text.middle_truncate(unparsed[0], 300)!r}"
     return [self.opts.fallback if v is None else v for v in rewards]

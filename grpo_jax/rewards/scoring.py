@@ -8,6 +8,13 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 
+class Interrupted(Exception):
+  """A reward gave up waiting for its scorer because the run is stopping (SIGTERM).
+
+  Unlike a missing score this is no property of the batch: the caller drops the whole step.
+  """
+
+
 @dataclasses.dataclass
 class Reward:
   """A named, weighted reward: `fn(prompts, completions, group_size=G, **columns)`.

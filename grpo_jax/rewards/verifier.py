@@ -26,6 +26,7 @@ class VerifierReward:
     self.no_id = self.model.single_token_id(opts.no_token, "rewards.verifier.no_token")
     self._template_kwargs = json.loads(opts.chat_template_kwargs_json) if opts.chat_template_kwargs_json else {}
     self.last_metrics: dict[str, float] = {}
+    self.source = f"judge checkpoint {opts.checkpoint}"  # named in messages (health.py)
 
   def prompt_ids(self, question: str, response: str) -> list[int]:
     """The judge's input tokens for one pair, cut in the middle to max_tokens."""
