@@ -158,6 +158,7 @@ def _tiny(c: config_dict.ConfigDict) -> None:
   c.optim.max_grad_norm = 1.0
   c.train.steps = 400
   c.train.prompts_per_step = 16
+  c.train.dynamic_sampling = True   # sampling is ~15% of a step here; zero-spread groups are not
   c.train.eval_every = 100
   c.train.eval_examples = 0         # all 512 held-out problems
   c.train.eval_batch_size = 128

@@ -167,6 +167,16 @@ def run(config, workdir: str) -> dict:
   tokenizer, stop_ids = _tokenizer(config, workdir, train_rows)
   if config.train.eval_examples:
     eval_rows = eval_rows[:config.train.eval_examples]
+  # The warm start's stopping rule reads accuracy on training problems that neither phase trains
+  # on; the reported held-out accuracy stays on eval_rows, which no decision ever sees.
+  sft_eval_rows = []
+  if config.sft.steps and config.sft.target_accuracy:
+    if config.sft.eval_examples >= len(train_rows):
+      raise validate.ConfigError(
+          f"config.sft.eval_examples: {config.sft.eval_examples} validation problems leave none "
+          f"of the {len(train_rows)} training problems to train on")
+    train_rows, sft_eval_rows = (train_rows[:-config.sft.eval_examples],
+                                 train_rows[-config.sft.eval_examples:])
   interrupt = threading.Event()  # set on SIGTERM: a reward waiting on its scorer gives up
   rewards = build_rewards(config.rewards, interrupt=interrupt)
   probe_rows = train_rows[:2]  # real questions and gold answers: a working judge grades them
@@ -177,15 +187,11 @@ def run(config, workdir: str) -> dict:
   num_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
   print(f"grpo_jax: {cfg.model_type} {cfg.num_layers}x{cfg.hidden_size}, "
         f"{num_params / 1e6:.2f}M params, "
-        f"{len(train_rows)} train / {len(eval_rows)} eval prompts, mesh {dict(mesh.shape)}, "
+        f"{len(train_rows)} train / {len(eval_rows)} eval prompts"
+        f"{f' / {len(sft_eval_rows)} warm-start validation' if sft_eval_rows else ''}, "
+        f"mesh {dict(mesh.shape)}, "
         f"workdir {workdir}", flush=True)
 
-  # The warm start's stopping rule reads accuracy on training problems that neither phase trains
-  # on; the reported held-out accuracy stays on eval_rows, which no decision ever sees.
-  sft_eval_rows = []
-  if config.sft.steps and config.sft.target_accuracy:
-    train_rows, sft_eval_rows = (train_rows[:-config.sft.eval_examples],
-                                 train_rows[-config.sft.eval_examples:])
   # The latest checkpoint whose files pass their checksums; damaged newer ones are skipped.
   restored = checkpoint.resume(workdir, trainer.abstract_checkpoint())
   if restored is None:
