@@ -287,7 +287,8 @@ def run(config, workdir: str) -> dict:
 
   finished = done >= config.train.steps  # a SIGTERM in the last step still finishes the run
   summary = _summary(workdir, stopped_at=None if finished else done)
-  plots.plot_metrics(workdir)
+  if finished:  # on SIGTERM every second counts; `python -m grpo_jax.plots` draws it later
+    plots.plot_metrics(workdir)
   if generation_config is None:
     generation_config = {"eos_token_id": stop_ids, "pad_token_id": tokenizer.pad_token_id}
   if finished:

@@ -106,8 +106,9 @@ def _tiny_config(**train_kw):
   config.sampling.max_new_tokens = 6
   config.sft.steps = 0
   config.mesh = (1, 1, 1)  # one of the fake devices: less to compile
+  # One sampling round per step: the scorer request counts below assume it.
   config.train.update(steps=5, prompts_per_step=4, eval_examples=4, eval_batch_size=4, eval_every=0,
-                      checkpoint_every=100, tensorboard=False, **train_kw)
+                      checkpoint_every=100, tensorboard=False, dynamic_sampling=False, **train_kw)
   return config
 
 

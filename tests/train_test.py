@@ -42,8 +42,10 @@ def gsm8k_run(tmp_path_factory):
   # A random tied head makes greedy decoding repeat the prompt's last token ('\n') forever;
   # an untied one gives varied continuations for the final_model generate comparison.
   config.model.tiny.tie_word_embeddings = False
+  # One sampling round per step, so the prompts follow the documented data order exactly.
   config.train.update(steps=2, prompts_per_step=2, eval_examples=4, eval_batch_size=4,
-                      eval_every=1, checkpoint_every=1, samples_per_step=2, tensorboard=False)
+                      eval_every=1, checkpoint_every=1, samples_per_step=2, tensorboard=False,
+                      dynamic_sampling=False)
   workdir = tmp_path_factory.mktemp("gsm8k_run")
   return config, workdir, train.run(config, str(workdir))
 
