@@ -3,8 +3,8 @@
     python experiments/seed_table.py runs/tiny_s0 runs/tiny_s1 ...
 
 Columns: held-out greedy accuracy after the warm start (GRPO step 0) and at each eval, the gain
-in points, the fraction of zero-spread groups (all G rewards equal, so zero advantage) and the
-training reward, each averaged over the first and the last 50 GRPO steps.
+in points, the fraction of sampled groups with zero spread (all G rewards equal, so zero
+advantage) and the training reward, each averaged over the first and the last 50 GRPO steps.
 """
 import json
 import os
@@ -20,6 +20,14 @@ def mean(xs):
   return sum(xs) / len(xs) if xs else float("nan")
 
 
+def zero_spread(record):
+  """Zero-spread fraction of the groups sampled (with dynamic sampling: of the first round, not
+  of the batch trained on, which it fills with informative groups)."""
+  if "sampling/informative_frac_first_round" in record:
+    return 1.0 - record["sampling/informative_frac_first_round"]
+  return record["advantages/frac_reward_zero_std"]
+
+
 def row(workdir):
   records = read(workdir)
   evals = {r["step"]: r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None}
@@ -30,7 +38,7 @@ def row(workdir):
   cells += [f"{100 * evals[s]:.1f}" for s in sorted(evals)]
   cells.append(f"{100 * (end - start):+.1f}")
   for part in (first, last):
-    cells.append(f"{mean([r['advantages/frac_reward_zero_std'] for r in part]):.2f}")
+    cells.append(f"{mean([zero_spread(r) for r in part]):.2f}")
   for part in (first, last):
     cells.append(f"{mean([r['reward/total/mean'] for r in part]):.3f}")
   return sorted(evals), cells

@@ -68,7 +68,8 @@ def _first_bad_json_line(files: Sequence[str]) -> str | None:
       continue
     with open(path, encoding="utf-8", errors="replace") as f:
       for number, line in enumerate(f, 1):
-        if not line.strip():
+        line = line.strip()
+        if not line:
           continue
         try:
           row = json.loads(line)
