@@ -392,7 +392,8 @@ class Trainer:
     set-aside groups, so the train step's shapes never change. Reward and completion metrics
     describe the first round, an unbiased sample of the policy.
     """
-    cfg, g, n = self.config, self.config.sampling.num_generations, self.config.train.prompts_per_step
+    cfg = self.config
+    g, n = cfg.sampling.num_generations, cfg.train.prompts_per_step
     weights_R = np.asarray([r.weight for r in rewards], np.float32)
     key = jax.random.fold_in(self.base_key, step)
     rounds = cfg.train.max_sampling_rounds if cfg.train.dynamic_sampling else 1
