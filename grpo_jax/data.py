@@ -51,8 +51,10 @@ def _local_files(source: str, split: str, field: str) -> list[str] | None:
   path = hub.local_path(source, field)
   if path is None and source.endswith(tuple(_LOCAL_BUILDERS)):
     raise UserError(f"{field}: data file {source!r} does not exist")
-  if path is None or os.path.isfile(path):
-    return path and [path]
+  if path is None:
+    return None  # a hub id
+  if os.path.isfile(path):
+    return [path]
   found = [os.path.join(path, split + ext) for ext in _LOCAL_BUILDERS
            if os.path.isfile(os.path.join(path, split + ext))]
   if not found:

@@ -364,7 +364,8 @@ class Trainer:
     return abstract
 
   def _rollouts(self, params, rows, rewards, key):
-    """Samples G completions for each row and scores them."""
+    """Samples G completions for each row and scores them; also returns the reward and sampler
+    metrics and the seconds spent sampling and scoring."""
     cfg, g = self.config, self.config.sampling.num_generations
     t0 = time.perf_counter()
     prompts = _prompts(cfg, self.tokenizer, rows)
@@ -372,15 +373,14 @@ class Trainer:
                                 key=key)
     completion_ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
     t1 = time.perf_counter()
-    self.times["time/sample_s"] += t1 - t0
     texts = self.tokenizer.batch_decode(
         [ids[:n] for ids, n in zip(completion_ids, lengths)], skip_special_tokens=True)
     prompt_texts = [p for p in prompts.texts for _ in range(g)]
     columns = _reward_columns(rows, g)
     reward_BR, reward_metrics = score(rewards, prompt_texts, texts, g, columns)
-    self.times["time/reward_s"] += time.perf_counter() - t1
-    return Rollouts(list(rows), prompts.texts, prompts.ids, completion_ids, lengths,
-                    np.asarray(out.truncated), texts, reward_BR), reward_metrics, out.metrics
+    rollouts = Rollouts(list(rows), prompts.texts, prompts.ids, completion_ids, lengths,
+                        np.asarray(out.truncated), texts, reward_BR)
+    return rollouts, reward_metrics, out.metrics, (t1 - t0, time.perf_counter() - t1)
 
   def grpo_step(self, state, ref_params, next_rows, rewards, step):
     """One generation batch: sample, score, advantages, num_iterations updates.
@@ -398,11 +398,13 @@ class Trainer:
     key = jax.random.fold_in(self.base_key, step)
     rounds = cfg.train.max_sampling_rounds if cfg.train.dynamic_sampling else 1
     t0 = time.perf_counter()
-    self.times = {"time/sample_s": 0.0, "time/reward_s": 0.0}
+    times = {"time/sample_s": 0.0, "time/reward_s": 0.0}
     parts, informative = [], []
     for r in range(rounds):
-      part, part_metrics, sampler_metrics = self._rollouts(
+      part, part_metrics, sampler_metrics, (t_sample, t_reward) = self._rollouts(
           state["params"], next_rows(), rewards, key if r == 0 else jax.random.fold_in(key, r))
+      times["time/sample_s"] += t_sample
+      times["time/reward_s"] += t_reward
       if r == 0:
         first, reward_metrics, first_sampler_metrics = part, part_metrics, sampler_metrics
       parts.append(part)
@@ -455,7 +457,7 @@ class Trainer:
         "completion/mean_length": float(first.lengths_B.mean()),
         "completion/max_length": int(first.lengths_B.max()),
         "completion/truncated_frac": float(first.truncated_B.mean()),
-        **self.times, "time/train_s": t_train,
+        **times, "time/train_s": t_train,
         **first_sampler_metrics,
     })
     if cfg.train.dynamic_sampling:
