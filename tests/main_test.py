@@ -7,31 +7,20 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import pytest
 
 import fixtures
+from cli import REPO, assert_user_error
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = ["--config=configs/gsm8k.py:tiny", "--config.sft.steps=0", "--config.train.steps=1"]
 
 
 def run_main(workdir, *flags, env=None):
+  # main_test's env keeps the fake-device flags only where a test sets them itself.
   full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
   return subprocess.run([sys.executable, "-m", "grpo_jax.main", *TINY, f"--workdir={workdir}",
                          *flags], cwd=REPO, env=full_env, capture_output=True, text=True,
                         timeout=300)
-
-
-def assert_user_error(proc, *named):
-  assert proc.returncode == 2, proc.stderr[-3000:]
-  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-  message = [line for line in proc.stderr.splitlines() if line.startswith("grpo_jax: error:")]
-  assert len(message) == 1, proc.stderr[-3000:]
-  for thing in named:
-    assert thing in message[0], message[0]
-  return message[0]
 
 
 def test_missing_data_directory(tmp_path):
