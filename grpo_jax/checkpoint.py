@@ -32,13 +32,12 @@ import dataclasses
 import hashlib
 import json
 import os
-import sys
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
-from grpo_jax.errors import UserError
+from grpo_jax.errors import UserError, warn
 
 SUBDIR = "checkpoints"
 CHECKSUMS_FILE = "SHA256SUMS"
@@ -57,10 +56,6 @@ class Restored:
 
 def checkpoint_dir(workdir: str) -> str:
   return os.path.join(os.path.abspath(os.path.expanduser(workdir)), SUBDIR)
-
-
-def _warn(message: str) -> None:
-  print(f"grpo_jax: warning: {message}", file=sys.stderr, flush=True)
 
 
 # --- checksums -----------------------------------------------------------------------------------
@@ -199,7 +194,7 @@ class Checkpointer:
       problem = verify(os.path.join(self.directory, str(s)))
       if problem is None:
         return self._restore_verified(abstract_state, s)
-      _warn(f"checkpoint step {s} in {self.directory} is unusable: {problem}"
+      warn(f"checkpoint step {s} in {self.directory} is unusable: {problem}"
             + ("; trying the one before" if s != candidates[-1] else ""))
     raise RestoreError(
         f"no usable checkpoint in {self.directory}: tried step {', '.join(map(str, candidates))}, "
@@ -274,6 +269,6 @@ def resume(workdir: str, abstract_state) -> Restored | None:
       return None
     restored = ckpt.restore(abstract_state)
     for s in ckpt.delete_after(restored.step):
-      _warn(f"deleted the unusable checkpoint step {s}; this run recomputes it from step "
+      warn(f"deleted the unusable checkpoint step {s}; this run recomputes it from step "
             f"{restored.step}")
   return restored

@@ -9,6 +9,13 @@ bug and keeps its traceback.
                     "with train.jsonl and test.jsonl, or at a hub dataset id")
 """
 
+import sys
+
 
 class UserError(Exception):
   """Bad input from the user; the message names the bad thing and what to do about it."""
+
+
+def warn(message: str) -> None:
+  """A problem the run survives, on stderr in the one format: `grpo_jax: warning: ...`."""
+  print(f"grpo_jax: warning: {message}", file=sys.stderr, flush=True)

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from grpo_jax import (checkpoint, data, grpo, logging_io, plots, sampler as sampler_lib,
                       sft, sharding, synthetic, tokenizer as tokenizer_lib, train_step, validate)
-from grpo_jax.errors import UserError
+from grpo_jax.errors import UserError, warn
 from grpo_jax.models import qwen, weights
 from grpo_jax.rewards import Interrupted, MissingRewardsError, RewardHealth, build_rewards, probe, score
 
@@ -529,6 +529,6 @@ def run_sft(config, trainer: Trainer, params, rows, eval_rows=()):
               f"(target {target:.0%}) after {i + 1} steps", flush=True)
         return params
   if target:
-    print(f"grpo_jax: warning: the warm start ended at its limit of {s.steps} steps with "
-          f"validation accuracy {acc:.1%}, below its target {target:.0%}", flush=True)
+    warn(f"the warm start ended at its limit of {s.steps} steps with validation accuracy "
+         f"{acc:.1%}, below its target {target:.0%}")
   return params
