@@ -19,7 +19,8 @@ from safetensors.numpy import load_file
 import cli
 import fixtures
 from configs import gsm8k
-from grpo_jax import data, logging_io, sampler as sampler_lib, tokenizer as tokenizer_lib, train
+from grpo_jax import (data, logging_io, plots, sampler as sampler_lib, tokenizer as tokenizer_lib,
+                      train)
 from grpo_jax.models import qwen, weights
 from grpo_jax.rewards import Reward
 
@@ -73,6 +74,12 @@ def test_real_gsm8k_through_the_whole_data_path(gsm8k_run):
     assert sample["gold"] == _gold(row["answer"])
     assert set(sample["rewards"]) == {"math_accuracy"}
   assert (tmp_path / "metrics.png").is_file()
+  # The plots draw keys the trainer really logs; the tiny preset's beta is 0: no KL panel.
+  assert set(plots.PLOTTED_KEYS) <= set(records[-1])
+  assert plots.config_beta(str(tmp_path)) == config.loss.beta == 0.0
+  assert [p.title for p in plots.panels(records, plots.config_beta(str(tmp_path)))] == [
+      "Reward: total", "Reward: math_accuracy", "Held-out accuracy (greedy)", "Policy loss",
+      "Entropy (nats/token)", "Gradient norm", "Completion length (tokens)"]
   assert (tmp_path / "final_model" / "config.json").is_file()
 
 
