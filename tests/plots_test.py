@@ -30,9 +30,9 @@ def _record(rng, i, steps):
 
 
 def _write_run(workdir, steps=60, beta=None, **overrides):
-  """A run's metrics.jsonl (eval at step 0 and every 20 steps) and, with beta, config.json."""
+  """Writes a run's metrics.jsonl (eval at step 0 and every 20 steps; `overrides`: key ->
+  value(step)) and, with beta, config.json; returns the records as read back."""
   rng = np.random.default_rng(0)
-  records = []
   with logging_io.MetricsWriter(str(workdir), tensorboard=False) as writer:
     writer.write(0, {"eval/accuracy": 0.1})
     for step in range(1, steps + 1):
