@@ -9,6 +9,7 @@ import time
 import pytest
 
 from grpo_jax.rewards import format_reward, math_accuracy, quality
+from grpo_jax.rewards.options import MathAccuracyOptions, QualityOptions
 
 MB = 1_000_000
 ADVERSARIAL = {
@@ -44,13 +45,13 @@ def _quality_reward():
   # The grader's replies are hostile too: the same texts come back as its "grade".
   def backend(batch):
     return [m[0]["content"][-50_000:] for m in batch], {}
-  return quality.QualityReward(quality.QualityOptions(question_column="", fallback=0.0), backend=backend)
+  return quality.QualityReward(QualityOptions(question_column="", fallback=0.0), backend=backend)
 
 
 TEXT_REWARDS = {
     "math_accuracy": lambda c: math_accuracy.math_accuracy([""], [c], answer=["#### 7"]),
     "math_accuracy_strict": lambda c: math_accuracy.math_accuracy(
-        [""], [c], answer=["#### 7"], opts=math_accuracy.MathAccuracyOptions(strict=True)),
+        [""], [c], answer=["#### 7"], opts=MathAccuracyOptions(strict=True)),
     "format": lambda c: format_reward.format_reward([""], [c]),
     "quality_prompt_and_parse": lambda c, r=_quality_reward(): r(["What is 3+4?"], [c]),
     "quality_parse_reply": lambda c: [quality.parse_reward(c)],

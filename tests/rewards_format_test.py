@@ -5,6 +5,7 @@ import re
 import pytest
 
 from grpo_jax.rewards import format_reward as fr
+from grpo_jax.rewards.options import FormatOptions
 
 _TAG = r"(?:<think>|</think>|<answer>|</answer>)"
 _BODY = rf"((?:(?!{_TAG}).)*)"
@@ -66,8 +67,8 @@ def _soups(n: int, seed: int, think_open: bool):
 @pytest.mark.parametrize("think,trailing", [("required", False), ("in_prompt", False), ("none", False),
                                             ("required", True)])
 def test_random_soups_match_reference(think, trailing):
-  opts = fr.FormatOptions(require_think=think != "none", think_in_prompt=think == "in_prompt",
-                          allow_text_after=trailing)
+  opts = FormatOptions(require_think=think != "none", think_in_prompt=think == "in_prompt",
+                       allow_text_after=trailing)
   soups = _soups(4000, seed=len(think) + trailing, think_open=think != "in_prompt")
   got = [fr.follows_format(s, opts) for s in soups]
   want = [_reference(s, think, trailing) for s in soups]
@@ -77,7 +78,7 @@ def test_random_soups_match_reference(think, trailing):
 
 
 def test_custom_tags_and_scores():
-  opts = fr.FormatOptions(think_open="<reasoning>", think_close="</reasoning>", correct=1.0, incorrect=0.0)
+  opts = FormatOptions(think_open="<reasoning>", think_close="</reasoning>", correct=1.0, incorrect=0.0)
   out = fr.format_reward(["", ""], ["<reasoning>r</reasoning><answer>5</answer>", "<think>r</think><answer>5</answer>"],
                          opts=opts)
   assert out == [1.0, 0.0]
@@ -85,6 +86,6 @@ def test_custom_tags_and_scores():
 
 def test_bad_options_name_the_field():
   with pytest.raises(ValueError, match="think_open"):
-    fr.FormatOptions(think_open="")
+    FormatOptions(think_open="")
   with pytest.raises(ValueError, match="correct"):
-    fr.FormatOptions(correct="high")
+    FormatOptions(correct="high")

@@ -14,7 +14,8 @@ import fixtures
 from configs import gsm8k
 from fake_chat_server import FakeChatServer
 from grpo_jax import checkpoint, logging_io, tokenizer as tokenizer_lib, train
-from grpo_jax.rewards import MissingRewardsError, Reward, RewardHealth, chat_http, probe, quality
+from grpo_jax.rewards import MissingRewardsError, Reward, RewardHealth, probe, quality
+from grpo_jax.rewards.options import HttpOptions, QualityOptions
 
 REPO = cli.REPO
 
@@ -26,8 +27,8 @@ def _closed_port() -> int:
 
 
 def _quality(url: str, **http_kw) -> Reward:
-  http = chat_http.HttpOptions(base_url=url, model="judge", max_retries=0, **http_kw)
-  return Reward("quality", 0.5, quality.QualityReward(quality.QualityOptions(question_column="", http=http)))
+  http = HttpOptions(base_url=url, model="judge", max_retries=0, **http_kw)
+  return Reward("quality", 0.5, quality.QualityReward(QualityOptions(question_column="", http=http)))
 
 
 # --- the probe ---------------------------------------------------------------------------------
@@ -47,8 +48,8 @@ def test_probe_names_the_reward_the_url_and_why():
     with pytest.raises(MissingRewardsError, match=r"not a JSON grade: .*four out of five"):
       probe([_quality(server.url)], ["q"] * 2, ["a [prose]", "b [prose]"], {}, allow_missing=False)
     # A fallback value stands in for the grade: still a failed probe.
-    fallback = Reward("quality", 1.0, quality.QualityReward(quality.QualityOptions(
-        fallback=0.5, question_column="", http=chat_http.HttpOptions(base_url=server.url, max_retries=0))))
+    fallback = Reward("quality", 1.0, quality.QualityReward(QualityOptions(
+        fallback=0.5, question_column="", http=HttpOptions(base_url=server.url, max_retries=0))))
     with pytest.raises(MissingRewardsError, match=r"http_500 2.*HTTP 500"):
       probe([fallback], ["q"] * 2, ["a [500]", "b [500]"], {}, allow_missing=False)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from grpo_jax.rewards import math_accuracy as ma
-from grpo_jax.rewards import numbers
+from grpo_jax.rewards.options import MathAccuracyOptions
 
 GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "gsm8k"
 
@@ -25,7 +25,8 @@ def rows():
 
 
 def _reference_gold(answer: str) -> int:
-  # Independent of numbers.py: GSM8K golds are integers with optional thousands commas.
+  # Independent of math_accuracy's number parsing: GSM8K golds are integers with optional
+  # thousands commas.
   return int(answer.split("####")[-1].strip().replace(",", ""))
 
 
@@ -33,7 +34,7 @@ def test_every_gold_solution_scores_one(rows):
   assert len(rows) == 8792
   answers = [r["answer"] for r in rows]
   for strict in (False, True):
-    opts = ma.MathAccuracyOptions(strict=strict)
+    opts = MathAccuracyOptions(strict=strict)
     got = ma.math_accuracy([r["question"] for r in rows], answers, answer=answers, opts=opts)
     bad = [(i, answers[i][-80:]) for i, v in enumerate(got) if v != 1.0]
     assert not bad, f"strict={strict}: {len(bad)} gold solutions not scored 1.0, e.g. {bad[:3]}"
@@ -118,7 +119,7 @@ CASES = [
     ("no number at all", "#### 18", 0, 0, "nothing stated"),
     ("", "#### 18", 0, 0, "empty response"),
     ("<answer>18", "#### 18", 1, 1, "unclosed tag is no tag; the last number still reads 18"),
-    # unsupported forms, documented in numbers.py
+    # unsupported forms, documented in math_accuracy.py
     ("<answer>eighteen</answer>", "#### 18", 0, 0, "UNSUPPORTED: number words"),
     ("<answer>1 000</answer>", "#### 1000", 0, 0, "UNSUPPORTED: space-separated thousands (reads 000)"),
     ("<answer>1.2e3</answer>", "#### 1200", 0, 0, "UNSUPPORTED: scientific notation (reads 3)"),
@@ -137,7 +138,7 @@ def test_case_table_size():
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_tricky_cases(strict):
-  opts = ma.MathAccuracyOptions(strict=strict)
+  opts = MathAccuracyOptions(strict=strict)
   responses = [c[0] for c in CASES]
   golds = [c[1] for c in CASES]
   got = ma.math_accuracy([""] * len(CASES), responses, answer=golds, opts=opts)
@@ -150,27 +151,27 @@ def test_extracted_values_are_exact_fractions():
   assert ma.extract_answer("<answer>$1,234.50</answer>") == Fraction(2469, 2)
   assert ma.extract_answer(r"\boxed{\frac{2}{3}}") == Fraction(2, 3)
   assert ma.extract_answer("nothing") is None
-  assert numbers.parse_exact("18.") == 18 and numbers.parse_exact("18 apples") is None
+  assert ma.parse_exact("18.") == 18 and ma.parse_exact("18 apples") is None
 
 
 def test_order_is_configurable():
   response = r"<answer>17</answer> so \boxed{18}"
   assert ma.extract_answer(response) == 17
-  assert ma.extract_answer(response, ma.MathAccuracyOptions(order=("boxed", "answer_tag"))) == 18
+  assert ma.extract_answer(response, MathAccuracyOptions(order=("boxed", "answer_tag"))) == 18
   # Without last_number in the order, a bare trailing number is no answer.
-  no_last = ma.MathAccuracyOptions(order=("answer_tag", "boxed"))
+  no_last = MathAccuracyOptions(order=("answer_tag", "boxed"))
   assert ma.extract_answer("she has 18 apples", no_last) is None
 
 
 def test_strict_mode_does_not_fall_through():
   response = "<answer>eighteen</answer> 18"
   assert ma.extract_answer(response) == 18
-  assert ma.extract_answer(response, ma.MathAccuracyOptions(strict=True)) is None
+  assert ma.extract_answer(response, MathAccuracyOptions(strict=True)) is None
 
 
 def test_bad_settings_and_inputs_name_the_field():
   with pytest.raises(ValueError, match="order.*'boxd'"):
-    ma.MathAccuracyOptions(order=("boxd",))
+    MathAccuracyOptions(order=("boxd",))
   with pytest.raises(ValueError, match="'answer'"):
     ma.math_accuracy(["q"], ["a"], gold=["#### 1"])
   with pytest.raises(TypeError, match=r"completions\[1\]"):

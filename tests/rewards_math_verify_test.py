@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from grpo_jax.rewards import math_accuracy as ma
+from grpo_jax.rewards.options import MathAccuracyOptions
 
 math_verify = pytest.importorskip("math_verify")
 
@@ -109,5 +110,5 @@ def test_agreement_with_math_verify():
     else:
       assert o == 1.0, name
   strict = ma.math_accuracy([""] * len(data), [d[1] for d in data], answer=[d[2] for d in data],
-                            opts=ma.MathAccuracyOptions(strict=True))
+                            opts=MathAccuracyOptions(strict=True))
   assert all(s == 0.0 for (name, *_), s in zip(data, strict) if name == "hedged_boxed")

@@ -10,8 +10,8 @@ from fixtures import REAL_TOKENIZER, hf_model, make_checkpoint
 from grpo_jax import data
 from grpo_jax import rewards as rewards_lib
 from grpo_jax import tokenizer as tokenizer_lib
-from grpo_jax.rewards import diversity, verifier
-from grpo_jax.rewards.model_options import DiversityOptions, VerifierOptions
+from grpo_jax.rewards import model_rewards
+from grpo_jax.rewards.options import DiversityOptions, VerifierOptions
 
 QUESTIONS = ["Natalia sold clips to 48 of her friends in April, and then half as many in May. "
              "How many clips did she sell altogether?", "What is 2+2?", "Weng earns $12 an hour. "
@@ -29,7 +29,7 @@ def judge_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def judge(judge_dir):
-  return verifier.VerifierReward(VerifierOptions(
+  return model_rewards.VerifierReward(VerifierOptions(
       checkpoint=str(judge_dir), tokenizer=str(REAL_TOKENIZER), batch_size=3, max_tokens=256,
       dtype="float32", renormalize=False))
 
@@ -86,7 +86,7 @@ def embedder_dirs(tmp_path_factory):
 
 def test_diversity_embeddings_and_rewards(embedder_dirs):
   ckpt, tok = embedder_dirs
-  reward = diversity.DiversityReward(DiversityOptions(
+  reward = model_rewards.DiversityReward(DiversityOptions(
       checkpoint=str(ckpt), tokenizer=tok, batch_size=4, max_tokens=32, dtype="float32"))
   # Both batches of 4 land in the 32-token bucket: one compile.
   completions = ["same text", "same text", "same text",  # group 0: identical
@@ -120,7 +120,7 @@ def test_bidirectional_embedder_equals_transformers_with_left_padding(embedder_d
   ckpt = make_checkpoint(tmp_path, "qwen2_bidirectional", vocab_size=272, seed=3)
   opts = DiversityOptions(checkpoint=str(ckpt), tokenizer=tok, batch_size=4, max_tokens=32,
                           dtype="float32")
-  reward = diversity.DiversityReward(opts)  # attention='auto' reads is_causal: false
+  reward = model_rewards.DiversityReward(opts)  # attention='auto' reads is_causal: false
   assert not reward.model.cfg.is_causal
   completions = ["The answer is 72.", "7", "Completely different! " * 10, "I think it is 7"]
   ids = [reward.token_ids(c) for c in completions]
@@ -140,7 +140,7 @@ def test_bidirectional_embedder_equals_transformers_with_left_padding(embedder_d
   assert np.abs(h_ours - h_ref).max() <= 1e-4
   assert np.abs(e_ours - e_ref).max() <= 1e-4
   # The same texts embedded causally are far from this: the test can tell the two apart.
-  causal = diversity.DiversityReward(DiversityOptions(**{**opts.__dict__, "attention": "causal"}))
+  causal = model_rewards.DiversityReward(DiversityOptions(**{**opts.__dict__, "attention": "causal"}))
   assert causal.model.cfg.is_causal
   assert np.abs(causal.embed(completions) - e_ours).max() > 1e-2
 
@@ -154,7 +154,7 @@ def test_embedder_attention_auto_follows_config_then_the_gte_name(tmp_path):
     (path / "config.json").write_text(json.dumps(hf))
     return str(path)
 
-  is_causal = diversity.embedder_is_causal
+  is_causal = model_rewards.embedder_is_causal
   plain = ckpt("embedder")
   assert is_causal("auto", plain)
   assert not is_causal("auto", ckpt("says_so", is_causal=False))
@@ -177,11 +177,11 @@ def test_embedder_attention_auto_follows_config_then_the_gte_name(tmp_path):
 
 def test_group_diversity_edge_cases():
   e = np.array([[1.0, 0.0], [-1.0, 0.0]], np.float32)
-  assert diversity.group_diversity(e, 2, False) == [None, None]  # the group mean is zero
-  assert diversity.group_diversity(e, 2, True) == [2.0, 2.0]  # opposite to the other member
-  assert diversity.group_diversity(e, 1, True) == [None, None]
+  assert model_rewards.group_diversity(e, 2, False) == [None, None]  # the group mean is zero
+  assert model_rewards.group_diversity(e, 2, True) == [2.0, 2.0]  # opposite to the other member
+  assert model_rewards.group_diversity(e, 1, True) == [None, None]
   with pytest.raises(ValueError, match="group_size=3"):
-    diversity.group_diversity(e, 3, False)
+    model_rewards.group_diversity(e, 3, False)
 
 
 def test_model_rewards_from_config_and_errors(embedder_dirs):

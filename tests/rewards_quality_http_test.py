@@ -7,6 +7,7 @@ import pytest
 
 from grpo_jax import rewards as rewards_lib
 from grpo_jax.rewards import chat_http, quality, scoring
+from grpo_jax.rewards.options import HttpOptions, QualityOptions
 from fake_chat_server import FakeChatServer
 
 FALLBACK = 0.123
@@ -16,8 +17,7 @@ def _reward(url: str, **http_kw) -> quality.QualityReward:
   http = dict(base_url=url, model="judge", timeout_s=2.0, max_retries=2, backoff_s=0.01,
               backoff_max_s=0.05, deadline_s=20.0, max_concurrency=8)
   http.update(http_kw)
-  return quality.QualityReward(quality.QualityOptions(fallback=FALLBACK, question_column="",
-                                                      http=chat_http.HttpOptions(**http)))
+  return quality.QualityReward(QualityOptions(fallback=FALLBACK, question_column="", http=HttpOptions(**http)))
 
 
 def test_grades_become_mean_over_five():
@@ -140,7 +140,7 @@ def test_connections_the_server_closed_are_replaced_without_errors():
 def test_interrupt_ends_the_wait_on_a_silent_server():
   interrupt = threading.Event()
   with FakeChatServer(max_requests=50, lifetime_s=30, fail_after=0, failure="silent") as server:
-    r = quality.QualityReward(quality.QualityOptions(question_column="", http=chat_http.HttpOptions(
+    r = quality.QualityReward(QualityOptions(question_column="", http=HttpOptions(
         base_url=server.url, model="judge", timeout_s=30.0, deadline_s=60.0)), interrupt=interrupt)
     timer = threading.Timer(0.5, interrupt.set)
     timer.start()
@@ -203,15 +203,15 @@ def test_metrics_flow_through_score():
 
 def test_bad_http_settings_name_the_field():
   with pytest.raises(ValueError, match="base_url"):
-    chat_http.HttpOptions(base_url="localhost:8000")
+    HttpOptions(base_url="localhost:8000")
   with pytest.raises(ValueError, match="extra_body_json"):
-    chat_http.HttpOptions(extra_body_json="{nope")
+    HttpOptions(extra_body_json="{nope")
   with pytest.raises(ValueError, match="api_key_env.*GRPO_JAX_TEST_NO_SUCH_KEY"):
-    chat_http.ChatClient(chat_http.HttpOptions(api_key_env="GRPO_JAX_TEST_NO_SUCH_KEY"))
+    chat_http.ChatClient(HttpOptions(api_key_env="GRPO_JAX_TEST_NO_SUCH_KEY"))
 
 
 def test_a_client_bug_is_counted_not_raised(monkeypatch):
-  client = chat_http.ChatClient(chat_http.HttpOptions(base_url="http://127.0.0.1:9/v1"))
+  client = chat_http.ChatClient(HttpOptions(base_url="http://127.0.0.1:9/v1"))
 
   def broken(*args):
     raise ZeroDivisionError("bug")

@@ -5,10 +5,11 @@ import torch
 from fixtures import hf_model, make_checkpoint
 from grpo_jax import tokenizer as tokenizer_lib
 from grpo_jax.rewards import quality
+from grpo_jax.rewards.options import LocalOptions, QualityOptions
 
 # Skips only while grpo_jax/sampler.py is not in the checkout (it is being written alongside).
 sampler = pytest.importorskip("grpo_jax.sampler")
-from grpo_jax.rewards import quality_local  # noqa: E402  (needs the sampler)
+from grpo_jax.rewards import model_rewards  # noqa: E402  (needs the sampler)
 
 MAX_NEW = 8
 
@@ -18,14 +19,14 @@ def scorer(tmp_path_factory):
   root = tmp_path_factory.mktemp("scorer")
   tok = tokenizer_lib.build_tiny_tokenizer(str(root / "tok"))
   ckpt = make_checkpoint(root, "qwen3", vocab_size=272, seed=3)
-  opts = quality.LocalOptions(checkpoint=str(ckpt), tokenizer=tok, dtype="float32", batch_size=3,
-                              max_prompt_tokens=64, max_new_tokens=MAX_NEW)
+  opts = LocalOptions(checkpoint=str(ckpt), tokenizer=tok, dtype="float32", batch_size=3,
+                      max_prompt_tokens=64, max_new_tokens=MAX_NEW)
   return ckpt, tok, opts
 
 
 def test_local_replies_equal_transformers_greedy_generate(scorer):
   ckpt, tok, opts = scorer
-  backend = quality_local.LocalChatBackend(opts)
+  backend = model_rewards.LocalChatBackend(opts)
   # Conversations of different lengths (left padding inside a batch), one cut in the middle to
   # max_prompt_tokens; both batches fall in the 64-token bucket, so the sampler compiles once.
   convs = [[{"role": "user", "content": c}] for c in ("Grade: 4", "Grade this longer response: it is 72.",
@@ -46,14 +47,14 @@ def test_local_replies_equal_transformers_greedy_generate(scorer):
   assert len(set(replies)) > 1  # the prompts lead to different replies
   assert counters["local_truncated"] == truncated
   # A random tiny scorer writes no grade: every reply falls back, and is counted.
-  reward = quality.QualityReward(quality.QualityOptions(backend="local", local=opts, fallback=0.5,
-                                                        question_column=""), backend=backend.complete)
+  reward = quality.QualityReward(QualityOptions(backend="local", local=opts, fallback=0.5,
+                                                question_column=""), backend=backend.complete)
   assert reward(["q"] * 3, ["a", "b", "c"], group_size=3) == [0.5] * 3
   assert reward.last_metrics["parse_failures"] == 3
 
 
 def test_local_backend_needs_a_checkpoint():
   with pytest.raises(ValueError, match="rewards.quality.local.checkpoint"):
-    quality.QualityReward(quality.QualityOptions(backend="local"))
+    quality.QualityReward(QualityOptions(backend="local"))
   with pytest.raises(ValueError, match="max_prompt_tokens"):
-    quality.LocalOptions(max_prompt_tokens=4)
+    LocalOptions(max_prompt_tokens=4)

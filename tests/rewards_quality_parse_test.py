@@ -2,6 +2,7 @@
 import pytest
 
 from grpo_jax.rewards import quality
+from grpo_jax.rewards.options import QualityOptions
 
 
 @pytest.mark.parametrize("reply,want", [
@@ -37,7 +38,7 @@ def test_parse_reward(reply, want):
 
 
 def test_prompt_holds_question_and_truncated_response():
-  opts = quality.QualityOptions(max_response_chars=100)
+  opts = QualityOptions(max_response_chars=100)
   long_response = "START " + "x" * 10_000 + " END"
   content = quality.render("How many apples?", long_response, opts)[0]["content"]
   assert "How many apples?" in content and "START" in content and "END" in content
@@ -51,7 +52,7 @@ def test_question_column_and_fallback_default():
     calls.append(batch)
     return ['{"accuracy": 5, "grammar": 5, "informativeness": 5, "coherence": 5}', "garbage"], {}
 
-  r = quality.QualityReward(quality.QualityOptions(), backend=backend)  # question_column='question'
+  r = quality.QualityReward(QualityOptions(), backend=backend)  # question_column='question'
 
   got = r(["<|im_start|>user ...", "<|im_start|>user ..."], ["a", "b"], group_size=2, question=["Q1?", "Q2?"])
   assert got == [1.0, None]  # default fallback None = missing
@@ -63,6 +64,6 @@ def test_question_column_and_fallback_default():
 
 def test_bad_options_name_the_field():
   with pytest.raises(ValueError, match="backend"):
-    quality.QualityOptions(backend="grpc")
+    QualityOptions(backend="grpc")
   with pytest.raises(ValueError, match="fallback"):
-    quality.QualityOptions(fallback="low")
+    QualityOptions(fallback="low")

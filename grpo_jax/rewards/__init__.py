@@ -7,7 +7,7 @@ completion (e.g. `answer=[...]`). None means "could not score" and becomes NaN i
   rewards = build_rewards(cfg)
   R, metrics = score(rewards, prompts, completions, group_size=G, columns={"answer": answers})
 
-A failing scorer is loud (see health.py): `probe` before training, `RewardHealth` per step.
+A failing scorer is loud (see scoring.py): `probe` before training, `RewardHealth` per step.
 
 Ranges: math_accuracy {0, 1}; format {-0.1, +0.1}; quality [0.2, 1]; verifier [0, 1];
 diversity [0, 2].
@@ -21,19 +21,18 @@ from typing import Any
 import ml_collections
 
 from grpo_jax.errors import UserError
-from grpo_jax.rewards import format_reward, math_accuracy, model_options, options, quality
-from grpo_jax.rewards.health import MissingRewardsError, RewardHealth, probe
-from grpo_jax.rewards.scoring import Interrupted, Reward, score
+from grpo_jax.rewards import format_reward, math_accuracy, options, quality
+from grpo_jax.rewards.scoring import Interrupted, MissingRewardsError, Reward, RewardHealth, probe, score
 
 __all__ = ["Reward", "build_rewards", "default_rewards_config", "score", "KNOWN_REWARDS",
            "probe", "RewardHealth", "MissingRewardsError", "Interrupted", "RewardConfigError"]
 
 _OPTIONS = {
-    "math_accuracy": math_accuracy.MathAccuracyOptions,
-    "format": format_reward.FormatOptions,
-    "quality": quality.QualityOptions,
-    "verifier": model_options.VerifierOptions,
-    "diversity": model_options.DiversityOptions,
+    "math_accuracy": options.MathAccuracyOptions,
+    "format": options.FormatOptions,
+    "quality": options.QualityOptions,
+    "verifier": options.VerifierOptions,
+    "diversity": options.DiversityOptions,
 }
 KNOWN_REWARDS = tuple(_OPTIONS)
 
@@ -63,11 +62,11 @@ def _build_fn(name: str, opts: Any, interrupt):
   if name == "quality":
     return quality.QualityReward(opts, interrupt=interrupt)
   if name == "verifier":
-    from grpo_jax.rewards import verifier  # JAX model code, loaded only when configured
-    return verifier.VerifierReward(opts)
+    from grpo_jax.rewards import model_rewards  # JAX model code, loaded only when configured
+    return model_rewards.VerifierReward(opts)
   if name == "diversity":
-    from grpo_jax.rewards import diversity
-    return diversity.DiversityReward(opts)
+    from grpo_jax.rewards import model_rewards
+    return model_rewards.DiversityReward(opts)
   raise AssertionError(name)
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import dataclasses
 import http.client
 import json
 import os
@@ -37,58 +36,14 @@ import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 
-from grpo_jax.rewards import options
+# HttpOptions is the options block rewards.quality.http; callers reach it here too, beside its client.
+from grpo_jax.rewards.options import HttpOptions, json_object
 from grpo_jax.rewards.scoring import Interrupted
 
 Messages = Sequence[dict]
 # Statuses worth another attempt: timeouts, rate limits and server-side errors.
 _RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 _POLL_S = 0.1  # how often a waiting batch looks at the interrupt event
-
-
-@dataclasses.dataclass(frozen=True)
-class HttpOptions:
-  base_url: str = "http://127.0.0.1:8000/v1"  # the server's OpenAI root; /chat/completions is appended
-  model: str = "Qwen/Qwen3-32B"
-  api_key_env: str = ""  # name of an environment variable holding the key (never the key itself)
-  max_concurrency: int = 16
-  # A grade is a ~50-token JSON reply (thinking off): a served 32B model answers in a few
-  # seconds even under load, so 30 s per attempt is ~10x a normal reply and a silent server
-  # is noticed in 30 s, not minutes. The batch deadline fits a step of a few hundred grades
-  # at max_concurrency 16 (e.g. 384 = 24 waves of ~3 s = 72 s) with room for retries; raise
-  # max_concurrency (or deadline_s) for bigger steps. Items past the deadline are missing.
-  timeout_s: float = 30.0  # per attempt (socket timeout)
-  max_retries: int = 3
-  backoff_s: float = 1.0  # first retry waits ~backoff_s, doubling up to backoff_max_s
-  backoff_max_s: float = 16.0
-  deadline_s: float = 120.0  # the whole batch; items unfinished by then fail
-  max_tokens: int = 512
-  temperature: float = 0.0
-  # JSON merged into every request body. The default turns Qwen3's thinking off on vLLM/SGLang
-  # (a grade needs no chain of thought, and thinking would blow max_tokens); templates of other
-  # models ignore it.
-  extra_body_json: str = '{"chat_template_kwargs": {"enable_thinking": false}}'
-  cache_size: int = 200_000  # entries; 0 disables the cache
-  max_response_bytes: int = 1 << 20
-  use_env_proxy: bool = False  # loopback scorers must not be sent through an HTTP proxy
-
-  def __post_init__(self):
-    options.check(self.base_url.startswith(("http://", "https://")), "base_url", f"must be an http(s) URL, got {self.base_url!r}")
-    options.check(bool(self.model), "model", "must name the served model")
-    for f in ("max_concurrency", "max_response_bytes"):
-      options.check(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f, "must be a positive int")
-    for f in ("max_retries", "cache_size", "max_tokens"):
-      options.check(isinstance(getattr(self, f), int) and getattr(self, f) >= 0, f, "must be an int >= 0")
-    for f in ("timeout_s", "deadline_s"):
-      options.check(getattr(self, f) > 0, f, "must be > 0")
-    for f in ("backoff_s", "backoff_max_s"):
-      options.check(getattr(self, f) >= 0, f, "must be >= 0")
-    if self.extra_body_json:
-      try:
-        extra = json.loads(self.extra_body_json)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"extra_body_json: not valid JSON ({e})") from e
-      options.check(isinstance(extra, dict), "extra_body_json", "must be a JSON object")
 
 
 class _LRU:
@@ -151,7 +106,7 @@ class ChatClient:
   def __init__(self, opts: HttpOptions, interrupt: threading.Event | None = None):
     self.opts = opts
     self._interrupt = interrupt or threading.Event()
-    self._extra = json.loads(opts.extra_body_json) if opts.extra_body_json else {}
+    self._extra = json_object(opts.extra_body_json, "extra_body_json")
     self._cache = _LRU(opts.cache_size)
     url = urllib.parse.urlsplit(opts.base_url.rstrip("/") + "/chat/completions")
     self._https = url.scheme == "https"

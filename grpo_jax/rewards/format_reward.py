@@ -13,31 +13,10 @@ The check is a sequence of `str.find` calls rather than one DOTALL regex, whose 
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
-from grpo_jax.rewards import options, text
-
-
-@dataclasses.dataclass(frozen=True)
-class FormatOptions:
-  think_open: str = "<think>"
-  think_close: str = "</think>"
-  answer_open: str = "<answer>"
-  answer_close: str = "</answer>"
-  require_think: bool = True
-  # Set when the prompt already ends with the think_open tag (the completion starts inside it).
-  think_in_prompt: bool = False
-  allow_text_after: bool = False
-  require_nonempty_answer: bool = True
-  correct: float = 0.1
-  incorrect: float = -0.1
-
-  def __post_init__(self):
-    for f in ("think_open", "think_close", "answer_open", "answer_close"):
-      options.check(isinstance(getattr(self, f), str) and getattr(self, f), f, "must be a non-empty str")
-    for f in ("correct", "incorrect"):
-      options.check(isinstance(getattr(self, f), (int, float)), f, "must be a number")
+from grpo_jax.rewards import text
+from grpo_jax.rewards.options import FormatOptions
 
 
 def follows_format(response: str, opts: FormatOptions = FormatOptions()) -> bool:

@@ -8,16 +8,17 @@ The scorer is asked for JSON such as
 and its reply is read as data: `json.JSONDecoder.raw_decode` at a bounded number of '{'
 positions of a bounded-length reply, never eval. A leading `<think>…</think>` (Qwen3) is
 skipped. Two backends produce the replies: `http` (an OpenAI-compatible server, see
-chat_http.py) and `local` (the project's Flax Qwen and sampler, see quality_local.py).
+chat_http.py) and `local` (the project's Flax Qwen and sampler, see
+model_rewards.LocalChatBackend).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from collections.abc import Sequence
 
-from grpo_jax.rewards import chat_http, options, text
+from grpo_jax.rewards import chat_http, text
+from grpo_jax.rewards.options import QualityOptions
 
 DIMENSIONS = ("accuracy", "grammar", "informativeness", "coherence")
 # Scorer replies are cut to this many characters (the tail, where the JSON is) before parsing,
@@ -41,49 +42,6 @@ RESPONSE:
 
 Reply with only a JSON object and nothing else, in this form:
 {{"accuracy": <1-5>, "grammar": <1-5>, "informativeness": <1-5>, "coherence": <1-5>}}"""
-
-
-@dataclasses.dataclass(frozen=True)
-class LocalOptions:
-  """The `local` backend: a Flax Qwen scorer run by grpo_jax.sampler (see quality_local.py)."""
-  checkpoint: str = ""  # a local Hugging Face checkpoint folder
-  tokenizer: str = ""  # '' -> the checkpoint folder
-  dtype: str = "bfloat16"
-  batch_size: int = 8
-  max_prompt_tokens: int = 2048  # longer prompts lose the middle of the response
-  max_new_tokens: int = 256
-  temperature: float = 0.0  # 0 = greedy
-  seed: int = 0
-  # JSON passed to apply_chat_template, e.g. '{"enable_thinking": false}' for a Qwen3 scorer.
-  chat_template_kwargs_json: str = ""
-
-  def __post_init__(self):
-    options.check(self.dtype in ("float32", "bfloat16"), "dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
-    for f in ("batch_size", "max_new_tokens"):
-      options.check(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f, "must be a positive int")
-    options.check(isinstance(self.max_prompt_tokens, int) and self.max_prompt_tokens >= 16,
-                  "max_prompt_tokens", "must be an int >= 16")
-    options.check(isinstance(self.temperature, (int, float)) and self.temperature >= 0, "temperature", "must be >= 0")
-    options.check_json_object(self.chat_template_kwargs_json, "chat_template_kwargs_json")
-
-
-@dataclasses.dataclass(frozen=True)
-class QualityOptions:
-  backend: str = "http"  # 'http' or 'local'
-  fallback: float | None = None
-  max_question_chars: int = 4_000
-  max_response_chars: int = 12_000
-  # The dataset column with the bare question (the trainer passes GSM8K's 'question');
-  # '' -> the chat-formatted prompt text instead.
-  question_column: str = "question"
-  http: chat_http.HttpOptions = dataclasses.field(default_factory=chat_http.HttpOptions)
-  local: LocalOptions = dataclasses.field(default_factory=LocalOptions)
-
-  def __post_init__(self):
-    options.check(self.backend in ("http", "local"), "backend", f"must be 'http' or 'local', got {self.backend!r}")
-    options.check(self.fallback is None or isinstance(self.fallback, (int, float)), "fallback", "must be a number or None")
-    for f in ("max_question_chars", "max_response_chars"):
-      options.check(isinstance(getattr(self, f), int) and getattr(self, f) > 16, f, "must be an int > 16")
 
 
 def render(question: str, response: str, opts: QualityOptions = QualityOptions()) -> list[dict]:
@@ -162,8 +120,8 @@ class QualityReward:
       self._client = chat_http.ChatClient(opts.http, interrupt=interrupt)
       self._complete = self._client.complete
     else:
-      from grpo_jax.rewards import quality_local  # imports JAX and the sampler only when used
-      self._complete = quality_local.LocalChatBackend(opts.local).complete
+      from grpo_jax.rewards import model_rewards  # imports JAX and the sampler only when used
+      self._complete = model_rewards.LocalChatBackend(opts.local).complete
     if opts.backend == "http":
       self.source = f"{opts.http.base_url} (model {opts.http.model!r})"
     else:
@@ -173,15 +131,7 @@ class QualityReward:
 
   def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns) -> list[float | None]:
     completions = text.clean_all(completions, field="completions")
-    if self.opts.question_column:
-      if self.opts.question_column not in columns:
-        raise ValueError(f"rewards.quality.question_column={self.opts.question_column!r} is not among the"
-                         f" dataset columns {sorted(k for k in columns if k != 'group_size')}")
-      questions = text.clean_all(columns[self.opts.question_column], field=self.opts.question_column)
-    else:
-      questions = text.clean_all(prompts, field="prompts")
-    if len(questions) != len(completions):
-      raise ValueError(f"quality: {len(questions)} questions but {len(completions)} completions")
+    questions = text.questions("quality", self.opts.question_column, prompts, columns, len(completions))
     replies, counters = self._complete([render(q, c, self.opts) for q, c in zip(questions, completions)])
     rewards = [parse_reward(r) for r in replies]
     counters = dict(counters)

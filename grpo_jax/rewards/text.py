@@ -6,7 +6,7 @@ or be something other than a string by mistake. Every reward passes its inputs t
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def clean(text: object, *, field: str, index: int) -> str:
@@ -25,6 +25,22 @@ def clean_all(texts: Sequence[object], *, field: str) -> list[str]:
   if isinstance(texts, (str, bytes)):
     raise TypeError(f"{field} must be a list of str, got a single {type(texts).__name__}")
   return [clean(t, field=field, index=i) for i, t in enumerate(texts)]
+
+
+def questions(reward: str, column: str, prompts: Sequence[object], columns: Mapping[str, Sequence],
+              n: int) -> list[str]:
+  """The question a judge reward (quality, verifier) shows with each of n completions: the
+  dataset `column` (rewards.<reward>.question_column), or the prompt text if it is ''."""
+  if column:
+    if column not in columns:
+      raise ValueError(f"rewards.{reward}.question_column={column!r} is not among the dataset columns "
+                       f"{sorted(k for k in columns if k != 'group_size')}")
+    out = clean_all(columns[column], field=column)
+  else:
+    out = clean_all(prompts, field="prompts")
+  if len(out) != n:
+    raise ValueError(f"{reward}: {len(out)} questions but {n} completions")
+  return out
 
 
 def tail(text: str, max_chars: int) -> str:
