@@ -61,7 +61,9 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
       user_template=(
           "{question}\nThink step by step inside <think> </think>, then give the final number "
           "inside <answer> </answer>."),
-      prompt_buckets=(256, 384, 512),
+      # A batch's prompts are left-padded to the smallest of these that holds its longest:
+      # fine steps keep padding small; each one used compiles the sampler and step once.
+      prompt_buckets=tuple(range(64, 513, 32)),
       # For source='synthetic' (see grpo_jax/synthetic.py).
       synthetic_train=7000,
       synthetic_test=500,
@@ -88,7 +90,6 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
   c.loss.kl_estimator = "k3"
   c.loss.epsilon = 0.2
   c.loss.epsilon_high = 0.2
-  c.loss.temperature = c.sampling.get_ref("temperature")
 
   c.optim = train_step.default_optim_config()  # also param/compute dtypes and remat
   c.optim.lr = 1e-5
@@ -104,6 +105,9 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
       checkpoint_every=50,
       keep_checkpoints=3,
       samples_per_step=4,           # completions written to samples.md per step
+      # A batch's completions are padded to its longest, rounded up to a multiple of this
+      # (at most sampling.max_new_tokens): fine widths, few compiled shapes.
+      pad_multiple=16,
       max_bad_steps=5,              # consecutive non-finite steps before the run stops
       # DAPO's dynamic sampling: set aside groups whose G rewards are all equal (they teach
       # nothing) and sample more prompts, up to max_sampling_rounds rounds per step.
@@ -147,7 +151,7 @@ def _tiny(c: config_dict.ConfigDict) -> None:
   c.data.source = "synthetic"
   c.data.system_prompt = None       # the tiny template adds no system turn: short prompts
   c.data.user_template = "{question}"
-  c.data.prompt_buckets = (48, 64)
+  c.data.prompt_buckets = (24, 32, 40, 48, 56, 64)
   c.sampling.max_new_tokens = 20
   c.data.synthetic_test = 512
   c.rewards.names = ("math_accuracy",)

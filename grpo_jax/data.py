@@ -225,3 +225,26 @@ class PromptIterator:
         self._epoch, self._index = self._epoch + 1, 0
         self._order = self._permutation(self._epoch)
     return np.asarray(out, dtype=np.int64)
+
+
+def pad_right(ids_list: Sequence[Sequence[int]], length: int,
+              pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads completions to `length`: (tokens [B, length] int32, mask [B, length] int32).
+
+    pad_right([[5, 6], [7]], 3, pad_id=0) -> [[5, 6, 0], [7, 0, 0]], [[1, 1, 0], [1, 0, 0]]
+  """
+  tokens = np.full((len(ids_list), length), pad_id, np.int32)
+  mask = np.zeros((len(ids_list), length), np.int32)
+  for row, ids in enumerate(ids_list):
+    if len(ids) > length:
+      raise ValueError(f"row {row} has {len(ids)} tokens, more than the width {length}")
+    tokens[row, :len(ids)], mask[row, :len(ids)] = ids, 1
+  return tokens, mask
+
+
+def padded_width(longest: int, multiple: int, cap: int) -> int:
+  """The batch's width: its longest row rounded up to a multiple, at most cap (and >= 1).
+
+  Fine widths keep padding small while bounding the compiled shapes to cap / multiple.
+  """
+  return min(cap, max(1, -(-longest // multiple) * multiple))

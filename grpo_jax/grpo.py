@@ -1,11 +1,10 @@
-"""GRPO maths in pure jnp: token log-probs, group advantages, KL estimators, the loss family.
+"""GRPO maths in pure jnp: group advantages, KL estimators, the loss family.
 
 Nothing here knows about models, meshes or optimizers; `train_step.py` wires these functions to
-the Qwen forward pass (and documents the batch dict the training loop builds).
+the Qwen forward pass and `logprobs.py` (and documents the batch layouts).
 
 Legend: B sequences (prompt × G completions, group-major), G group size, R reward components,
-C completion length (the fixed max_completion_length), T any sequence length, D model width,
-V vocabulary, N chunks.
+C completion width (of the batch; dr_grpo divides by the fixed max_completion_length).
 
 Which paper defines what:
   * GRPO, group-normalised advantages, k3 KL in the loss: DeepSeekMath (Shao et al. 2024).
@@ -29,8 +28,9 @@ accumulation over micro-batches adds up to exactly the full-batch loss:
   dapo     weight = mask / tokens_generation       token mean over the whole generation batch
 
 TRL's bnpo normalises by the tokens of each micro-batch on each process; here it is the step's
-batch, so that it is invariant to micro-batching (dapo differs from it only when one generation
-batch feeds several optimizer steps).
+batch, so that it is invariant to micro-batching. One generation batch is one optimizer step's
+batch here, so bnpo and dapo give the same loss; both names are kept so configs written for TRL
+mean what they say. `grpo_loss(num_tokens=...)` takes a larger dapo normaliser for maths tests.
 """
 from __future__ import annotations
 
@@ -62,10 +62,6 @@ def default_loss_config() -> config_dict.ConfigDict:
       scale_rewards="group",         # one of SCALE_REWARDS
       reward_aggregation="sum_then_normalize",  # one of REWARD_AGGREGATIONS
       mask_truncated_completions=False,  # drop completions that hit max length from the loss
-      temperature=1.0,               # sampling temperature; logits are divided by it
-      logprob_chunk_size=128,        # completion positions per log-prob chunk; 0 = unchunked
-      valid_vocab_size=0,            # softmax over the first N head rows, as the sampler does
-                                     # (N = the tokenizer's size); 0 = every row
   ))
 
 
@@ -93,60 +89,11 @@ def validate_loss_config(cfg) -> None:
                      f"= {1 + cfg.epsilon_high}")
   if not (isinstance(cfg.num_iterations, int) and cfg.num_iterations >= 1):
     raise ValueError(f"loss.num_iterations={cfg.num_iterations!r} must be an int >= 1")
-  if not cfg.temperature > 0:
-    raise ValueError(f"loss.temperature={cfg.temperature!r} must be > 0")
-  chunk = cfg.logprob_chunk_size
-  if chunk is not None and not (isinstance(chunk, int) and chunk >= 0):
-    raise ValueError(f"loss.logprob_chunk_size={chunk!r} must be an int >= 0 (0 = unchunked)")
 
 
 def needs_reference(cfg) -> bool:
   """Whether the loop must compute reference log-probs at all (β = 0 skips that forward)."""
   return cfg.beta != 0
-
-
-# ------------------------------------------------------------------------------------------------
-# Token log-probs.
-
-
-def token_logprobs(hidden_BTD, head_DV, targets_BT, *, temperature=1.0, chunk_size=None):
-  """log softmax(hidden @ head / temperature)[target] and the entropy, per position, in fp32.
-
-  The [B, T, V] logits are never materialised: positions are processed `chunk_size` at a time
-  in a scan whose body is rematerialised, so the backward pass also holds one chunk's logits.
-
-  Example: hidden_BTD [2, 5, 8], head_DV [8, 11], targets_BT int [2, 5] with chunk_size=2
-  → (logp_BT [2, 5] float32, entropy_BT [2, 5] float32). The entropy carries no gradient.
-  """
-  B, T, D = hidden_BTD.shape
-  chunk = T if not chunk_size or chunk_size >= T else int(chunk_size)
-  num_chunks = -(-T // chunk)
-  pad = num_chunks * chunk - T
-  if pad:  # Zero hidden rows give finite logits; their outputs are sliced off below.
-    hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
-    targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
-  hidden_NBcD = hidden_BTD.reshape(B, num_chunks, chunk, D).swapaxes(0, 1)
-  targets_NBc = targets_BT.reshape(B, num_chunks, chunk).swapaxes(0, 1)
-  inv_temperature = 1.0 / temperature
-
-  @jax.checkpoint
-  def one_chunk(h_BcD, y_Bc):
-    logits_BcV = jnp.einsum("BcD,DV->BcV", h_BcD, head_DV,
-                            preferred_element_type=jnp.float32) * inv_temperature
-    lse_Bc = jax.nn.logsumexp(logits_BcV, axis=-1)
-    target_Bc = jnp.take_along_axis(logits_BcV, y_Bc[..., None], axis=-1)[..., 0]
-    logits_BcV = jax.lax.stop_gradient(logits_BcV)
-    probs_BcV = jnp.exp(logits_BcV - jax.lax.stop_gradient(lse_Bc)[..., None])
-    entropy_Bc = jax.lax.stop_gradient(lse_Bc) - jnp.sum(probs_BcV * logits_BcV, axis=-1)
-    return target_Bc - lse_Bc, entropy_Bc
-
-  if num_chunks == 1:
-    logp_NBc, entropy_NBc = jax.tree.map(lambda x: x[None], one_chunk(hidden_NBcD[0],
-                                                                      targets_NBc[0]))
-  else:
-    logp_NBc, entropy_NBc = jax.lax.map(lambda xs: one_chunk(*xs), (hidden_NBcD, targets_NBc))
-  unchunk = lambda x_NBc: x_NBc.swapaxes(0, 1).reshape(B, num_chunks * chunk)[:, :T]
-  return unchunk(logp_NBc), unchunk(entropy_NBc)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -294,14 +241,15 @@ def loss_mask(completion_mask_BC, truncated_B=None, mask_truncated_completions=F
   return mask_BC
 
 
-def token_weights(mask_BC, loss_type, *, num_sequences, num_tokens):
+def token_weights(mask_BC, loss_type, *, num_sequences, num_tokens, max_completion_length=None):
   """Per-token weights that turn a token sum into the loss_type's aggregation.
 
   num_sequences: sequences in the optimizer step's batch (all micro-batches).
   num_tokens: loss tokens in the step's batch (bnpo) or in the whole generation batch (dapo).
-  C, the completion width, is taken as the max completion length (dr_grpo).
+  max_completion_length: dr_grpo's constant C (sampling.max_new_tokens), never the padded width
+  of a batch; default: the mask's width.
   """
-  C = mask_BC.shape[-1]
+  C = mask_BC.shape[-1] if max_completion_length is None else max_completion_length
   if loss_type == "grpo":
     return mask_BC / (jnp.maximum(mask_BC.sum(-1, keepdims=True), 1.0) * num_sequences)
   if loss_type in ("bnpo", "dapo"):
@@ -385,7 +333,7 @@ def finalize_metrics(sums, num_tokens):
 
 
 def grpo_loss(logp_BC, advantages_B, mask_BC, cfg, *, old_logp_BC=None, ref_logp_BC=None,
-              num_tokens=None):
+              num_tokens=None, max_completion_length=None):
   """The whole-batch loss and metrics of one un-accumulated step (convenience for tests/tools).
 
   num_tokens: the dapo normaliser (loss tokens of the generation batch); default: this batch's.
@@ -395,7 +343,7 @@ def grpo_loss(logp_BC, advantages_B, mask_BC, cfg, *, old_logp_BC=None, ref_logp
   if num_tokens is None or cfg.loss_type != "dapo":
     num_tokens = step_tokens
   weights_BC = token_weights(mask_BC, cfg.loss_type, num_sequences=mask_BC.shape[0],
-                             num_tokens=num_tokens)
+                             num_tokens=num_tokens, max_completion_length=max_completion_length)
   loss, sums = loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC,
                           weights_BC, cfg)
   return loss, finalize_metrics(sums, step_tokens)

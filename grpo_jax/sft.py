@@ -1,9 +1,11 @@
-"""A short supervised warm start (a "cold start" before RL): next-token cross-entropy on
-reference completions, the prompt tokens masked out.
+"""The supervised warm start (a "cold start" before RL): next-token cross-entropy on reference
+completions, the prompt tokens masked out. It is the train step with objective='sft': the same
+chunked log-probs, micro-batching, sharding and optimizer code as GRPO, with Adam at sft.lr.
 
-    tokens_BS, mask_BS, loss_mask_BS = sft_batch(prompt_ids, completion_ids, length, pad_id)
-    step = make_sft_step(model, cfg, optax.adam(1e-3))
-    params, opt_state, loss = step(params, opt_state, tokens_BS, mask_BS, loss_mask_BS)
+    batch = sft_batch(prompt_ids, completion_ids, pad_id, buckets=(48, 64), multiple=16)
+    step = train_step.TrainStep(model_cfg, loss_cfg, sft_optim_config(config), mesh,
+                                objective="sft")
+    state, metrics, _ = step(state, batch)
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import grpo
-from grpo_jax.models import qwen
+from tqdm.auto import tqdm
+
+from grpo_jax import data, rollout, train_step
+from grpo_jax.errors import warn
 
 _CALCULATOR = re.compile(r"<<[^<>]{0,200}>>")
 
@@ -27,42 +29,68 @@ def reference_completion(answer_text: str) -> str:
 
 
 def sft_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-              length: int, pad_id: int):
-  """Left-padded prompt+completion rows and the mask of the tokens that are trained on.
+              pad_id: int, *, buckets: Sequence[int], multiple: int, max_completion: int):
+  """The train step's layout: prompts left-padded to a bucket, completions right-padded to the
+  longest rounded up to `multiple`; completion_mask_BC marks the tokens trained on."""
+  prompt_BP, pmask_BP = data.pad_to_bucket(prompt_ids, buckets, pad_id)
+  longest = max(len(c) for c in completion_ids)
+  if longest > max_completion:
+    raise ValueError(f"a reference completion has {longest} tokens, more than "
+                     f"sampling.max_new_tokens={max_completion}")
+  completion_BC, cmask_BC = data.pad_right(
+      completion_ids, data.padded_width(longest, multiple, max_completion), pad_id)
+  return {"tokens_BS": np.concatenate([prompt_BP, completion_BC], 1),
+          "attn_mask_BS": np.concatenate([pmask_BP.astype(np.int32), cmask_BC], 1),
+          "completion_mask_BC": cmask_BC}
 
-  loss_mask_BS[b, s] = 1 where token s is a completion token (predicted from position s - 1).
+
+def sft_optim_config(config):
+  """Adam at sft.lr (AdamW without decay, clipping or schedule), otherwise the run's optim."""
+  optim = config.optim.copy_and_resolve_references()
+  optim.update(lr=config.sft.lr, b1=0.9, b2=0.999, weight_decay=0.0, max_grad_norm=0.0,
+               schedule="constant", warmup_steps=0, total_steps=0)
+  return optim
+
+
+def run_sft(config, trainer, params, rows, eval_rows=()):
+  """The warm start; deterministic in the seed, never checkpointed (it is short).
+
+  With sft.target_accuracy > 0 it evaluates greedy accuracy on `eval_rows` every
+  sft.eval_every steps and stops at the first evaluation that reaches the target; sft.steps is
+  then the most it may take. A fixed step count leaves some seeds' policies too weak for GRPO to
+  find any reward (experiments/tiny_seeds.md). Returns the params.
   """
-  b = len(prompt_ids)
-  tokens = np.full((b, length), pad_id, np.int32)
-  mask = np.zeros((b, length), np.int32)
-  loss_mask = np.zeros((b, length), np.int32)
-  for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-    seq = list(p) + list(c)
-    if len(seq) > length:
-      raise ValueError(f"SFT row {i}: prompt+completion has {len(seq)} tokens, more than the "
-                       f"sequence length {length}")
-    tokens[i, length - len(seq):] = seq
-    mask[i, length - len(seq):] = 1
-    loss_mask[i, length - len(c):] = 1
-  return tokens, mask, loss_mask
-
-
-def make_sft_step(model: qwen.Qwen, cfg: qwen.QwenConfig, optimizer, chunk_size: int = 0):
-  """A jitted (params, opt_state, tokens, mask, loss_mask) -> (params, opt_state, loss)."""
-
-  def loss_fn(params, tokens_BS, mask_BS, loss_mask_BS):
-    hidden, _ = model.apply({"params": params}, tokens_BS, qwen.positions_from_mask(mask_BS),
-                            mask_BS)
-    logp, _ = grpo.token_logprobs(hidden[:, :-1], qwen.head_kernel(params, cfg).astype(
-        hidden.dtype), tokens_BS[:, 1:], chunk_size=chunk_size or None)
-    w = loss_mask_BS[:, 1:].astype(jnp.float32)
-    return -(logp * w).sum() / jnp.maximum(w.sum(), 1.0)
-
-  @jax.jit
-  def step(params, opt_state, tokens_BS, mask_BS, loss_mask_BS):
-    loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BS, mask_BS, loss_mask_BS)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = jax.tree.map(lambda p, u: p + u, params, updates)
-    return params, opt_state, loss
-
-  return step
+  s, tok = config.sft, trainer.tokenizer
+  optim = sft_optim_config(config)
+  step = train_step.TrainStep(trainer.cfg, config.loss, optim, trainer.mesh, objective="sft")
+  state = train_step.create_train_state(params, trainer.cfg, optim, trainer.mesh)
+  order = data.PromptIterator(len(rows), s.batch_size, config.seed + 1)
+  stop = tok.convert_tokens_to_ids(tok.eos_token)
+  target = s.target_accuracy if eval_rows else 0.0
+  reward = rollout.accuracy_reward(config)
+  bar = tqdm(range(s.steps), desc="sft warm start", dynamic_ncols=True, mininterval=2.0)
+  acc = None
+  for i in bar:
+    batch_rows = [rows[j] for j in order.next_indices()]
+    prompts = data.encode_prompts(tok, rollout.prompt_texts(config, tok, batch_rows))
+    completions = [tok(reference_completion(r["answer"]), add_special_tokens=False).input_ids
+                   + [stop] for r in batch_rows]
+    batch = sft_batch(prompts, completions, tok.pad_token_id, buckets=config.data.prompt_buckets,
+                      multiple=config.train.pad_multiple,
+                      max_completion=config.sampling.max_new_tokens)
+    state, metrics, _ = step(state, batch)
+    if i % 10 == 0:  # reading the loss waits for the device; not every step
+      bar.set_postfix(loss=f"{float(metrics['loss']):.3f}",
+                      **({} if acc is None else {"val": f"{acc:.3f}"}))
+    if target and (i + 1) % s.eval_every == 0:
+      acc = rollout.evaluate(config, trainer.sampler, tok, state["params"], eval_rows, reward)
+      bar.write(f"grpo_jax: warm start step {i + 1}: validation accuracy {acc:.1%}")
+      if acc >= target:
+        bar.close()
+        print(f"grpo_jax: warm start reached {acc:.1%} on {len(eval_rows)} validation problems "
+              f"(target {target:.0%}) after {i + 1} steps", flush=True)
+        return state["params"]
+  if target:
+    warn(f"the warm start ended at its limit of {s.steps} steps with validation accuracy "
+         f"{acc:.1%}, below its target {target:.0%}")
+  return state["params"]

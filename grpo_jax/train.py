@@ -10,7 +10,6 @@ Files in the workdir: see README ("What a run writes").
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -21,10 +20,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from tqdm.auto import tqdm
 
-from grpo_jax import (checkpoint, data, grpo, logging_io, plots, sampler as sampler_lib,
+from grpo_jax import (checkpoint, data, grpo, logging_io, plots, rollout, sampler as sampler_lib,
                       sft, sharding, synthetic, tokenizer as tokenizer_lib, train_step, validate)
 from grpo_jax.errors import UserError, warn
 from grpo_jax.models import qwen, weights
@@ -99,61 +97,6 @@ def _initial_params(config, cfg, mesh):
   return params
 
 
-@dataclasses.dataclass
-class Prompts:
-  """One batch of prompts: the chat-templated texts, their token ids and left-padded tokens."""
-  texts: list[str]
-  ids: list[list[int]]
-  tokens_BP: np.ndarray
-  mask_BP: np.ndarray
-
-
-def _prompt_texts(config, tokenizer, rows) -> list[str]:
-  d = config.data
-  return [data.build_prompt(tokenizer, r["question"], d.system_prompt, d.user_template)
-          for r in rows]
-
-
-def _reward_columns(rows, g):
-  """The dataset columns rewards see, each row repeated for its G completions."""
-  return {"answer": [r["answer"] for r in rows for _ in range(g)],
-          "question": [r["question"] for r in rows for _ in range(g)]}
-
-
-def _prompts(config, tokenizer, rows) -> Prompts:
-  texts = _prompt_texts(config, tokenizer, rows)
-  ids = data.encode_prompts(tokenizer, texts)
-  tokens, mask = data.pad_to_bucket(ids, config.data.prompt_buckets, tokenizer.pad_token_id)
-  return Prompts(texts, ids, tokens, mask)
-
-
-@dataclasses.dataclass
-class Rollouts:
-  """G sampled completions per prompt and their rewards, group-major (rows [p·G, (p+1)·G) are
-  prompt p's). `pool` concatenates rounds; `take` keeps whole groups, in the order given."""
-  rows: list[dict]                # per prompt: the dataset row
-  prompts: list[str]              # per prompt: chat-templated text
-  prompt_ids: list[list[int]]     # per prompt: token ids, unpadded
-  completion_ids_BC: np.ndarray   # per completion from here on
-  lengths_B: np.ndarray
-  truncated_B: np.ndarray
-  texts: list[str]
-  reward_BR: np.ndarray
-
-  @staticmethod
-  def pool(parts: list[Rollouts]) -> Rollouts:
-    return Rollouts(*[sum((getattr(p, f.name) for p in parts), []) if isinstance(
-        getattr(parts[0], f.name), list) else np.concatenate([getattr(p, f.name) for p in parts])
-                      for f in dataclasses.fields(Rollouts)])
-
-  def take(self, groups, g: int) -> Rollouts:
-    rows_B = [p * g + j for p in groups for j in range(g)]
-    return Rollouts([self.rows[p] for p in groups], [self.prompts[p] for p in groups],
-                    [self.prompt_ids[p] for p in groups], self.completion_ids_BC[rows_B],
-                    self.lengths_B[rows_B], self.truncated_B[rows_B],
-                    [self.texts[i] for i in rows_B], self.reward_BR[rows_B])
-
-
 # --- the program -------------------------------------------------------------------------------
 
 def run(config, workdir: str) -> dict:
@@ -180,8 +123,9 @@ def run(config, workdir: str) -> dict:
   interrupt = threading.Event()  # set on SIGTERM: a reward waiting on its scorer gives up
   rewards = build_rewards(config.rewards, interrupt=interrupt)
   probe_rows = train_rows[:2]  # real questions and gold answers: a working judge grades them
-  probe(rewards, _prompt_texts(config, tokenizer, probe_rows), [r["answer"] for r in probe_rows],
-        _reward_columns(probe_rows, 1), allow_missing=config.rewards.allow_missing)
+  probe(rewards, rollout.prompt_texts(config, tokenizer, probe_rows),
+        [r["answer"] for r in probe_rows], rollout.reward_columns(probe_rows, 1),
+        allow_missing=config.rewards.allow_missing)
   cfg, generation_config = _model_config(config, tokenizer)
   trainer = Trainer(config, cfg, mesh, tokenizer, stop_ids)
   num_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
@@ -197,7 +141,7 @@ def run(config, workdir: str) -> dict:
   if restored is None:
     params = _initial_params(config, cfg, mesh)
     if config.sft.steps:
-      params = run_sft(config, trainer, params, train_rows, sft_eval_rows)
+      params = sft.run_sft(config, trainer, params, train_rows, sft_eval_rows)
     state = trainer.init_state(params)
     ref_params = params if grpo.needs_reference(config.loss) else None
     start = 0
@@ -228,7 +172,7 @@ def run(config, workdir: str) -> dict:
   done = start
   try:
     if restored is None:
-      acc = evaluate(config, trainer, state["params"], tokenizer, eval_rows)
+      acc = trainer.evaluate(state["params"], eval_rows)
       metrics_writer.write(0, {"eval/accuracy": acc})
       print(f"grpo_jax: held-out greedy accuracy at GRPO step 0: {acc:.1%}", flush=True)
       save(0)
@@ -260,7 +204,7 @@ def run(config, workdir: str) -> dict:
       done = step + 1
       if config.train.eval_every and done % config.train.eval_every == 0 or done == (
           config.train.steps):
-        m["eval/accuracy"] = evaluate(config, trainer, state["params"], tokenizer, eval_rows)
+        m["eval/accuracy"] = trainer.evaluate(state["params"], eval_rows)
       metrics_writer.write(done, m)
       samples_writer.write(done, samples)
       postfix = {"reward": f"{m['reward/total/mean']:.3f}"}
@@ -328,30 +272,31 @@ def _summary(workdir, stopped_at: int | None = None):
   return summary
 
 
-# --- the pieces of one step --------------------------------------------------------------------
+# --- one GRPO step ------------------------------------------------------------------------------
 
 class Trainer:
-  """Holds the compiled functions of a run: sampler, log-prob forward, train step, SFT step."""
+  """The compiled pieces of a run (sampler, train step) and one GRPO step."""
 
   def __init__(self, config, cfg: qwen.QwenConfig, mesh, tokenizer, stop_ids):
     self.config, self.cfg, self.mesh, self.tokenizer = config, cfg, mesh, tokenizer
     optim = config.optim.copy_and_resolve_references()
-    loss = config.loss.copy_and_resolve_references()
-    loss.valid_vocab_size = tokenizer_lib.valid_vocab_size(tokenizer)
     if optim.schedule == "cosine" and not optim.total_steps:
+      # The schedule counts optimizer updates: μ per GRPO step.
       optim.total_steps = config.train.steps * config.loss.num_iterations
     self.optim = optim
-    self.step_fn = train_step.make_train_step(cfg, loss, optim, mesh)
-    self.logprob_fn = train_step.make_logprob_fn(cfg, loss, optim, mesh)
-    s = config.sampling
-    common = dict(max_new_tokens=s.max_new_tokens, stop_ids=stop_ids,
-                  buckets=tuple(config.data.prompt_buckets),
-                  valid_vocab_size=tokenizer_lib.valid_vocab_size(tokenizer),
-                  pad_id=tokenizer.pad_token_id, mesh=mesh)
+    s, valid = config.sampling, tokenizer_lib.valid_vocab_size(tokenizer)
+    self.step_fn = train_step.TrainStep(
+        cfg, config.loss, optim, mesh, temperature=s.temperature, valid_vocab_size=valid,
+        max_completion_length=s.max_new_tokens, group_size=s.num_generations,
+        reward_weights=config.rewards.weights)
     model = qwen.Qwen(cfg, dtype=jnp.dtype(optim.compute_dtype),
                       param_dtype=jnp.dtype(optim.param_dtype))
-    self.sampler = sampler_lib.Sampler(model, temperature=s.temperature, top_k=s.top_k,
-                                       top_p=s.top_p, min_p=s.min_p, **common)
+    self.sampler = sampler_lib.Sampler(
+        model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+        max_new_tokens=s.max_new_tokens, stop_ids=stop_ids,
+        buckets=tuple(config.data.prompt_buckets), valid_vocab_size=valid,
+        pad_id=tokenizer.pad_token_id, mesh=mesh)
+    self.accuracy = rollout.accuracy_reward(config)
     self.base_key = jax.random.key(config.seed)
 
   def init_state(self, params):
@@ -363,172 +308,74 @@ class Trainer:
       abstract["ref"] = abstract["train"]["params"]
     return abstract
 
-  def _rollouts(self, params, rows, rewards, key):
-    """Samples G completions for each row and scores them; also returns the reward and sampler
-    metrics and the seconds spent sampling and scoring."""
-    cfg, g = self.config, self.config.sampling.num_generations
-    t0 = time.perf_counter()
-    prompts = _prompts(cfg, self.tokenizer, rows)
-    out = self.sampler.generate(params, prompts.tokens_BP, prompts.mask_BP, num_samples=g,
-                                key=key)
-    completion_ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-    t1 = time.perf_counter()
-    texts = self.tokenizer.batch_decode(
-        [ids[:n] for ids, n in zip(completion_ids, lengths)], skip_special_tokens=True)
-    prompt_texts = [p for p in prompts.texts for _ in range(g)]
-    columns = _reward_columns(rows, g)
-    reward_BR, reward_metrics = score(rewards, prompt_texts, texts, g, columns)
-    rollouts = Rollouts(list(rows), prompts.texts, prompts.ids, completion_ids, lengths,
-                        np.asarray(out.truncated), texts, reward_BR)
-    return rollouts, reward_metrics, out.metrics, (t1 - t0, time.perf_counter() - t1)
+  def evaluate(self, params, rows) -> float:
+    return rollout.evaluate(self.config, self.sampler, self.tokenizer, params, rows,
+                            self.accuracy)
 
-  def grpo_step(self, state, ref_params, next_rows, rewards, step):
-    """One generation batch: sample, score, advantages, num_iterations updates.
-
-    next_rows() returns the next train.prompts_per_step dataset rows. With
-    train.dynamic_sampling (DAPO), groups whose G rewards are all equal (zero advantage: they
-    teach nothing) are set aside and further prompts sampled, up to train.max_sampling_rounds
-    rounds in all; a batch still short of prompts_per_step informative groups is completed with
-    set-aside groups, so the train step's shapes never change. Reward and completion metrics
-    describe the first round, an unbiased sample of the policy.
-    """
+  def _collect(self, params, next_rows, rewards, key):
+    """Rollouts for one step. With train.dynamic_sampling (DAPO), groups whose G rewards are all
+    equal (zero advantage: they teach nothing) are set aside and further prompts sampled, up to
+    train.max_sampling_rounds rounds in all; a batch still short of prompts_per_step informative
+    groups is completed with set-aside groups, so the train step's row count never changes.
+    Returns (batch Rollouts, first round's Rollouts, metrics): reward and completion metrics
+    describe the first round, an unbiased sample of the policy."""
     cfg = self.config
     g, n = cfg.sampling.num_generations, cfg.train.prompts_per_step
-    weights_R = np.asarray([r.weight for r in rewards], np.float32)
-    key = jax.random.fold_in(self.base_key, step)
+    weights_R = np.asarray(cfg.rewards.weights, np.float32)
     rounds = cfg.train.max_sampling_rounds if cfg.train.dynamic_sampling else 1
-    t0 = time.perf_counter()
-    times = {"time/sample_s": 0.0, "time/reward_s": 0.0}
+    m = {"time/sample_s": 0.0, "time/reward_s": 0.0}
     parts, informative = [], []
     for r in range(rounds):
-      part, part_metrics, sampler_metrics, (t_sample, t_reward) = self._rollouts(
-          state["params"], next_rows(), rewards, key if r == 0 else jax.random.fold_in(key, r))
-      times["time/sample_s"] += t_sample
-      times["time/reward_s"] += t_reward
+      part, part_metrics, sampler_metrics, (t_sample, t_reward) = rollout.sample_and_score(
+          cfg, self.sampler, self.tokenizer, params, next_rows(), rewards,
+          key if r == 0 else jax.random.fold_in(key, r))
+      m["time/sample_s"] += t_sample
+      m["time/reward_s"] += t_reward
       if r == 0:
-        first, reward_metrics, first_sampler_metrics = part, part_metrics, sampler_metrics
+        m.update(part_metrics)
+        m.update(sampler_metrics)
       parts.append(part)
       informative.append(np.asarray(grpo.informative_groups(
           part.reward_BR, g, weights_R, cfg.loss.reward_aggregation)))
       if not cfg.train.dynamic_sampling or np.concatenate(informative).sum() >= n:
         break
-    pool, informative = Rollouts.pool(parts), np.concatenate(informative)
+    first, pool, informative = parts[0], rollout.Rollouts.pool(parts), np.concatenate(informative)
     if cfg.train.dynamic_sampling:
+      m["sampling/rounds"] = len(parts)
+      m["sampling/informative_frac_first_round"] = float(informative[:n].mean())
+      m["sampling/filled_groups"] = int(max(0, n - informative.sum()))
       order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])
-      batch_r = pool.take(order[:n], g)
-    else:
-      batch_r = pool
-    t_rollouts = time.perf_counter() - t0
-
-    adv_B, adv_stats = grpo.group_advantages(
-        batch_r.reward_BR, g, weights_R=weights_R, scale_rewards=cfg.loss.scale_rewards,
-        aggregation=cfg.loss.reward_aggregation)
-    prompt_BP, pmask_BP = data.pad_to_bucket(batch_r.prompt_ids, cfg.data.prompt_buckets,
-                                             self.tokenizer.pad_token_id)
-    prompt_BP, pmask_BP = np.repeat(prompt_BP, g, axis=0), np.repeat(pmask_BP, g, axis=0)
-    c = batch_r.completion_ids_BC.shape[1]
-    cmask_BC = (np.arange(c)[None, :] < batch_r.lengths_B[:, None]).astype(np.int32)
-    batch = {
-        "tokens_BS": np.concatenate([prompt_BP, batch_r.completion_ids_BC], 1).astype(np.int32),
-        "attn_mask_BS": np.concatenate([pmask_BP, cmask_BC], 1).astype(np.int32),
-        "completion_mask_BC": cmask_BC,
-        "advantages_B": np.asarray(adv_B, np.float32),
-    }
-    if cfg.loss.mask_truncated_completions:
-      batch["truncated_B"] = batch_r.truncated_B
-    if cfg.loss.num_iterations > 1:
-      batch["old_logp_BC"] = self.logprob_fn(state["params"], batch["tokens_BS"],
-                                             batch["attn_mask_BS"], c)
-    if ref_params is not None:
-      batch["ref_logp_BC"] = self.logprob_fn(ref_params, batch["tokens_BS"],
-                                             batch["attn_mask_BS"], c)
-    train_metrics = []
-    for _ in range(cfg.loss.num_iterations):
-      state, m = self.step_fn(state, batch)
-      train_metrics.append(m)
-    m = {k: float(v) for k, v in jax.device_get(train_metrics[-1]).items()}
-    t_train = time.perf_counter() - t0 - t_rollouts
-
+      pool = pool.take(order[:n], g)
     total = np.nansum(first.reward_BR * weights_R, axis=1)
-    m.update(reward_metrics)
-    m.update({f"advantages/{k}": float(v) for k, v in adv_stats.items()})
     m.update({
         "reward/total/mean": float(total.mean()), "reward/total/std": float(total.std()),
         "completion/mean_length": float(first.lengths_B.mean()),
         "completion/max_length": int(first.lengths_B.max()),
         "completion/truncated_frac": float(first.truncated_B.mean()),
-        **times, "time/train_s": t_train,
-        **first_sampler_metrics,
     })
-    if cfg.train.dynamic_sampling:
-      m["sampling/rounds"] = len(parts)
-      m["sampling/informative_frac_first_round"] = float(informative[:n].mean())
-      m["sampling/filled_groups"] = int(max(0, n - informative.sum()))
-    k = min(cfg.train.samples_per_step, n)
+    return pool, m
+
+  def grpo_step(self, state, ref_params, next_rows, rewards, step):
+    """One GRPO step: rollouts (host), then one compiled program on the device: advantages,
+    reference log-probs and the loss.num_iterations updates. next_rows() returns the next
+    train.prompts_per_step dataset rows. Returns (state, metrics, samples)."""
+    cfg = self.config
+    g = cfg.sampling.num_generations
+    key = jax.random.fold_in(self.base_key, step)
+    batch_r, m = self._collect(state["params"], next_rows, rewards, key)
+    t0 = time.perf_counter()
+    host = batch_r.device_batch(self.tokenizer.pad_token_id, buckets=cfg.data.prompt_buckets,
+                                multiple=cfg.train.pad_multiple,
+                                with_truncated=cfg.loss.mask_truncated_completions)
+    batch = jax.device_put(host, train_step.batch_shardings(host, self.mesh))  # one upload
+    state, train_m, adv_B = self.step_fn(state, batch, ref_params)
+    train_m, adv_B = jax.device_get((train_m, adv_B))
+    m.update({k: float(v) for k, v in train_m.items()})
+    m["time/train_s"] = time.perf_counter() - t0
+    k = min(cfg.train.samples_per_step, len(batch_r.rows))
     samples = [{"prompt": batch_r.prompts[p], "completion": batch_r.texts[p * g],
                 "rewards": {r.name: float(batch_r.reward_BR[p * g, j])
                             for j, r in enumerate(rewards)},
                 "advantage": float(adv_B[p * g]),
                 "gold": data.gold_answer(batch_r.rows[p]["answer"])} for p in range(k)]
     return state, m, samples
-
-
-def evaluate(config, trainer: Trainer, params, tokenizer, rows) -> float:
-  """Greedy pass@1 with the math_accuracy reward on `rows`."""
-  from grpo_jax.rewards import math_accuracy
-  correct = 0
-  bs = config.train.eval_batch_size
-  for i in range(0, len(rows), bs):
-    chunk = rows[i:i + bs]
-    prompts = _prompts(config, tokenizer, chunk)
-    out = trainer.sampler.generate(params, prompts.tokens_BP, prompts.mask_BP, num_samples=1,
-                                   greedy=True)
-    ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-    texts = tokenizer.batch_decode([t[:n] for t, n in zip(ids, lengths)],
-                                   skip_special_tokens=True)
-    scores = math_accuracy.math_accuracy(
-        prompts.texts, texts, group_size=1, answer=[r["answer"] for r in chunk])
-    correct += sum(s == 1.0 for s in scores)
-  return correct / max(len(rows), 1)
-
-
-def run_sft(config, trainer: Trainer, params, rows, eval_rows=()):
-  """The supervised warm start; deterministic in the seed, never checkpointed (it is short).
-
-  With sft.target_accuracy > 0 it evaluates greedy accuracy on `eval_rows` every
-  sft.eval_every steps and stops at the first evaluation that reaches the target; sft.steps is
-  then the most it may take. A fixed step count leaves some seeds' policies too weak for GRPO to
-  find any reward (experiments/tiny_seeds.md).
-  """
-  s, tok = config.sft, trainer.tokenizer
-  model = qwen.Qwen(trainer.cfg, dtype=jnp.dtype(trainer.optim.compute_dtype))
-  optimizer = optax.adam(s.lr)
-  opt_state = optimizer.init(params)
-  step_fn = sft.make_sft_step(model, trainer.cfg, optimizer)
-  order = data.PromptIterator(len(rows), s.batch_size, config.seed + 1)
-  stop = tok.convert_tokens_to_ids(tok.eos_token)
-  length = max(config.data.prompt_buckets) + config.sampling.max_new_tokens
-  target = s.target_accuracy if eval_rows else 0.0
-  bar = tqdm(range(s.steps), desc="sft warm start", dynamic_ncols=True, mininterval=2.0)
-  acc = None
-  for i in bar:
-    batch_rows = [rows[i] for i in order.next_indices()]
-    prompts = data.encode_prompts(tok, _prompt_texts(config, tok, batch_rows))
-    completions = [tok(sft.reference_completion(r["answer"]),
-                       add_special_tokens=False).input_ids + [stop] for r in batch_rows]
-    tokens, mask, loss_mask = sft.sft_batch(prompts, completions, length, tok.pad_token_id)
-    params, opt_state, loss = step_fn(params, opt_state, tokens, mask, loss_mask)
-    if i % 10 == 0:  # reading the loss waits for the device; not every step
-      bar.set_postfix(loss=f"{float(loss):.3f}", **({} if acc is None else {"val": f"{acc:.3f}"}))
-    if target and (i + 1) % s.eval_every == 0:
-      acc = evaluate(config, trainer, params, tok, eval_rows)
-      bar.write(f"grpo_jax: warm start step {i + 1}: validation accuracy {acc:.1%}")
-      if acc >= target:
-        bar.close()
-        print(f"grpo_jax: warm start reached {acc:.1%} on {len(eval_rows)} validation problems "
-              f"(target {target:.0%}) after {i + 1} steps", flush=True)
-        return params
-  if target:
-    warn(f"the warm start ended at its limit of {s.steps} steps with validation accuracy "
-         f"{acc:.1%}, below its target {target:.0%}")
-  return params

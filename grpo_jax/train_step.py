@@ -1,37 +1,53 @@
-"""The GRPO train step: state, optimizer, one jitted and sharded `(state, batch) → (state, metrics)`.
+"""The train step: one jitted, sharded, donated program per batch shape.
 
-The batch dict the training loop builds (B = prompts × G completions, group-major rows;
-S = P + C; C is the fixed max_completion_length, never trimmed, since dr_grpo divides by it):
+    step = TrainStep(model_cfg, loss_cfg, optim_cfg, mesh, temperature=1.0,
+                     valid_vocab_size=151665, max_completion_length=1024,
+                     group_size=8, reward_weights=(1.0, 1.0))
+    state = create_train_state(params, model_cfg, optim_cfg, mesh)
+    state, metrics, advantages_B = step(state, rollout, ref_params)
 
-  tokens_BS            int32    prompt left-padded to P, then the completion right-padded to C
-  attn_mask_BS         int32    1 on real prompt and completion tokens (pads 0)
-  completion_mask_BC   int32    1 on completion tokens that count: up to and including EOS
-  advantages_B         float32  from grpo.group_advantages
-  old_logp_BC          float32  optional; required when loss.num_iterations > 1: the log-probs
-                                of the params before the first of the μ updates (logprob_fn)
-  ref_logp_BC          float32  required iff loss.beta > 0 (logprob_fn on the reference params;
-                                with β = 0 the reference forward is never run)
-  truncated_B          bool     optional; required if loss.mask_truncated_completions
-  num_loss_tokens      float32  optional scalar, dapo only: loss tokens in the whole generation
-                                batch when it spans several optimizer steps (default: this
-                                batch's), counted with grpo.loss_mask(...).sum()
+One call is a whole GRPO update: `make_batch` (advantages, masks), the reference log-probs
+(β > 0), and the loss.num_iterations (μ) optimizer updates, in one compiled program. The
+first update's forward gives the old log-probs for the later ones (its params are the params
+before any update), so no separate forward is run for them; with μ = 1 the ratio is exactly 1.
+The reference forward runs inside the first update's micro-batch loop.
+
+A call takes one of two batch layouts (B = rows = prompts × G, group-major; P, C the batch's
+padded prompt and completion widths, S = P + C):
+
+  rollout (what the training loop uploads, once, with the batch sharding):
+    prompt_BP        int32    left-padded prompt of each row (repeated G times)
+    prompt_mask_BP   int32    1 on real prompt tokens
+    completion_BC    int32    sampled ids, right-padded
+    lengths_B        int32    tokens sampled, the stop token included
+    truncated_B      bool     max_new_tokens reached without a stop id
+    rewards_BR       float32  reward matrix, NaN = missing (grpo.group_advantages)
+  train (the same step with given advantages; tests, the warm start, other rollouts):
+    tokens_BS        int32    prompt left-padded to P, then the completion right-padded to C
+    attn_mask_BS     int32    1 on real prompt and completion tokens
+    completion_mask_BC int32  1 on completion tokens that count: up to and including EOS
+    advantages_B     float32
+    truncated_B      bool     optional; required if loss.mask_truncated_completions
+    old_logp_BC      float32  optional: log-probs of the behaviour policy (default: the
+                              params before the first update)
+    ref_logp_BC      float32  optional when β > 0 (default: computed from ref_params)
 
 Example (B=2, P=3, C=4; 0 is the pad id, 9 the EOS):
   tokens_BS          [[0, 5, 6, 7, 8, 9, 0],  [4, 5, 6, 7, 7, 7, 7]]
   attn_mask_BS       [[0, 1, 1, 1, 1, 1, 0],  [1, 1, 1, 1, 1, 1, 1]]
   completion_mask_BC [[1, 1, 0, 0],           [1, 1, 1, 1]]      truncated_B [False, True]
 
-The state is a plain dict {'step': int32 scalar, 'params': ..., 'opt_state': ...}, so
-checkpoint.py saves it as is. The step runs grad_accum_steps micro-batches in a scan, summing
-gradients of losses that are already normalised over the whole step (see grpo.py), so the
-result does not depend on the micro-batching. A step whose loss or gradient is not finite
-leaves the state unchanged and reports `step/skipped`=1.
+`objective="sft"` makes the same step a supervised one (the warm start): the train layout
+without advantages, loss = mean negative log-likelihood of the completion tokens.
 
-    step = make_train_step(model_cfg, loss_cfg, optim_cfg, mesh)
-    logprob_fn = make_logprob_fn(model_cfg, loss_cfg, optim_cfg, mesh)
-    state = create_train_state(params, model_cfg, optim_cfg, mesh)
-    for it in range(loss_cfg.num_iterations):      # μ updates on one generation batch
-      state, metrics = step(state, batch)
+The state is a plain dict {'step': int32 scalar, 'params': ..., 'opt_state': ...}, so
+checkpoint.py saves it as is. Each update runs grad_accum_steps micro-batches in a scan,
+summing gradients of losses that are already normalised over the whole batch (grpo.py), so
+the result does not depend on the micro-batching. An update whose loss or gradient is not
+finite leaves the state unchanged and reports `step/skipped`=1.
+
+Compiled programs are cached by the batch's layout (keys, shapes, dtypes): a new shape
+compiles once and never evicts another.
 """
 from __future__ import annotations
 
@@ -45,13 +61,13 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_dict
 
-from grpo_jax import grpo, sharding
+from grpo_jax import grpo, logprobs, sharding
 from grpo_jax.models import qwen
 
 SCHEDULES = ("constant", "cosine")
 DTYPES = ("float32", "bfloat16")
-REQUIRED_KEYS = ("tokens_BS", "attn_mask_BS", "completion_mask_BC", "advantages_B")
-OPTIONAL_KEYS = ("old_logp_BC", "ref_logp_BC", "truncated_B", "num_loss_tokens")
+
+OBJECTIVES = ("grpo", "sft")
 
 
 def default_optim_config() -> config_dict.ConfigDict:
@@ -68,6 +84,7 @@ def default_optim_config() -> config_dict.ConfigDict:
       param_dtype="float32",   # dtype the params and optimizer moments are stored in
       compute_dtype="bfloat16",  # dtype of the forward/backward matmuls
       remat=True,              # rematerialise each decoder layer in the backward pass
+      logprob_block_bytes=4 << 20,  # fp32 logits per block of the head pass (logprobs.py)
   ))
 
 
@@ -92,6 +109,8 @@ def validate_optim_config(cfg) -> None:
     raise ValueError(f"optim.max_grad_norm={cfg.max_grad_norm!r} must be >= 0 (0 disables)")
   if not (isinstance(cfg.grad_accum_steps, int) and cfg.grad_accum_steps >= 1):
     raise ValueError(f"optim.grad_accum_steps={cfg.grad_accum_steps!r} must be an int >= 1")
+  if not (isinstance(cfg.logprob_block_bytes, int) and cfg.logprob_block_bytes >= 4):
+    raise ValueError(f"optim.logprob_block_bytes={cfg.logprob_block_bytes!r} must be an int >= 4")
   for name in ("param_dtype", "compute_dtype"):
     if cfg[name] not in DTYPES:
       raise ValueError(f"optim.{name}={cfg[name]!r} is not one of {DTYPES}")
@@ -174,41 +193,90 @@ def batch_shardings(batch, mesh):
           for k, v in batch.items()}
 
 
-def check_batch(batch, loss_cfg, optim_cfg, mesh) -> None:
+# ------------------------------------------------------------------------------------------------
+# Batch layouts.
+
+ROLLOUT_KEYS = ("prompt_BP", "prompt_mask_BP", "completion_BC", "lengths_B", "rewards_BR")
+TRAIN_KEYS = ("tokens_BS", "attn_mask_BS", "completion_mask_BC", "advantages_B")
+SFT_KEYS = ("tokens_BS", "attn_mask_BS", "completion_mask_BC")
+_OPTIONAL = {"grpo": ("truncated_B", "old_logp_BC", "ref_logp_BC"), "sft": ()}
+
+
+def is_rollout(batch) -> bool:
+  return "rewards_BR" in batch
+
+
+def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_params=False,
+                group_size=None, num_rewards=None) -> None:
   """Host-side checks, before anything is donated: a bad batch raises and the state survives."""
-  missing = [k for k in REQUIRED_KEYS if k not in batch]
-  unknown = [k for k in batch if k not in REQUIRED_KEYS + OPTIONAL_KEYS]
+  rollout = objective == "grpo" and is_rollout(batch)
+  required = ROLLOUT_KEYS if rollout else SFT_KEYS if objective == "sft" else TRAIN_KEYS
+  optional = ("truncated_B",) if rollout else _OPTIONAL[objective]
+  missing = [k for k in required if k not in batch]
+  unknown = [k for k in batch if k not in required + optional]
   if missing or unknown:
     raise ValueError(f"batch is missing {missing} / has unknown keys {unknown}")
-  B, S = _shape(batch["tokens_BS"])
-  C = _shape(batch["completion_mask_BC"])[-1]
-  expect = {"attn_mask_BS": (B, S), "completion_mask_BC": (B, C), "advantages_B": (B,),
-            "old_logp_BC": (B, C), "ref_logp_BC": (B, C), "truncated_B": (B,),
-            "num_loss_tokens": ()}
+  if rollout:
+    B, P_ = _shape(batch["prompt_BP"])
+    C = _shape(batch["completion_BC"])[-1]
+    S = P_ + C
+    expect = {"prompt_mask_BP": (B, P_), "lengths_B": (B,), "truncated_B": (B,),
+              "rewards_BR": (B, num_rewards or _shape(batch["rewards_BR"])[-1])}
+    tokens = batch["prompt_BP"]
+    if group_size is None or B % group_size:
+      raise ValueError(f"a rollout batch of {B} rows needs group_size (G={group_size}) "
+                       "dividing it")
+  else:
+    B, S = _shape(batch["tokens_BS"])
+    C = _shape(batch["completion_mask_BC"])[-1]
+    expect = {"attn_mask_BS": (B, S), "completion_mask_BC": (B, C), "advantages_B": (B,),
+              "old_logp_BC": (B, C), "ref_logp_BC": (B, C), "truncated_B": (B,)}
+    tokens = batch["tokens_BS"]
+    if not C < S:
+      raise ValueError(f"completion length C={C} must be shorter than tokens_BS length S={S}")
   for k, shape in expect.items():
     if k in batch and _shape(batch[k]) != shape:
       raise ValueError(f"batch['{k}'] has shape {_shape(batch[k])}, expected {shape} "
                        f"(B={B}, S={S}, C={C})")
-  if not C < S:
-    raise ValueError(f"completion length C={C} must be shorter than tokens_BS length S={S}")
-  if not jnp.issubdtype(batch["tokens_BS"].dtype, jnp.integer):
-    raise ValueError(f"batch['tokens_BS'] must be integer, got {batch['tokens_BS'].dtype}")
-  if grpo.needs_reference(loss_cfg) != ("ref_logp_BC" in batch):
-    raise ValueError(f"loss.beta={loss_cfg.beta}: batch['ref_logp_BC'] must be given iff "
-                     "beta > 0 (with beta = 0 the reference forward is skipped)")
-  if loss_cfg.num_iterations > 1 and "old_logp_BC" not in batch:
-    raise ValueError(f"loss.num_iterations={loss_cfg.num_iterations} > 1 needs "
-                     "batch['old_logp_BC'] (logprob_fn on the params before the first update)")
-  if loss_cfg.mask_truncated_completions and "truncated_B" not in batch:
-    raise ValueError("loss.mask_truncated_completions=True needs batch['truncated_B']")
-  if "num_loss_tokens" in batch and loss_cfg.loss_type != "dapo":
-    raise ValueError(f"batch['num_loss_tokens'] is only used by loss.loss_type='dapo', "
-                     f"not {loss_cfg.loss_type!r}")
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"batch token ids must be integer, got {tokens.dtype}")
+  if objective == "grpo":
+    if not grpo.needs_reference(loss_cfg) and "ref_logp_BC" in batch:
+      raise ValueError(f"loss.beta={loss_cfg.beta}: batch['ref_logp_BC'] is never used with "
+                       "beta = 0 (the reference forward is skipped)")
+    if grpo.needs_reference(loss_cfg) and "ref_logp_BC" not in batch and not has_ref_params:
+      raise ValueError(f"loss.beta={loss_cfg.beta} > 0 needs ref_params (or "
+                       "batch['ref_logp_BC'])")
+    if loss_cfg.mask_truncated_completions and "truncated_B" not in batch:
+      raise ValueError("loss.mask_truncated_completions=True needs batch['truncated_B']")
   n_batch_dev = int(np.prod([mesh.shape[a] for a in sharding.BATCH_AXES]))
   accum = optim_cfg.grad_accum_steps
   if B % accum or (B // accum) % n_batch_dev:
     raise ValueError(f"batch of {B} rows must split into optim.grad_accum_steps={accum} "
                      f"micro-batches each divisible by the data×fsdp={n_batch_dev} devices")
+
+
+def make_batch(rollout, loss_cfg, *, group_size, reward_weights):
+  """Rollout layout → train layout, and the advantage statistics. Pure; runs on device.
+
+  Example: prompt_BP [[0, 4]], completion_BC [[7, 9, 0]], lengths_B [2] → tokens_BS
+  [[0, 4, 7, 9, 0]], attn_mask_BS [[0, 1, 1, 1, 0]], completion_mask_BC [[1, 1, 0]].
+  """
+  C = rollout["completion_BC"].shape[1]
+  cmask_BC = (jnp.arange(C)[None, :] < rollout["lengths_B"][:, None]).astype(jnp.int32)
+  adv_B, stats = grpo.group_advantages(
+      rollout["rewards_BR"], group_size, weights_R=np.asarray(reward_weights, np.float32),
+      scale_rewards=loss_cfg.scale_rewards, aggregation=loss_cfg.reward_aggregation)
+  batch = {
+      "tokens_BS": jnp.concatenate([rollout["prompt_BP"], rollout["completion_BC"]], 1),
+      "attn_mask_BS": jnp.concatenate([rollout["prompt_mask_BP"].astype(jnp.int32), cmask_BC],
+                                      1),
+      "completion_mask_BC": cmask_BC,
+      "advantages_B": adv_B,
+  }
+  if "truncated_B" in rollout:
+    batch["truncated_B"] = rollout["truncated_B"]
+  return batch, stats
 
 
 # ------------------------------------------------------------------------------------------------
@@ -222,23 +290,21 @@ def _model(model_cfg, optim_cfg, mesh):
                    act_sharding=NamedSharding(mesh, P(sharding.BATCH_AXES)))
 
 
-def completion_logprobs(model, model_cfg, loss_cfg, params, tokens_BS, attn_mask_BS, C, mesh):
+def completion_logprobs(model, params, tokens_BS, attn_mask_BS, C, *, temperature, valid,
+                        block_bytes):
   """Per-token log-probs and entropies of the last C tokens: ([B, C], [B, C]) fp32.
 
   The forward runs over S − 1 positions: position t's hidden state predicts token t + 1, so the
-  completion's C tokens are predicted from positions P − 1 … S − 2.
+  completion's C tokens are predicted from positions P − 1 … S − 2. Only the first `valid`
+  head rows enter the softmax: rows past the tokenizer are never sampled, so these are the
+  log-probs of the distribution the sampler drew from.
   """
   positions_BS = qwen.positions_from_mask(attn_mask_BS)
   hidden_BTD, _ = model.apply({"params": params}, tokens_BS[:, :-1], positions_BS[:, :-1],
                               attn_mask_BS[:, :-1])
-  head_DV = qwen.head_kernel(params, model_cfg).astype(model.dtype)
-  if loss_cfg.get("valid_vocab_size"):
-    # Embedding rows past the tokenizer are never sampled; leaving them out of the softmax
-    # makes these log-probs those of the distribution the sampler drew from.
-    head_DV = head_DV[:, :loss_cfg.valid_vocab_size]
-  return grpo.token_logprobs(hidden_BTD[:, -C:], head_DV, tokens_BS[:, -C:],
-                             temperature=loss_cfg.temperature,
-                             chunk_size=loss_cfg.logprob_chunk_size)
+  head_VD = qwen.head_kernel(params, model.cfg).T[:valid].astype(model.dtype)
+  return logprobs.token_logprobs(hidden_BTD[:, -C:], head_VD, tokens_BS[:, -C:],
+                                 temperature=temperature, block_bytes=block_bytes)
 
 
 def _split_micro(x, accum, mesh):
@@ -248,25 +314,26 @@ def _split_micro(x, accum, mesh):
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, sharding.BATCH_AXES)))
 
 
-def make_logprob_fn(model_cfg, loss_cfg, optim_cfg, mesh):
-  """Jitted (params, tokens_BS, attn_mask_BS, C) → logp_BC for old / reference log-probs.
+def _join_micro(x):
+  """Inverse of _split_micro."""
+  return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
 
-  Forward only, in grad_accum_steps micro-batches (the same memory plan as the train step).
-  Never call it on the reference params when loss.beta == 0 (grpo.needs_reference).
-  """
-  grpo.validate_loss_config(loss_cfg)
+
+def make_logprob_fn(model_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_size=None):
+  """Jitted (params, tokens_BS, attn_mask_BS, C) → logp_BC, forward only, in grad_accum_steps
+  micro-batches. For tests and benchmarks: the train step computes its own."""
   validate_optim_config(optim_cfg)
   model = _model(model_cfg, optim_cfg, mesh)
   accum = optim_cfg.grad_accum_steps
   param_sh = state_shardings(model_cfg, optim_cfg, mesh)["params"]
   row_sh = NamedSharding(mesh, P(sharding.BATCH_AXES))
+  kw = dict(temperature=temperature, valid=valid_vocab_size or model_cfg.vocab_size,
+            block_bytes=optim_cfg.logprob_block_bytes)
 
   def fn(params, tokens_BS, attn_mask_BS, C):
-    def one(xs):
-      return completion_logprobs(model, model_cfg, loss_cfg, params, *xs, C, mesh)[0]
     micro = (_split_micro(tokens_BS, accum, mesh), _split_micro(attn_mask_BS, accum, mesh))
-    logp_ABC = jax.lax.map(one, micro)
-    return logp_ABC.swapaxes(0, 1).reshape(tokens_BS.shape[0], C)
+    logp_ABC = jax.lax.map(lambda xs: completion_logprobs(model, params, *xs, C, **kw)[0], micro)
+    return _join_micro(logp_ABC)
 
   return jax.jit(fn, in_shardings=(param_sh, row_sh, row_sh), out_shardings=row_sh,
                  static_argnums=3)
@@ -285,133 +352,191 @@ def _metric_merge(a, b):
           jnp.maximum(a[k], b[k]) if k == "ratio/max" else a[k] + b[k] for k in a}
 
 
-def loss_and_grads(params, batch, *, model, model_cfg, loss_cfg, optim_cfg, mesh, param_sh):
-  """Gradients of the step's loss, summed over grad_accum_steps micro-batches.
-
-  Returns (grads, sums, step_tokens): `sums` holds grpo.loss_terms' sums (plus 'loss' and
-  'entropy/sum') accumulated over the micro-batches; step_tokens counts the loss tokens.
-  """
-  accum = optim_cfg.grad_accum_steps
-  B, C = batch["completion_mask_BC"].shape
-  mask_BC = grpo.loss_mask(batch["completion_mask_BC"], batch.get("truncated_B"),
-                           loss_cfg.mask_truncated_completions)
-  step_tokens = mask_BC.sum()
-  norm_tokens = step_tokens  # bnpo, and dapo when the generation batch is this step's batch
-  if loss_cfg.loss_type == "dapo" and "num_loss_tokens" in batch:
-    norm_tokens = jnp.asarray(batch["num_loss_tokens"], jnp.float32)
-
-  per_row = {k: batch[k] for k in ("tokens_BS", "attn_mask_BS", "advantages_B", "old_logp_BC",
-                                   "ref_logp_BC") if k in batch}
-  per_row["mask_BC"] = mask_BC
-  micro = jax.tree.map(lambda x: _split_micro(x, accum, mesh), per_row)
-
-  def loss_fn(p, mb):
-    logp_BC, entropy_BC = completion_logprobs(model, model_cfg, loss_cfg, p, mb["tokens_BS"],
-                                              mb["attn_mask_BS"], C, mesh)
-    weights_BC = grpo.token_weights(mb["mask_BC"], loss_cfg.loss_type, num_sequences=B,
-                                    num_tokens=norm_tokens)
-    loss, sums = grpo.loss_terms(logp_BC, mb.get("old_logp_BC"), mb.get("ref_logp_BC"),
-                                 mb["advantages_B"], mb["mask_BC"], weights_BC, loss_cfg)
-    sums["loss"] = jax.lax.stop_gradient(loss)
-    sums["entropy/sum"] = jnp.sum(entropy_BC * mb["mask_BC"])
-    return loss, sums
-
-  grad_fn = jax.grad(loss_fn, has_aux=True)
-  constrain = lambda g: jax.lax.with_sharding_constraint(g, param_sh)
-  if accum == 1:
-    grads, sums = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
-    return constrain(grads), sums, step_tokens
-
-  # One traced copy of the backward pass: scan from zero gradients and identity metric sums.
-  grads0, sums0 = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
-  grads0 = constrain(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), grads0))
-  sums0 = {k: jnp.full(v.shape, _METRIC_IDENTITY.get(k, 0), v.dtype) for k, v in sums0.items()}
-
-  def body(carry, mb):
-    g_acc, s_acc = carry
-    g, s = grad_fn(params, mb)
-    return (constrain(jax.tree.map(jnp.add, g_acc, g)), _metric_merge(s_acc, s)), None
-  (grads, sums), _ = jax.lax.scan(body, (grads0, sums0), micro)
-  return grads, sums, step_tokens
-
-
-def _train_step(state, batch, *, grad_fn, optimizer, optim_cfg):
-  params = state["params"]
-  grads, sums, step_tokens = grad_fn(params, batch)
-  B = batch["completion_mask_BC"].shape[0]
-  grad_norm = optax.tree.norm(grads)
-  updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-  new_params = optax.apply_updates(params, updates)
-  ok = jnp.isfinite(grad_norm) & jnp.isfinite(sums["loss"])
-  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-  new_state = {"step": state["step"] + ok.astype(jnp.int32),
-               "params": keep(new_params, params),
-               "opt_state": keep(opt_state, state["opt_state"])}
-
-  adv_B = batch["advantages_B"].astype(jnp.float32)
-  metrics = grpo.finalize_metrics(sums, step_tokens)
-  metrics.update({
-      "loss": sums["loss"],
-      "entropy": sums["entropy/sum"] / jnp.maximum(step_tokens, 1.0),
-      "grad_norm": grad_norm,
-      "lr": learning_rate_schedule(optim_cfg)(state["step"]),
-      "step/skipped": 1.0 - ok.astype(jnp.float32),
-      "advantages/mean": adv_B.mean(), "advantages/std": adv_B.std(),
-      "advantages/min": adv_B.min(), "advantages/max": adv_B.max(),
-      "tokens/completion": step_tokens,
-      "tokens/completion_per_seq": step_tokens / B,
-      "tokens/total": batch["attn_mask_BS"].astype(jnp.float32).sum(),
-  })
-  return new_state, metrics
-
-
 class TrainStep:
-  """`step(state, batch) → (state, metrics)`; jitted with explicit shardings, state donated.
+  """`step(state, batch, ref_params=None) → (state, metrics, advantages_B)`; module docstring.
 
-  One compilation per batch layout (which optional keys are present, and the shapes).
-  `step.jitted(batch)` gives the jax.jit object, e.g. for `.lower(state, batch).compile()`.
+  temperature: the sampling temperature (log-probs are those of logits / temperature).
+  valid_vocab_size: head rows in the softmax (the tokenizer's size; default: all).
+  max_completion_length: dr_grpo's constant C (default: the batch's completion width).
+  group_size, reward_weights: for rollout batches (advantages are computed in the step).
+  objective: 'grpo' or 'sft' (the warm start: mean NLL of the completion tokens).
   """
 
-  def __init__(self, model_cfg, loss_cfg, optim_cfg, mesh):
+  def __init__(self, model_cfg, loss_cfg, optim_cfg, mesh, *, temperature=1.0,
+               valid_vocab_size=None, max_completion_length=None, group_size=None,
+               reward_weights=None, objective="grpo"):
+    if objective not in OBJECTIVES:
+      raise ValueError(f"objective={objective!r} is not one of {OBJECTIVES}")
     grpo.validate_loss_config(loss_cfg)
     validate_optim_config(optim_cfg)
+    if not temperature > 0:
+      raise ValueError(f"temperature={temperature!r} must be > 0")
     self.model_cfg, self.loss_cfg, self.optim_cfg, self.mesh = (model_cfg, loss_cfg, optim_cfg,
                                                                 mesh)
+    self.objective, self.group_size = objective, group_size
+    self.reward_weights = None if reward_weights is None else tuple(map(float, reward_weights))
+    self.max_completion_length = max_completion_length
     self.state_sh = state_shardings(model_cfg, optim_cfg, mesh)
-    self._loss_and_grads = functools.partial(
-        loss_and_grads, model=_model(model_cfg, optim_cfg, mesh), model_cfg=model_cfg,
-        loss_cfg=loss_cfg, optim_cfg=optim_cfg, mesh=mesh, param_sh=self.state_sh["params"])
-    self._fn = functools.partial(_train_step, grad_fn=self._loss_and_grads,
-                                 optimizer=make_optimizer(optim_cfg), optim_cfg=optim_cfg)
+    self.model = _model(model_cfg, optim_cfg, mesh)
+    self.optimizer = make_optimizer(optim_cfg)
+    self.logprob_kw = dict(temperature=float(temperature),
+                           valid=valid_vocab_size or model_cfg.vocab_size,
+                           block_bytes=optim_cfg.logprob_block_bytes)
+    self.num_traces = 0  # programs traced (compiled): one per batch layout
     self._jitted = {}
 
-  def jitted(self, batch):
-    check_batch(batch, self.loss_cfg, self.optim_cfg, self.mesh)
-    key = tuple(sorted(batch))
+  # --- the traced program ----------------------------------------------------------------------
+
+  def _loss(self, params, ref_params, mb, norm):
+    """One micro-batch's share of the loss; aux: metric sums, log-probs, reference log-probs."""
+    C = mb["completion_mask_BC"].shape[1]
+    logp_BC, entropy_BC = completion_logprobs(self.model, params, mb["tokens_BS"],
+                                              mb["attn_mask_BS"], C, **self.logprob_kw)
+    mask_BC = mb["mask_BC"]
+    if self.objective == "sft":
+      loss = -jnp.sum(mask_BC * logp_BC) / jnp.maximum(norm["tokens"], 1.0)
+      sums, ref_BC = {}, None
+    else:
+      ref_BC = mb.get("ref_logp_BC")
+      if grpo.needs_reference(self.loss_cfg) and ref_BC is None:
+        ref_BC = jax.lax.stop_gradient(completion_logprobs(
+            self.model, ref_params, mb["tokens_BS"], mb["attn_mask_BS"], C,
+            **self.logprob_kw)[0])
+      weights_BC = grpo.token_weights(mask_BC, self.loss_cfg.loss_type,
+                                      num_sequences=norm["sequences"], num_tokens=norm["tokens"],
+                                      max_completion_length=norm["max_completion_length"])
+      loss, sums = grpo.loss_terms(logp_BC, mb.get("old_logp_BC"), ref_BC, mb["advantages_B"],
+                                   mask_BC, weights_BC, self.loss_cfg)
+    sums["loss"] = jax.lax.stop_gradient(loss)
+    sums["entropy/sum"] = jnp.sum(jax.lax.stop_gradient(entropy_BC) * mask_BC)
+    return loss, (sums, jax.lax.stop_gradient(logp_BC), ref_BC)
+
+  def _grads(self, params, ref_params, batch, norm):
+    """Gradients summed over grad_accum_steps micro-batches, metric sums, [B, C] log-probs and
+    reference log-probs (None unless computed)."""
+    accum, mesh = self.optim_cfg.grad_accum_steps, self.mesh
+    keys = ("tokens_BS", "attn_mask_BS", "advantages_B", "old_logp_BC", "ref_logp_BC", "mask_BC",
+            "completion_mask_BC")
+    micro = {k: _split_micro(batch[k], accum, mesh) for k in keys if k in batch}
+    grad_fn = jax.grad(lambda p, mb: self._loss(p, ref_params, mb, norm), has_aux=True)
+    constrain = lambda g: jax.lax.with_sharding_constraint(g, self.state_sh["params"])
+    if accum == 1:
+      grads, (sums, logp, ref) = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
+      return constrain(grads), sums, logp, ref
+
+    # One traced copy of the backward pass: scan from zero gradients and identity metric sums.
+    grads0, (sums0, _, _) = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
+    grads0 = constrain(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), grads0))
+    sums0 = {k: jnp.full(v.shape, _METRIC_IDENTITY.get(k, 0), v.dtype) for k, v in sums0.items()}
+
+    def body(carry, mb):
+      g_acc, s_acc = carry
+      g, (s, logp, ref) = grad_fn(params, mb)
+      return (constrain(jax.tree.map(jnp.add, g_acc, g)), _metric_merge(s_acc, s)), (logp, ref)
+    (grads, sums), (logp, ref) = jax.lax.scan(body, (grads0, sums0), micro)
+    return grads, sums, _join_micro(logp), None if ref is None else _join_micro(ref)
+
+  def _update(self, state, ref_params, batch, norm):
+    """One optimizer update; skipped (state unchanged) if the loss or gradient is not finite."""
+    params = state["params"]
+    grads, sums, logp, ref = self._grads(params, ref_params, batch, norm)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = self.optimizer.update(grads, state["opt_state"], params)
+    new_params = optax.apply_updates(params, updates)
+    ok = jnp.isfinite(grad_norm) & jnp.isfinite(sums["loss"])
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    new_state = {"step": state["step"] + ok.astype(jnp.int32),
+                 "params": keep(new_params, params),
+                 "opt_state": keep(opt_state, state["opt_state"])}
+    tokens = norm["tokens"]
+    metrics = {} if self.objective == "sft" else grpo.finalize_metrics(sums, tokens)
+    metrics.update({
+        "loss": sums["loss"],
+        "entropy": sums["entropy/sum"] / jnp.maximum(tokens, 1.0),
+        "grad_norm": grad_norm,
+        "lr": learning_rate_schedule(self.optim_cfg)(state["step"]),
+        "step/skipped": 1.0 - ok.astype(jnp.float32),
+    })
+    return new_state, metrics, logp, ref
+
+  def _program(self, state, ref_params, batch):
+    self.num_traces += 1
+    metrics = {}
+    if is_rollout(batch):
+      batch, stats = make_batch(batch, self.loss_cfg, group_size=self.group_size,
+                                reward_weights=self.reward_weights)
+      metrics.update({f"advantages/{k}": v for k, v in stats.items()})
+    lc = self.loss_cfg
+    mask_BC = (grpo.loss_mask(batch["completion_mask_BC"], batch.get("truncated_B"),
+                              lc.mask_truncated_completions) if self.objective == "grpo"
+               else batch["completion_mask_BC"].astype(jnp.float32))
+    batch = dict(batch, mask_BC=mask_BC)
+    B, C = mask_BC.shape
+    norm = {"tokens": mask_BC.sum(), "sequences": B,
+            "max_completion_length": self.max_completion_length or C}
+    state, m, logp_BC, ref_BC = self._update(state, ref_params, batch, norm)
+    if self.objective == "grpo" and lc.num_iterations > 1:
+      # Updates 2..μ: old log-probs are the first update's (the params before any update).
+      later = dict(batch, old_logp_BC=batch.get("old_logp_BC", logp_BC))
+      if ref_BC is not None:
+        later["ref_logp_BC"] = ref_BC
+
+      def body(st, _):
+        st, m_it, _, _ = self._update(st, None, later, norm)
+        return st, m_it
+      state, ms = jax.lax.scan(body, state, None, length=lc.num_iterations - 1)
+      m = jax.tree.map(lambda x: x[-1], ms)
+    metrics.update(m)
+    tokens = norm["tokens"]
+    metrics.update({"tokens/completion": tokens, "tokens/completion_per_seq": tokens / B,
+                    "tokens/total": batch["attn_mask_BS"].astype(jnp.float32).sum()})
+    adv_B = batch.get("advantages_B", jnp.zeros((B,), jnp.float32)).astype(jnp.float32)
+    if self.objective == "grpo":
+      metrics.update({"advantages/mean": adv_B.mean(), "advantages/std": adv_B.std(),
+                      "advantages/min": adv_B.min(), "advantages/max": adv_B.max()})
+    return state, metrics, adv_B
+
+  # --- host side -------------------------------------------------------------------------------
+
+  def jitted(self, batch, with_ref: bool):
+    """The compiled program for this batch layout (cached by keys, shapes and dtypes)."""
+    key = (with_ref,) + tuple(sorted((k, _shape(v), str(np.asarray(v).dtype) if not hasattr(
+        v, "dtype") else str(v.dtype)) for k, v in batch.items()))
     if key not in self._jitted:
-      metrics_sh = sharding.replicated(self.mesh)
+      rep = sharding.replicated(self.mesh)
+      row_sh = NamedSharding(self.mesh, P(sharding.BATCH_AXES))
       self._jitted[key] = jax.jit(
-          lambda state, batch: self._fn(state, batch),
-          in_shardings=(self.state_sh, batch_shardings(batch, self.mesh)),
-          out_shardings=(self.state_sh, metrics_sh), donate_argnums=0)
+          self._program,
+          in_shardings=(self.state_sh, self.state_sh["params"] if with_ref else None,
+                        batch_shardings(batch, self.mesh)),
+          out_shardings=(self.state_sh, rep, row_sh), donate_argnums=0)
     return self._jitted[key]
 
-  def __call__(self, state, batch) -> tuple[dict, dict[str, Any]]:
-    return self.jitted(batch)(state, batch)
+  def __call__(self, state, batch, ref_params=None):
+    check_batch(batch, self.loss_cfg, self.optim_cfg, self.mesh, self.objective,
+                has_ref_params=ref_params is not None, group_size=self.group_size,
+                num_rewards=None if self.reward_weights is None else len(self.reward_weights))
+    need_ref = (self.objective == "grpo" and grpo.needs_reference(self.loss_cfg)
+                and "ref_logp_BC" not in batch)
+    return self.jitted(batch, need_ref)(state, ref_params if need_ref else None, batch)
 
 
-def make_grad_fn(model_cfg, loss_cfg, optim_cfg, mesh, batch):
-  """Jitted (params, batch) → (loss, grads) of the train step, for tests and diagnostics."""
-  step = TrainStep(model_cfg, loss_cfg, optim_cfg, mesh)
+def make_grad_fn(model_cfg, loss_cfg, optim_cfg, mesh, batch, **step_kw):
+  """Jitted (params, batch) → (loss, grads) of the train step's first update, for tests."""
+  step = TrainStep(model_cfg, loss_cfg, optim_cfg, mesh, **step_kw)
   check_batch(batch, loss_cfg, optim_cfg, mesh)
 
   def fn(params, batch):
-    grads, sums, _ = step._loss_and_grads(params, batch)
+    mask_BC = grpo.loss_mask(batch["completion_mask_BC"], batch.get("truncated_B"),
+                             loss_cfg.mask_truncated_completions)
+    norm = {"tokens": mask_BC.sum(), "sequences": mask_BC.shape[0],
+            "max_completion_length": step.max_completion_length or mask_BC.shape[1]}
+    grads, sums, _, _ = step._grads(params, None, dict(batch, mask_BC=mask_BC), norm)
     return sums["loss"], grads
   param_sh = step.state_sh["params"]
   return jax.jit(fn, in_shardings=(param_sh, batch_shardings(batch, mesh)),
                  out_shardings=(sharding.replicated(mesh), param_sh))
 
 
-def make_train_step(model_cfg, loss_cfg, optim_cfg, mesh) -> TrainStep:
-  return TrainStep(model_cfg, loss_cfg, optim_cfg, mesh)
+def make_train_step(model_cfg, loss_cfg, optim_cfg, mesh, **kw) -> TrainStep:
+  return TrainStep(model_cfg, loss_cfg, optim_cfg, mesh, **kw)

@@ -50,9 +50,6 @@ def validate(config, num_devices: int) -> None:
   _check(0 < s.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {s.top_p}")
   _check(s.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 = off), got {s.top_k}")
   _check(0 <= s.min_p < 1, "sampling.min_p", f"must be in [0, 1), got {s.min_p}")
-  _check(lc.temperature == s.temperature, "loss.temperature",
-         f"{lc.temperature} differs from sampling.temperature={s.temperature}: the loss must "
-         "score completions under the distribution they were sampled from")
   try:
     grpo.validate_loss_config(lc)
   except ValueError as e:
@@ -69,8 +66,12 @@ def validate(config, num_devices: int) -> None:
     train_step.validate_optim_config(o)
   except ValueError as e:
     raise ConfigError(f"config.{e}") from None
-  _check(o.schedule != "cosine" or o.total_steps in (0, t.steps), "optim.total_steps",
-         "leave it 0: the cosine schedule spans train.steps")
+  updates = t.steps * lc.num_iterations
+  _check(o.schedule != "cosine" or o.total_steps in (0, updates), "optim.total_steps",
+         f"leave it 0: the cosine schedule spans the run's {updates} optimizer updates "
+         "(train.steps × loss.num_iterations)")
+  _check(isinstance(t.pad_multiple, int) and t.pad_multiple >= 1, "train.pad_multiple",
+         f"must be an int >= 1, got {t.pad_multiple!r}")
 
   rows = t.prompts_per_step * g
   _check(t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")

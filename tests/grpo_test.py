@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import grpo
+from grpo_jax import grpo, logprobs
 
 # ------------------------------------------------------------------------------------------------
 # NumPy references.
@@ -116,7 +116,22 @@ def finite_diff_grad(f, x, h=1e-6):
 
 
 # ------------------------------------------------------------------------------------------------
-# Token log-probs.
+# Token log-probs (logprobs.py: the fused, blocked head pass with its hand-written backward).
+
+
+def fused(hidden, head_DV, targets, temperature=1.0, blocks=None):
+  """logprobs' custom-VJP pass on [B, T] targets with explicit (tokens, rows) per block."""
+  h_ND = hidden.reshape(-1, hidden.shape[-1])
+  t, c = blocks or logprobs.block_shape(h_ND.shape[0], head_DV.shape[1])
+  logp, ent = logprobs._fused(h_ND, head_DV.T.astype(h_ND.dtype), targets.reshape(-1),
+                              1.0 / temperature, t, c)
+  return logp.reshape(targets.shape), ent.reshape(targets.shape)
+
+
+def test_block_shape_stays_within_the_budget():
+  assert logprobs.block_shape(4096, 151_665, 4 << 20) == (1024, 1024)
+  assert logprobs.block_shape(64, 151_665, 4 << 20) == (64, 16384)
+  assert logprobs.block_shape(10, 13, 4 << 20) == (10, 13)  # never wider than the vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -130,12 +145,14 @@ def lm_case():
   return hidden, head, targets, weights
 
 
-@pytest.mark.parametrize("chunk_size,temperature", [(0, 1.0), (1, 0.7), (3, 1.0), (7, 0.7),
-                                                    (100, 1.3)])
-def test_token_logprobs_value_and_grad_match_dense_numpy(lm_case, chunk_size, temperature):
+# (tokens, vocabulary rows) per block over 14 tokens × 13 rows: one block, 1 × 1 blocks, and
+# blocks with a remainder along either axis or both.
+@pytest.mark.parametrize("blocks,temperature", [((14, 13), 1.0), ((1, 1), 0.7), ((3, 4), 1.0),
+                                                ((5, 13), 0.7), ((14, 5), 1.3), ((4, 6), 1.0)])
+def test_token_logprobs_value_and_grad_match_dense_numpy(lm_case, blocks, temperature):
   hidden, head, targets, w = lm_case
-  logp, ent = grpo.token_logprobs(jnp.asarray(hidden), jnp.asarray(head), jnp.asarray(targets),
-                                  temperature=temperature, chunk_size=chunk_size)
+  logp, ent = fused(jnp.asarray(hidden), jnp.asarray(head), jnp.asarray(targets),
+                    temperature=temperature, blocks=blocks)
   np_logp, np_ent, probs = np_log_softmax_gather(hidden, head, targets, temperature)
   np.testing.assert_allclose(np.asarray(logp), np_logp, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(ent), np_ent, rtol=1e-5, atol=1e-5)
@@ -144,8 +161,8 @@ def test_token_logprobs_value_and_grad_match_dense_numpy(lm_case, chunk_size, te
   # d Σ w·logp / d logits = w (onehot − p) / temperature; chain to hidden and head by hand.
   onehot = np.eye(head.shape[1])[targets]
   dlogits = w[..., None] * (onehot - probs) / temperature
-  f = lambda h_, W_: jnp.sum(jnp.asarray(w) * grpo.token_logprobs(
-      h_, W_, jnp.asarray(targets), temperature=temperature, chunk_size=chunk_size)[0])
+  f = lambda h_, W_: jnp.sum(jnp.asarray(w) * fused(
+      h_, W_, jnp.asarray(targets), temperature=temperature, blocks=blocks)[0])
   g_hidden, g_head = jax.grad(f, argnums=(0, 1))(jnp.asarray(hidden), jnp.asarray(head))
   np.testing.assert_allclose(np.asarray(g_hidden), dlogits @ head.T.astype(np.float64),
                              rtol=1e-4, atol=1e-5)
@@ -155,16 +172,15 @@ def test_token_logprobs_value_and_grad_match_dense_numpy(lm_case, chunk_size, te
 
 def test_token_logprobs_entropy_carries_no_gradient(lm_case):
   hidden, head, targets, _ = lm_case
-  g = jax.grad(lambda h_: jnp.sum(grpo.token_logprobs(h_, jnp.asarray(head),
-                                                      jnp.asarray(targets), chunk_size=3)[1]))(
-                                                          jnp.asarray(hidden))
+  g = jax.grad(lambda h_: jnp.sum(fused(h_, jnp.asarray(head), jnp.asarray(targets),
+                                        blocks=(3, 4))[1]))(jnp.asarray(hidden))
   assert not np.any(np.asarray(g))
 
 
 def test_token_logprobs_bf16_inputs_give_fp32_logprobs(lm_case):
   hidden, head, targets, _ = lm_case
   h16, w16 = jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(head, jnp.bfloat16)
-  logp, _ = grpo.token_logprobs(h16, w16, jnp.asarray(targets), chunk_size=3)
+  logp, _ = fused(h16, w16, jnp.asarray(targets), blocks=(3, 4))
   assert logp.dtype == jnp.float32
   # Reference on the bf16-rounded inputs: only the inputs are rounded, not the maths.
   np_logp, _, _ = np_log_softmax_gather(np.asarray(h16, np.float32), np.asarray(w16, np.float32),
@@ -383,8 +399,7 @@ def test_beta_zero_needs_no_reference_and_positive_beta_requires_one():
 @pytest.mark.parametrize("name,value", [
     ("loss_type", "ppo"), ("kl_estimator", "k4"), ("importance_sampling_level", "chunk"),
     ("scale_rewards", "std"), ("reward_aggregation", "max"), ("beta", -0.1), ("epsilon", 1.5),
-    ("epsilon_high", 0.0), ("delta", 1.1), ("num_iterations", 0), ("temperature", 0.0),
-    ("logprob_chunk_size", -4)])
+    ("epsilon_high", 0.0), ("delta", 1.1), ("num_iterations", 0)])
 def test_bad_loss_config_names_the_setting(name, value):
   cfg = grpo.default_loss_config()
   grpo.validate_loss_config(cfg)

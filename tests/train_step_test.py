@@ -22,7 +22,7 @@ EOS = MODEL.vocab_size - 1
 def loss_config(**kw):
   cfg = grpo.default_loss_config()
   cfg.update(loss_type="dapo", beta=0.05, kl_estimator="k3", epsilon_high=0.28,
-             num_iterations=2, mask_truncated_completions=True, logprob_chunk_size=3)
+             num_iterations=1, mask_truncated_completions=True)
   cfg.update(**kw)
   return cfg
 
@@ -95,7 +95,7 @@ def data(params):
   rewards[4:8] = 1.0  # a constant-reward group
   adv, _ = grpo.group_advantages(rewards, G)
   mesh = sharding.make_mesh((2, 2, 2))
-  logprob_fn = train_step.make_logprob_fn(MODEL, loss_config(), optim_config(), mesh)
+  logprob_fn = train_step.make_logprob_fn(MODEL, optim_config(), mesh)
   sh = train_step.state_shardings(MODEL, optim_config(), mesh)["params"]
   logp = np.asarray(logprob_fn(jax.device_put(params, sh), tokens, attn, C), np.float64)
   # Old log-ratios spread over both clip edges but >= 0.03 from them, so that the finite
@@ -135,7 +135,7 @@ def test_valid_vocab_size_restricts_the_softmax(params, data):
   attn = batch["attn_mask_BS"]
   mesh = single_mesh()
   optim = optim_config(grad_accum_steps=1)
-  fn = train_step.make_logprob_fn(MODEL, loss_config(valid_vocab_size=valid), optim, mesh)
+  fn = train_step.make_logprob_fn(MODEL, optim, mesh, valid_vocab_size=valid)
   got = np.asarray(fn(jax.device_put(params, train_step.state_shardings(MODEL, optim, mesh)[
       "params"]), tokens, attn, C))
   model = qwen.Qwen(MODEL)
@@ -152,7 +152,7 @@ def test_bf16_compute_log_probs_stay_fp32_and_close(params, data):
   batch, logp = data
   optim = optim_config(compute_dtype="bfloat16", grad_accum_steps=1)
   mesh = single_mesh()
-  fn = train_step.make_logprob_fn(MODEL, loss_config(), optim, mesh)
+  fn = train_step.make_logprob_fn(MODEL, optim, mesh)
   out = fn(jax.device_put(params, train_step.state_shardings(MODEL, optim, mesh)["params"]),
            batch["tokens_BS"], batch["attn_mask_BS"], C)
   assert out.dtype == jnp.float32
@@ -205,12 +205,13 @@ def test_gradient_of_whole_loss_matches_finite_differences(params, grad_fn):
 
 @pytest.fixture(scope="module")
 def baseline(params, data):
-  """One step on one device with the baseline config (dapo, 4 micro-batches, β > 0, μ = 2)."""
+  """One step on one device with the baseline config (dapo, 4 micro-batches, β > 0, given old
+  log-probs, so ratios spread over both clip edges)."""
   batch, _ = data
   mesh = single_mesh()
   step = train_step.make_train_step(MODEL, loss_config(), optim_config(), mesh)
   state = train_step.create_train_state(params, MODEL, optim_config(), mesh)
-  state, metrics = step(state, batch)
+  state, metrics, _ = step(state, batch)
   return step, host(state), host(metrics)
 
 
@@ -246,7 +247,7 @@ def test_sharded_step_matches_single_device(params, data, baseline, shape):
   mesh = sharding.make_mesh(shape)
   step = train_step.make_train_step(MODEL, loss_config(), optim_config(), mesh)
   state = train_step.create_train_state(params, MODEL, optim_config(), mesh)
-  state, metrics = step(state, batch)
+  state, metrics, _ = step(state, batch)
   assert state["params"]["layers"]["mlp"]["up_proj"]["kernel"].sharding.mesh.shape == mesh.shape
   _, want_state, want_metrics = baseline
   assert_same_step(host(state), host(metrics), want_state, want_metrics)
@@ -268,7 +269,7 @@ def test_dapo_one_micro_batch_equals_four(params, data, baseline):
   mesh = single_mesh()
   optim = optim_config(grad_accum_steps=1)
   step = train_step.make_train_step(MODEL, loss_config(), optim, mesh)
-  state, metrics = step(train_step.create_train_state(params, MODEL, optim, mesh), batch)
+  state, metrics, _ = step(train_step.create_train_state(params, MODEL, optim, mesh), batch)
   _, want_state, want_metrics = baseline
   assert_same_step(host(state), host(metrics), want_state, want_metrics)
 
@@ -283,7 +284,7 @@ def test_bnpo_on_policy_one_micro_batch_equals_four(params, data):
   for accum in (1, 4):
     optim = optim_config(grad_accum_steps=accum)
     step = train_step.make_train_step(MODEL, loss_cfg, optim, mesh)
-    state, metrics = step(train_step.create_train_state(params, MODEL, optim, mesh), batch)
+    state, metrics, _ = step(train_step.create_train_state(params, MODEL, optim, mesh), batch)
     results.append((host(state), host(metrics)))
     assert metrics["ratio/min"] == 1.0 and metrics["ratio/max"] == 1.0
     assert metrics["clip/region_frac"] == 0.0 and metrics["loss/kl"] == 0.0
@@ -296,7 +297,7 @@ def test_nonfinite_step_leaves_state_unchanged(params, data, baseline):
   state = train_step.create_train_state(params, MODEL, optim_config(), single_mesh())
   before = host(state)
   bad = dict(batch, advantages_B=np.full(B, np.nan, np.float32))
-  state, metrics = step(state, bad)
+  state, metrics, _ = step(state, bad)
   assert float(metrics["step/skipped"]) == 1.0
   after = host(state)
   for x, y in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
@@ -306,11 +307,10 @@ def test_nonfinite_step_leaves_state_unchanged(params, data, baseline):
 @pytest.mark.parametrize("change,match", [
     (lambda b: b.pop("advantages_B"), "missing"),
     (lambda b: b.update(advantages_B=np.zeros(B - 1, np.float32)), "advantages_B"),
-    (lambda b: b.pop("ref_logp_BC"), "ref_logp_BC"),
-    (lambda b: b.pop("old_logp_BC"), "num_iterations"),
+    (lambda b: b.pop("ref_logp_BC"), "ref_params"),
     (lambda b: b.pop("truncated_B"), "mask_truncated_completions"),
-    (lambda b: b.update(num_loss_tokens=np.float32(3.0), tokens_BS=b["tokens_BS"][:24]),
-     "tokens_BS|attn_mask_BS|completion_mask_BC|advantages_B"),
+    (lambda b: b.update(tokens_BS=b["tokens_BS"][:24]),
+     "attn_mask_BS|completion_mask_BC|advantages_B"),
     (lambda b: b.update(extra=1), "unknown"),
 ])
 def test_bad_batch_raises_before_anything_is_donated(params, data, baseline, change, match):
@@ -378,3 +378,170 @@ def test_bad_optim_config_names_the_setting(name, value):
 def test_cosine_needs_total_steps():
   with pytest.raises(ValueError, match="optim.total_steps"):
     train_step.validate_optim_config(optim_config(schedule="cosine", total_steps=0))
+
+
+# ------------------------------------------------------------------------------------------------
+# The one-program step: μ updates, the reference pass and make_batch inside it; SFT; the cache.
+
+
+def _on_one_device(params, optim):
+  mesh = single_mesh()
+  sh = train_step.state_shardings(MODEL, optim, mesh)["params"]
+  return mesh, jax.device_put(params, sh)
+
+
+def test_mu_updates_in_one_call_equal_separate_updates_with_old_logprobs(params, data):
+  """μ = 2 without old log-probs == two single updates whose old log-probs are the params'
+  before the first update (what the first update's forward gives the second)."""
+  batch, _ = data
+  optim = optim_config(grad_accum_steps=2)
+  mesh, p = _on_one_device(params, optim)
+  plain = {k: v for k, v in batch.items() if k != "old_logp_BC"}
+  step2 = train_step.make_train_step(MODEL, loss_config(num_iterations=2), optim, mesh)
+  got, got_m, _ = step2(train_step.create_train_state(p, MODEL, optim, mesh), plain)
+  old = train_step.make_logprob_fn(MODEL, optim, mesh)(p, batch["tokens_BS"],
+                                                         batch["attn_mask_BS"], C)
+  step1 = train_step.make_train_step(MODEL, loss_config(), optim, mesh)
+  want = train_step.create_train_state(p, MODEL, optim, mesh)
+  for _ in range(2):
+    want, want_m, _ = step1(want, dict(plain, old_logp_BC=np.asarray(old)))
+  assert int(got["step"]) == int(want["step"]) == 2
+  for x, y in zip(jax.tree.leaves(host(got)), jax.tree.leaves(host(want))):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+  for k in ("loss", "grad_norm", "ratio/mean", "loss/kl", "lr"):
+    np.testing.assert_allclose(float(got_m[k]), float(want_m[k]), rtol=1e-5, err_msg=k)
+  assert float(got_m["ratio/max"]) != 1.0  # the second update is off-policy
+
+
+def test_reference_pass_inside_the_step_equals_given_reference_logprobs(params, data):
+  batch, _ = data
+  optim = optim_config(grad_accum_steps=2)
+  mesh, p = _on_one_device(params, optim)
+  ref = jax.tree.map(lambda x: x * 0.9, p)  # a reference other than the policy
+  ref_logp = train_step.make_logprob_fn(MODEL, optim, mesh)(ref, batch["tokens_BS"],
+                                                              batch["attn_mask_BS"], C)
+  step = train_step.make_train_step(MODEL, loss_config(), optim, mesh)
+  without = {k: v for k, v in batch.items() if k != "ref_logp_BC"}
+  got, got_m, _ = step(train_step.create_train_state(p, MODEL, optim, mesh), without, ref)
+  want, want_m, _ = step(train_step.create_train_state(p, MODEL, optim, mesh),
+                         dict(without, ref_logp_BC=np.asarray(ref_logp)))
+  assert float(got_m["loss/kl"]) > 0
+  np.testing.assert_allclose(float(got_m["loss/kl"]), float(want_m["loss/kl"]), rtol=1e-6)
+  for x, y in zip(jax.tree.leaves(host(got)), jax.tree.leaves(host(want))):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-8)
+
+
+def _rollout_from(batch, rewards):
+  tokens, attn = batch["tokens_BS"], batch["attn_mask_BS"]
+  return {"prompt_BP": tokens[:, :P], "prompt_mask_BP": attn[:, :P],
+          "completion_BC": tokens[:, P:], "lengths_B": batch["completion_mask_BC"].sum(1),
+          "truncated_B": batch["truncated_B"], "rewards_BR": rewards}
+
+
+def test_rollout_batch_builds_the_train_batch_on_device(params, data):
+  """Advantages and masks made inside the program == the host-built train batch."""
+  batch, _ = data
+  rng = np.random.default_rng(3)
+  rewards = rng.normal(size=(B, 2)).astype(np.float32)
+  rewards[rng.random((B, 2)) < 0.1] = np.nan
+  rewards[5] = np.nan  # a row with every reward missing: advantage 0, counted as missing
+  weights = (1.0, 0.5)
+  adv, _ = grpo.group_advantages(rewards, G, weights_R=np.asarray(weights))
+  optim = optim_config(grad_accum_steps=1)
+  mesh, p = _on_one_device(params, optim)
+  step = train_step.make_train_step(MODEL, loss_config(), optim, mesh, group_size=G,
+                                    reward_weights=weights)
+  given = dict(batch, advantages_B=np.asarray(adv, np.float32))
+  want, want_m, want_adv = step(train_step.create_train_state(p, MODEL, optim, mesh),
+                                {k: v for k, v in given.items() if k != "old_logp_BC"})
+  roll = _rollout_from(batch, rewards)
+  roll["ref_logp_BC"] = batch["ref_logp_BC"]  # not a rollout key: rejected
+  with pytest.raises(ValueError, match="unknown"):
+    step(train_step.create_train_state(p, MODEL, optim, mesh), roll)
+  ref = jax.tree.map(lambda x: x * 0.9, p)
+  del roll["ref_logp_BC"]
+  got, got_m, got_adv = step(train_step.create_train_state(p, MODEL, optim, mesh), roll, ref)
+  np.testing.assert_allclose(np.asarray(got_adv), np.asarray(want_adv), rtol=1e-6, atol=1e-7)
+  for k in ("loss/policy", "tokens/completion", "tokens/total", "entropy"):
+    np.testing.assert_allclose(float(got_m[k]), float(want_m[k]), rtol=1e-6, err_msg=k)
+  assert 0 < float(got_m["advantages/frac_reward_missing"]) < 1
+
+
+def test_dr_grpo_divides_by_max_completion_length_not_the_padded_width(params, data):
+  """Trimming a batch's completion width (fine padding) must not change dr_grpo's loss."""
+  batch, _ = data
+  optim = optim_config(grad_accum_steps=1)
+  mesh, p = _on_one_device(params, optim)
+  cfg = loss_config(loss_type="dr_grpo", beta=0.0)
+  base = {k: batch[k] for k in ("tokens_BS", "attn_mask_BS", "completion_mask_BC",
+                                "advantages_B", "truncated_B")}
+  wide = {k: np.pad(v, ((0, 0), (0, 4))) if k in ("tokens_BS", "attn_mask_BS",
+                                                    "completion_mask_BC") else v
+          for k, v in base.items()}
+  results = []
+  for b in (base, wide):
+    step = train_step.make_train_step(MODEL, cfg, optim, mesh, max_completion_length=C + 4)
+    results.append(step(train_step.create_train_state(p, MODEL, optim, mesh), b))
+  (s1, m1, _), (s2, m2, _) = results
+  np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-6)
+  # The wider batch sums in another order: the same step tolerance as assert_same_step.
+  for x, y in zip(jax.tree.leaves(host(s1)), jax.tree.leaves(host(s2))):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
+def test_sft_objective_is_the_mean_nll_of_completion_tokens(params, data):
+  batch, _ = data
+  sft_batch = {k: batch[k] for k in ("tokens_BS", "attn_mask_BS", "completion_mask_BC")}
+  model = qwen.Qwen(MODEL)
+  tokens, attn = batch["tokens_BS"], batch["attn_mask_BS"]
+  hidden, _ = model.apply({"params": params}, tokens, qwen.positions_from_mask(attn), attn)
+  logits = np.asarray(model.apply({"params": params}, hidden, method=qwen.Qwen.logits),
+                      np.float64)[:, P - 1:-1]
+  lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  nll = lse - np.take_along_axis(logits, tokens[:, P:, None], -1)[..., 0]
+  mask = batch["completion_mask_BC"]
+  want = (nll * mask).sum() / mask.sum()
+  optim = optim_config(grad_accum_steps=4, lr=1e-2)
+  mesh = sharding.make_mesh((2, 2, 2))
+  step = train_step.make_train_step(MODEL, loss_config(), optim, mesh, objective="sft")
+  state = train_step.create_train_state(params, MODEL, optim, mesh)
+  state, m, _ = step(state, sft_batch)
+  np.testing.assert_allclose(float(m["loss"]), want, rtol=1e-5)
+  losses = [float(step(state, sft_batch)[1]["loss"])]  # (state donated: rebuilt below)
+  assert losses[0] < want  # Adam at lr 1e-2 on one batch lowers its NLL
+  with pytest.raises(ValueError, match="unknown keys"):
+    step(train_step.create_train_state(params, MODEL, optim, mesh), dict(sft_batch,
+                                                                          advantages_B=0))
+
+
+def test_compile_cache_is_keyed_by_shape(params, data):
+  """A second batch shape compiles once and does not evict the first."""
+  batch, _ = data
+  optim = optim_config(grad_accum_steps=1)
+  mesh, p = _on_one_device(params, optim)
+  step = train_step.make_train_step(MODEL, loss_config(beta=0.0), optim, mesh)
+  keys = ("tokens_BS", "attn_mask_BS", "completion_mask_BC", "advantages_B", "truncated_B")
+  a = {k: batch[k] for k in keys}
+  b = {k: (v[:, :-2] if k != "completion_mask_BC" else v[:, :-2]) if v.ndim == 2 else v
+       for k, v in a.items()}
+  state = train_step.create_train_state(p, MODEL, optim, mesh)
+  for x in (a, b, a, b, a):
+    state, _, _ = step(state, x)
+  assert step.num_traces == 2 and len(step._jitted) == 2
+
+
+def test_cosine_schedule_counts_every_update_of_mu(params, data):
+  """With μ = 2 the schedule runs over train.steps × μ updates: the lr of the last update is
+  the schedule's at update 2·steps − 1 (> 0), not 0 from halfway on."""
+  batch, _ = data
+  steps, mu = 2, 2
+  optim = optim_config(grad_accum_steps=1, schedule="cosine", total_steps=steps * mu, lr=1e-3)
+  mesh, p = _on_one_device(params, optim)
+  step = train_step.make_train_step(MODEL, loss_config(num_iterations=mu, beta=0.0), optim, mesh)
+  plain = {k: v for k, v in batch.items() if k not in ("old_logp_BC", "ref_logp_BC")}
+  state = train_step.create_train_state(p, MODEL, optim, mesh)
+  schedule = train_step.learning_rate_schedule(optim)
+  for i in range(steps):
+    state, m, _ = step(state, plain)
+    np.testing.assert_allclose(float(m["lr"]), float(schedule(mu * i + mu - 1)), rtol=1e-6)
+  assert int(state["step"]) == steps * mu and float(m["lr"]) > 0

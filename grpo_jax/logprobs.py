@@ -1,0 +1,159 @@
+"""Per-token log-probs through the LM head without [tokens, vocabulary] logits.
+
+    logp_N, entropy_N = token_logprobs(hidden_ND, head_VD, targets_N, temperature=1.0)
+
+  logits l = hidden @ head^T / temperature;  logp[n] = l[n, y_n] - logsumexp_v l[n, v];
+  entropy[n] = -sum_v p log p = logsumexp - sum_v p l.
+
+Legend: N tokens, D model width, V vocabulary rows (pass only the rows the sampler can draw),
+t tokens per block, c vocabulary rows per block.
+
+Why it is written by hand: at Qwen's 151,936-row vocabulary the logits of 64 completions × 64
+tokens are 2.5 GB of fp32, far larger than any cache, so every pass over them (write, max,
+exp-sum, gather, and their backward) is memory-bound. Here the head is walked in [t, c] blocks
+of at most `block_bytes` (default 4 MiB, inside this CPU's L3): each block's logits are folded
+into a running (max, sum exp, sum exp·l) per token and dropped. The target logit is a dot
+product with the gathered head row. The backward (a custom VJP) recomputes each block from the
+saved logsumexp: d l = g (onehot - softmax) / temperature, so
+  d hidden += d l @ head_c,   d head_c += d l^T @ hidden,
+one block at a time; the one-hot part is a gather and a scatter-add of N rows. The whole pass
+costs four matmuls with the head (one forward, three backward) and the traffic of the blocks.
+The entropy is a metric: it carries no gradient.
+
+Inputs may be bf16 (the compute dtype): the matmuls accumulate in fp32 and every softmax
+statistic is fp32; the backward casts d l to the compute dtype for its two matmuls, as an
+autodiff backward of a bf16 matmul would.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_BLOCK_BYTES = 4 << 20  # fp32 logits per [t, c] block
+_MAX_BLOCK_TOKENS = 1024
+_MIN_BLOCK_ROWS = 128
+
+
+def block_shape(num_tokens: int, vocab: int, block_bytes: int = DEFAULT_BLOCK_BYTES):
+  """(t, c): tokens and vocabulary rows per block, t·c·4 bytes <= block_bytes where possible.
+
+  Example: 4,096 tokens, 151,665 rows, 4 MiB → (1024, 1024).
+  """
+  t = max(1, min(num_tokens, _MAX_BLOCK_TOKENS))
+  c = max(_MIN_BLOCK_ROWS, block_bytes // (4 * t)) // _MIN_BLOCK_ROWS * _MIN_BLOCK_ROWS
+  return t, max(1, min(vocab, c))
+
+
+def _split_rows(w_VD, c):
+  """[V, D] → full blocks [n, c, D] and the rest [V - n·c, D] (possibly empty)."""
+  n = w_VD.shape[0] // c
+  return w_VD[:n * c].reshape(n, c, w_VD.shape[1]), w_VD[n * c:]
+
+
+def _logits(h_tD, w_cD, inv_temp):
+  return jnp.einsum("tD,cD->tc", h_tD, w_cD, preferred_element_type=jnp.float32) * inv_temp
+
+
+def _forward(h_ND, w_VD, y_N, inv_temp, t, c):
+  """(logp, entropy, logsumexp) per token, all [N] fp32."""
+  n_tok = h_ND.shape[0]
+  full_ncD, rest_rD = _split_rows(w_VD, c)
+
+  def fold(carry, w_cD, h_tD):
+    m_t, s_t, a_t = carry
+    l_tc = _logits(h_tD, w_cD, inv_temp)
+    new_m = jnp.maximum(m_t, l_tc.max(-1))
+    e_tc = jnp.exp(l_tc - new_m[:, None])
+    scale = jnp.exp(m_t - new_m)  # 0 on the first block, where m = -inf
+    return new_m, s_t * scale + e_tc.sum(-1), a_t * scale + (e_tc * l_tc).sum(-1)
+
+  def one_block(h_tD):
+    init = (jnp.full(h_tD.shape[:1], -jnp.inf), jnp.zeros(h_tD.shape[:1]),
+            jnp.zeros(h_tD.shape[:1]))
+    carry, _ = jax.lax.scan(lambda cr, w: (fold(cr, w, h_tD), None), init, full_ncD)
+    if rest_rD.shape[0]:
+      carry = fold(carry, rest_rD, h_tD)
+    m_t, s_t, a_t = carry
+    lse_t = m_t + jnp.log(s_t)
+    return lse_t, lse_t - a_t / s_t
+
+  h_btD = _blocks(h_ND, t)
+  lse_N, entropy_N = jax.tree.map(lambda x: x.reshape(-1)[:n_tok],
+                                  jax.lax.map(one_block, h_btD))
+  target_N = jnp.einsum("ND,ND->N", h_ND, w_VD[y_N],
+                        preferred_element_type=jnp.float32) * inv_temp
+  return target_N - lse_N, entropy_N, lse_N
+
+
+def _blocks(x_N, t):
+  """[N, ...] → [ceil(N / t), t, ...], zero-padded (zero rows give finite, unused results)."""
+  pad = -x_N.shape[0] % t
+  x_N = jnp.pad(x_N, [(0, pad)] + [(0, 0)] * (x_N.ndim - 1))
+  return x_N.reshape(-1, t, *x_N.shape[1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused(h_ND, w_VD, y_N, inv_temp, t, c):
+  logp_N, entropy_N, _ = _forward(h_ND, w_VD, y_N, inv_temp, t, c)
+  return logp_N, entropy_N
+
+
+def _fused_fwd(h_ND, w_VD, y_N, inv_temp, t, c):
+  logp_N, entropy_N, lse_N = _forward(h_ND, w_VD, y_N, inv_temp, t, c)
+  return (logp_N, entropy_N), (h_ND, w_VD, y_N, lse_N)
+
+
+def _fused_bwd(inv_temp, t, c, residuals, cotangents):
+  h_ND, w_VD, y_N, lse_N = residuals
+  g_N = cotangents[0].astype(jnp.float32) * inv_temp  # the entropy's cotangent is dropped
+  n_tok, d = h_ND.shape
+  cdt = h_ND.dtype
+  # One-hot part: d logp / d l[n, y_n] = 1.
+  dh_ND = g_N[:, None] * w_VD[y_N].astype(jnp.float32)
+  dw_VD = jnp.zeros(w_VD.shape, jnp.float32).at[y_N].add(g_N[:, None] * h_ND.astype(jnp.float32))
+  # Softmax part, block by block: d l = -g · exp(l - lse).
+  h_btD, lse_bt, g_bt = _blocks(h_ND, t), _blocks(lse_N, t), _blocks(g_N, t)
+
+  def rows_block(w_cD):
+    def tokens_block(dw_cD, xs):
+      h_tD, lse_t, g_t = xs
+      dl_tc = (-g_t[:, None] * jnp.exp(_logits(h_tD, w_cD, inv_temp) - lse_t[:, None])).astype(cdt)
+      dh_tD = jnp.einsum("tc,cD->tD", dl_tc, w_cD, preferred_element_type=jnp.float32)
+      return dw_cD + jnp.einsum("tc,tD->cD", dl_tc, h_tD, preferred_element_type=jnp.float32), dh_tD
+    dw_cD, dh_btD = jax.lax.scan(tokens_block, jnp.zeros(w_cD.shape, jnp.float32),
+                                 (h_btD, lse_bt, g_bt))
+    return dw_cD, dh_btD.reshape(-1, d)[:n_tok]
+
+  full_ncD, rest_rD = _split_rows(w_VD, c)
+
+  def over_rows(dh, w_cD):
+    dw_cD, dh_part = rows_block(w_cD)
+    return dh + dh_part, dw_cD
+  dh_soft, dw_ncD = jax.lax.scan(over_rows, jnp.zeros((n_tok, d), jnp.float32), full_ncD)
+  dw_soft = dw_ncD.reshape(-1, d)
+  if rest_rD.shape[0]:
+    dw_rest, dh_rest = rows_block(rest_rD)
+    dh_soft, dw_soft = dh_soft + dh_rest, jnp.concatenate([dw_soft, dw_rest])
+  return ((dh_ND + dh_soft).astype(h_ND.dtype), (dw_VD + dw_soft).astype(w_VD.dtype), None)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def token_logprobs(hidden_ND, head_VD, targets_N, *, temperature: float = 1.0,
+                   block_bytes: int = DEFAULT_BLOCK_BYTES):
+  """log softmax(hidden @ head^T / temperature)[target] and the entropy per token, fp32 [N].
+
+  hidden_ND [N, D] and head_VD [V, D] share a dtype; leading axes of hidden and targets are
+  flattened (e.g. [B, C, D] with [B, C] targets gives [B, C] results).
+  Example: hidden [2, 5, 8], head [11, 8], targets int [2, 5] → (logp [2, 5], entropy [2, 5]).
+  """
+  lead = targets_N.shape
+  h_ND = hidden_ND.reshape(-1, hidden_ND.shape[-1])
+  y_N = targets_N.reshape(-1).astype(jnp.int32)
+  t, c = block_shape(h_ND.shape[0], head_VD.shape[0], block_bytes)
+  logp_N, entropy_N = _fused(h_ND, head_VD.astype(h_ND.dtype), y_N, 1.0 / float(temperature),
+                             t, c)
+  return logp_N.reshape(lead), entropy_N.reshape(lead)

@@ -1,0 +1,135 @@
+"""Rollouts: prompts → G sampled completions each → rewards, and the batch the train step takes.
+
+    prompts = encode(config, tokenizer, rows)
+    part = sample_and_score(sampler, params, prompts, rows, rewards, g, key, tokenizer)
+    rollout_batch = part.device_batch(pad_id, multiple=16, max_new_tokens=20, buckets=(48, 64))
+
+Host side only: strings (templating, decoding, reward parsing) live here; the device sees the
+padded integer arrays of `Rollouts.device_batch`, uploaded once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from grpo_jax import data
+from grpo_jax.rewards import build_rewards, score
+
+
+@dataclasses.dataclass
+class Prompts:
+  """One batch of prompts: the chat-templated texts, their token ids and left-padded tokens."""
+  texts: list[str]
+  ids: list[list[int]]
+  tokens_BP: np.ndarray
+  mask_BP: np.ndarray
+
+
+def prompt_texts(config, tokenizer, rows) -> list[str]:
+  d = config.data
+  return [data.build_prompt(tokenizer, r["question"], d.system_prompt, d.user_template)
+          for r in rows]
+
+
+def reward_columns(rows, g):
+  """The dataset columns rewards see, each row repeated for its G completions."""
+  return {"answer": [r["answer"] for r in rows for _ in range(g)],
+          "question": [r["question"] for r in rows for _ in range(g)]}
+
+
+def encode(config, tokenizer, rows) -> Prompts:
+  texts = prompt_texts(config, tokenizer, rows)
+  ids = data.encode_prompts(tokenizer, texts)
+  tokens, mask = data.pad_to_bucket(ids, config.data.prompt_buckets, tokenizer.pad_token_id)
+  return Prompts(texts, ids, tokens, mask)
+
+
+@dataclasses.dataclass
+class Rollouts:
+  """G sampled completions per prompt and their rewards, group-major (rows [p·G, (p+1)·G) are
+  prompt p's). `pool` concatenates rounds; `take` keeps whole groups, in the order given."""
+  rows: list[dict]                # per prompt: the dataset row
+  prompts: list[str]              # per prompt: chat-templated text
+  prompt_ids: list[list[int]]     # per prompt: token ids, unpadded
+  completion_ids_BC: np.ndarray   # per completion from here on
+  lengths_B: np.ndarray
+  truncated_B: np.ndarray
+  texts: list[str]
+  reward_BR: np.ndarray
+
+  @staticmethod
+  def pool(parts: list[Rollouts]) -> Rollouts:
+    return Rollouts(*[sum((getattr(p, f.name) for p in parts), []) if isinstance(
+        getattr(parts[0], f.name), list) else np.concatenate([getattr(p, f.name) for p in parts])
+                      for f in dataclasses.fields(Rollouts)])
+
+  def take(self, groups, g: int) -> Rollouts:
+    rows_B = [p * g + j for p in groups for j in range(g)]
+    return Rollouts([self.rows[p] for p in groups], [self.prompts[p] for p in groups],
+                    [self.prompt_ids[p] for p in groups], self.completion_ids_BC[rows_B],
+                    self.lengths_B[rows_B], self.truncated_B[rows_B],
+                    [self.texts[i] for i in rows_B], self.reward_BR[rows_B])
+
+  def device_batch(self, pad_id: int, *, buckets, multiple: int,
+                   with_truncated: bool) -> dict[str, np.ndarray]:
+    """The train step's rollout layout (train_step.py), padded to this batch's real lengths:
+    prompts to the smallest bucket that holds the longest, completions to the longest rounded
+    up to `multiple` (a completion row never needs more than its sampled width)."""
+    g = len(self.lengths_B) // len(self.prompt_ids)
+    prompt_BP, pmask_BP = data.pad_to_bucket(self.prompt_ids, buckets, pad_id)
+    c = data.padded_width(int(self.lengths_B.max()), multiple, self.completion_ids_BC.shape[1])
+    batch = {
+        "prompt_BP": np.repeat(prompt_BP, g, axis=0),
+        "prompt_mask_BP": np.repeat(pmask_BP, g, axis=0).astype(np.int32),
+        "completion_BC": np.ascontiguousarray(self.completion_ids_BC[:, :c], np.int32),
+        "lengths_B": self.lengths_B.astype(np.int32),
+        "rewards_BR": self.reward_BR.astype(np.float32),
+    }
+    if with_truncated:
+      batch["truncated_B"] = self.truncated_B.astype(bool)
+    return batch
+
+
+def sample_and_score(config, sampler, tokenizer, params, rows, rewards, key):
+  """Samples G completions for each row and scores them. Returns (Rollouts, reward metrics,
+  sampler metrics, (seconds sampling, seconds scoring))."""
+  g = config.sampling.num_generations
+  t0 = time.perf_counter()
+  prompts = encode(config, tokenizer, rows)
+  out = sampler.generate(params, prompts.tokens_BP, prompts.mask_BP, num_samples=g, key=key)
+  completion_ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+  t1 = time.perf_counter()
+  texts = tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids, lengths)],
+                                 skip_special_tokens=True)
+  prompt_texts_B = [p for p in prompts.texts for _ in range(g)]
+  reward_BR, reward_metrics = score(rewards, prompt_texts_B, texts, g, reward_columns(rows, g))
+  part = Rollouts(list(rows), prompts.texts, prompts.ids, completion_ids, lengths,
+                  np.asarray(out.truncated), texts, reward_BR)
+  return part, reward_metrics, out.metrics, (t1 - t0, time.perf_counter() - t1)
+
+
+def accuracy_reward(config):
+  """The run's math_accuracy reward (its configured options), whether or not it is trained on."""
+  cfg = config.rewards.copy_and_resolve_references()
+  cfg.names, cfg.weights = ("math_accuracy",), (1.0,)
+  return build_rewards(cfg)[0]
+
+
+def evaluate(config, sampler, tokenizer, params, rows, reward=None) -> float:
+  """Greedy pass@1 on `rows`, scored by the run's math_accuracy reward."""
+  reward = reward or accuracy_reward(config)
+  correct = 0
+  bs = config.train.eval_batch_size
+  for i in range(0, len(rows), bs):
+    chunk = rows[i:i + bs]
+    prompts = encode(config, tokenizer, chunk)
+    out = sampler.generate(params, prompts.tokens_BP, prompts.mask_BP, num_samples=1,
+                           greedy=True)
+    ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    texts = tokenizer.batch_decode([t[:n] for t, n in zip(ids, lengths)],
+                                   skip_special_tokens=True)
+    scores = reward.fn(prompts.texts, texts, group_size=1, **reward_columns(chunk, 1))
+    correct += sum(s == 1.0 for s in scores)
+  return correct / max(len(rows), 1)
