@@ -80,14 +80,14 @@ class Sampler:
     max_new_tokens: C, the fixed completion length budget.
     stop_ids: token ids that end a completion (kept in the output, counted in `lengths`).
     buckets: prompt lengths P the batch is left-padded to (the smallest that fits is used).
-    greedy, temperature, top_k, top_p, min_p: default sampling settings (module docstring);
+    greedy, temperature, top_k, top_p, min_p: default sampling settings (grpo_jax.sampling);
       each call may override them. temperature=0 means greedy (log-probs then at temperature 1).
     valid_vocab_size: ids >= this are never sampled (default: the whole embedding).
     pad_id: written after a row's stop token and used to left-pad prompts.
     mesh: a (data, fsdp, tensor) mesh; the batch is split over data × fsdp.
     dtype: compute dtype when `model` is a config (default fp32).
     vocab_chunk: columns of the head processed at a time (keeps one chunk's logits in cache).
-    top_p_draws: candidates drawn per row and step for top-p's rejection step (module doc).
+    top_p_draws: candidates drawn per row and step for top-p's rejection step (grpo_jax.sampling).
   """
 
   def __init__(self, model: qwen.Qwen | qwen.QwenConfig, *, max_new_tokens: int,

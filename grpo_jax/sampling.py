@@ -6,11 +6,22 @@
     tok_B, logp_B, extra_rounds = sampling.next_token(sp, head, h_BD, step_keys_B,
                                                       valid_vocab_size, top_p_draws)
 
-Settings: `greedy` (or temperature=0), `temperature`, `top_k`, `top_p`, `min_p`. The cuts
-apply in that order to logits / temperature: keep the tokens whose logit is >= the k-th largest
-(ties kept); then, renormalised over those, keep token i iff the mass of tokens strictly more
-probable than i is < top_p; then keep p_i >= min_p * p_max. Embedding rows at or above
-`valid_vocab_size` are never sampled.
+Settings: `greedy` (or temperature=0: the first argmax), `temperature`, `top_k`, `top_p`,
+`min_p`, applied as transformers' generate applies its warpers (Temperature-, TopK-, TopP- and
+MinPLogitsWarper, in that order) to the logits of the valid vocabulary (embedding rows at or
+above `valid_vocab_size` are never sampled):
+  1. l = logits / temperature;
+  2. top-k: keep the tokens whose l is >= the k-th largest (ties kept);
+  3. top-p: renormalised over the top-k set, keep token i iff the mass of the tokens strictly
+     more probable than i is < top_p;
+  4. min-p: renormalised over what is left, keep p_i >= min_p * p_max. The top token survives
+     every cut, so this is l_i >= max(l) + log(min_p) whatever came before; being last, it
+     never changes the total top-p is measured on.
+The token is drawn ∝ exp(l) over the kept set; `cut_probs` computes that distribution densely.
+Ties are the one difference from transformers (apart from float rounding at a cut): in step 3
+tokens of equal l stand or fall together, so a group of them straddling the top-p boundary is
+kept whole, where transformers' TopPLogitsWarper (a cumulative sum in its sort order) keeps only
+the members its sort puts last. Ties at the top-k and min-p cuts are kept by both.
 
 `next_token` returns log_softmax(logits / temperature) over the valid vocabulary at the sampled
 token, BEFORE the cuts (the policy's own distribution, which the GRPO ratio needs).
@@ -26,10 +37,11 @@ Performance notes (why the code looks the way it does):
     chunk's with probability chunk mass / mass so far). Both are exact.
   * top-k takes the top k + 1 candidates (lax.top_k merged chunk by chunk), which decide the cut
     exactly unless the k-th value is tied beyond them. top-p is exact by rejection: draw
-    `top_p_draws` candidates from the (top-k / min-p cut) distribution and keep the first whose
-    higher-ranked mass is < top_p; a row with none accepted (probability < (1 - top_p)^draws)
-    is redrawn (counted in the extra rounds). A top-p step costs about two head passes, with no
-    sort of the vocabulary.
+    `top_p_draws` candidates from the (top-k and min-p cut) distribution and keep the first whose
+    higher-ranked mass is < top_p of the top-k set's (or the vocabulary's) mass; a row with
+    none accepted (probability < (1 - top_p)^draws) is redrawn (counted in the extra rounds).
+    A top-p step costs about two head passes, with no sort of the vocabulary (one more on the
+    top-k tie path with min-p, to measure the top-k set).
 """
 
 from __future__ import annotations
@@ -82,6 +94,35 @@ def parse_settings(greedy=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
     top_k, top_p, min_p = 0, 1.0, 0.0
   return SamplingParams(bool(greedy), float(temperature), int(top_k), float(top_p),
                         float(min_p))
+
+
+def cut_probs(sp: SamplingParams, logits_BV: Array) -> Array:
+  """[B, V] probabilities `next_token` draws from, given the valid vocabulary's logits [B, V].
+
+  The cuts of the module docstring computed densely (with a sort): a reference for tests and
+  analysis; `next_token` draws from the same distribution without materialising it. Greedy: a
+  one-hot at the first argmax.
+  """
+  l_BV = logits_BV.astype(jnp.float32) * (1.0 / sp.temperature)  # as next_token scales them
+  v = l_BV.shape[-1]
+  if sp.greedy:
+    return jax.nn.one_hot(jnp.argmax(l_BV, -1), v)
+  m_B1 = jnp.max(l_BV, -1, keepdims=True)
+  keep_BV = jnp.ones(l_BV.shape, bool)
+  if 0 < sp.top_k < v:
+    keep_BV &= l_BV >= jax.lax.top_k(l_BV, sp.top_k)[0][:, -1:]
+  if sp.top_p < 1.0:
+    # Mass strictly above token i = the mass at ascending positions past the last logit <= l_i.
+    order_BV = jnp.argsort(l_BV, -1)
+    asc_BV = jnp.take_along_axis(l_BV, order_BV, -1)
+    e_asc_BV = jnp.take_along_axis(jnp.where(keep_BV, jnp.exp(l_BV - m_B1), 0.0), order_BV, -1)
+    tail_BV1 = jnp.pad(jnp.flip(jnp.cumsum(jnp.flip(e_asc_BV, -1), -1), -1), ((0, 0), (0, 1)))
+    n_at_most_BV = jax.vmap(lambda a, x: jnp.searchsorted(a, x, side="right"))(asc_BV, l_BV)
+    above_BV = jnp.take_along_axis(tail_BV1, n_at_most_BV, -1)
+    keep_BV &= above_BV < sp.top_p * tail_BV1[:, :1]  # the total: over the top-k set only
+  if sp.min_p > 0.0:
+    keep_BV &= l_BV >= m_B1 + math.log(sp.min_p)
+  return jax.nn.softmax(jnp.where(keep_BV, l_BV, -jnp.inf), -1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -301,7 +342,7 @@ def _cut_threshold(sp: SamplingParams, m_B, lse_B, vals_BK, valid: int):
   tau_k = vals_BK[:, sp.top_k - 1] if sp.top_k < valid else jnp.full((b,), -jnp.inf)
   covered = jnp.ones((b,), bool) if all_in else vals_BK[:, -1] < tau_k
   tau = tau_k
-  if sp.top_p < 1.0:
+  if sp.top_p < 1.0:  # measured on the top-k set; min-p comes after
     p_BK = jnp.exp(vals_BK - m_B[:, None]) * (vals_BK >= tau_k[:, None])
     reach_BK = jnp.cumsum(p_BK, -1) >= sp.top_p * jnp.sum(p_BK, -1, keepdims=True)
     tau = jnp.maximum(tau, jnp.take_along_axis(vals_BK, jnp.argmax(reach_BK, -1)[:, None], 1)[:, 0])
@@ -310,14 +351,19 @@ def _cut_threshold(sp: SamplingParams, m_B, lse_B, vals_BK, valid: int):
   return tau, tau_k, covered
 
 
-def _nucleus_draw(sp: SamplingParams, head, h_BD, inv_temp, uniforms, num_draws, tau_B=None):
-  """A draw from the distribution cut at tau (None: no cut) and then at top_p, exactly.
+def _nucleus_draw(sp: SamplingParams, head, h_BD, inv_temp, uniforms, num_draws, tau_B=None,
+                  nucleus_lse_B=None):
+  """A draw ∝ exp(logit) over {logit >= tau} (None: every token) and the top-p nucleus, exactly.
 
-  top-p by rejection: draw S candidates from the cut distribution and keep the first whose
-  higher-ranked mass is < top_p of the total; conditioned on acceptance a draw follows the
-  nucleus distribution exactly. Each candidate is accepted with probability >= top_p, so one
-  round (two head passes) almost always settles every row; rows that do not are redrawn.
-  Returns (token, logit, logsumexp of the kept set, extra rounds).
+  The nucleus is measured on a set holding the cut set, of log-mass `nucleus_lse` (None: the cut
+  set itself): the top-k set, or the vocabulary, as min-p comes after top-p and must not shrink
+  top-p's total. top-p by rejection: draw S candidates from the cut distribution and keep the
+  first whose higher-ranked mass is < top_p of that total (every token ranked above a cut-set
+  token is in the cut set, so that mass is the same counted in either set); conditioned on
+  acceptance a draw follows the cut distribution restricted to the nucleus exactly. Both sets
+  are top-ranked prefixes, so a candidate is accepted with probability 1 or (nucleus mass) /
+  (cut-set mass) >= top_p: one round (two head passes) almost always settles every row; rows
+  that do not are redrawn. Returns (token, logit, logsumexp of the cut set, extra rounds).
   """
   n = uniforms.num_chunks
   s = num_draws if sp.top_p < 1.0 else 1
@@ -331,9 +377,12 @@ def _nucleus_draw(sp: SamplingParams, head, h_BD, inv_temp, uniforms, num_draws,
   if sp.top_p == 1.0:
     return tok_BS[:, 0], logit_BS[:, 0], lse, jnp.int32(0)
   floor = jnp.full(m.shape, -jnp.inf) if tau_B is None else tau_B
+  # The nucleus set's mass in the units of the mass above, exp(l - m).
+  total = z if nucleus_lse_B is None else jnp.exp(nucleus_lse_B - m)
 
   def judge(tok_BS, logit_BS):
-    ok_BS = _mass_above_pass(head, h_BD, inv_temp, logit_BS, floor, m) < sp.top_p * z[:, None]
+    above_BS = _mass_above_pass(head, h_BD, inv_temp, logit_BS, floor, m)
+    ok_BS = above_BS < sp.top_p * total[:, None]
     j = _first_true(ok_BS, ok_BS)[:, None]
     return (jnp.take_along_axis(tok_BS, j, 1)[:, 0], jnp.take_along_axis(logit_BS, j, 1)[:, 0],
             jnp.any(ok_BS, -1))
@@ -379,11 +428,11 @@ def next_token(sp: SamplingParams, head: _Head, h_BD, keys_B, valid: int, num_dr
 
   if not 0 < sp.top_k < valid:  # top-p and/or min-p only
     lse, tau = None, None
-    if sp.min_p > 0.0:
+    if sp.min_p > 0.0:  # lse: also the mass top-p is measured on, the whole vocabulary's
       _, m, lse = _greedy_pass(head, h_BD, inv_temp, valid, argmax=False)
       tau = min_p_cut(m)
     tok, logit, kept_lse, rounds = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms, num_draws,
-                                                 tau)
+                                                 tau, lse)
     return tok, logit - (kept_lse if lse is None else lse), rounds
 
   # top-k: the k + 1 best candidates decide everything unless the k-th value is tied beyond them.
@@ -395,7 +444,12 @@ def next_token(sp: SamplingParams, head: _Head, h_BD, keys_B, valid: int, num_dr
 
   def exact(_):
     floor = jnp.maximum(tau_k, min_p_cut(m))
-    t, l, _, rounds = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms, num_draws, floor)
+    top_k_lse = None  # None: the draw's cut set is the top-k set
+    if sp.min_p > 0.0 and sp.top_p < 1.0:  # top-p is measured on the top-k set, before min-p
+      every_B1 = jnp.full((m.shape[0], 1), -jnp.inf)
+      top_k_lse = m + jnp.log(_mass_above_pass(head, h_BD, inv_temp, every_B1, tau_k, m)[:, 0])
+    t, l, _, rounds = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms, num_draws, floor,
+                                    top_k_lse)
     return t, l, rounds + 1
   f_tok, f_logit, extra = jax.lax.cond(jnp.all(covered), lambda _: (tok, logit, jnp.int32(0)),
                                        exact, None)
