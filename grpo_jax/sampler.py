@@ -21,17 +21,14 @@ What happens in one call (C = max_new_tokens, P = the smallest bucket holding ev
      which is then padded to P + C slots and tiled G times (never a G-fold prefill);
   3. `decode` (jitted per (B, P, G, settings); the cache is donated, so the loop updates the
      prefill's buffer in place): a `lax.while_loop` samples one token per row from the last
-     hidden state, feeds it through the model, and exits as soon as every row has produced a
-     stop id or C tokens.
+     hidden state (grpo_jax.sampling.next_token), feeds it through the model, and exits as soon
+     as every row has produced a stop id or C tokens.
 The batch (B, and B*G after tiling) is split over the mesh's data × fsdp axes; B is padded to a
 multiple of that size with copies of the last prompt, whose rows are dropped from the output.
 
 Sampling settings (defaults given to the Sampler, overridable per call; each distinct setting
-compiles once): `greedy` (or temperature=0), `temperature`, `top_k`, `top_p`, `min_p`. The cuts
-apply in that order to logits / temperature: keep the tokens whose logit is >= the k-th largest
-(ties kept); then, renormalised over those, keep token i iff the mass of tokens strictly more
-probable than i is < top_p; then keep p_i >= min_p * p_max. Embedding rows at or above
-`valid_vocab_size` are never sampled.
+compiles once): `greedy` (or temperature=0), `temperature`, `top_k`, `top_p`, `min_p`, defined
+in grpo_jax.sampling (the cuts, their order and how they are drawn from exactly).
 
 `logprobs` are log_softmax(logits / temperature) over the valid vocabulary at the sampled token,
 BEFORE the top-k/top-p/min-p cut: the policy's own distribution, which the GRPO ratio needs
@@ -41,28 +38,13 @@ temperature). Greedy decoding reports them at `temperature` too (1 for temperatu
 Randomness: each row has its own key, fold_in(fold_in(key, prompt_id), g) with prompt_id
 defaulting to the prompt's index in the batch (pass `prompt_ids` for stable ids), and every
 step folds in the step number, so a row's tokens do not depend on the other rows of its batch.
-
-Performance notes (why the code looks the way it does):
-  * The [B, V] logits are never materialised: `_vocab_scan` walks the head in chunks of
-    `vocab_chunk` columns and keeps running (max, sum-exp, best block or draw) per row, so each
-    chunk's logits stay in cache; greedy keeps only the best block of 32 columns and recomputes
-    that block's logits at the end (a max is much cheaper than an argmax on CPU).
-  * Sampling needs no per-vocabulary-entry random numbers (threefry over [B, V] costs more than
-    the whole forward on CPU): within a chunk a token is drawn by inverse CDF over two levels
-    of blocks, and across chunks by weighted reservoir sampling (replace the running pick by the
-    chunk's with probability chunk mass / mass so far). Both are exact.
-  * top-k takes the top k + 1 candidates (lax.top_k merged chunk by chunk), which decide the cut
-    exactly unless the k-th value is tied beyond them. top-p is exact by rejection: draw
-    `top_p_draws` candidates from the (top-k / min-p cut) distribution and keep the first whose
-    higher-ranked mass is < top_p; a row with none accepted (probability < (1 - top_p)^draws)
-    is redrawn (metrics['sampler/cut_extra_rounds']). A top-p step costs about two head passes,
-    with no sort of the vocabulary.
+metrics['sampler/cut_extra_rounds'] counts the steps' extra rounds of the cuts (top-p redraws,
+top-k ties; see grpo_jax.sampling).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import NamedTuple, Sequence
 
@@ -71,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from grpo_jax import sampling
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.models import qwen
 
@@ -89,368 +72,6 @@ class SampleOutput(NamedTuple):
   metrics: dict[str, float]
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-  """Static sampling settings (part of the compiled program's cache key)."""
-  greedy: bool = False
-  temperature: float = 1.0
-  top_k: int = 0  # 0: off
-  top_p: float = 1.0  # 1: off
-  min_p: float = 0.0  # 0: off
-
-  def __post_init__(self):
-    if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
-      raise ValueError(f"temperature={self.temperature!r} must be a number > 0")
-    if not (isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0):
-      raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 disables it)")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p={self.top_p!r} must be in (0, 1] (1 disables it)")
-    if not 0.0 <= self.min_p < 1.0:
-      raise ValueError(f"min_p={self.min_p!r} must be in [0, 1) (0 disables it)")
-
-  @property
-  def cuts(self) -> bool:
-    return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
-
-
-def _settings(greedy=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> SamplingParams:
-  """SamplingParams from user values; temperature 0 means greedy (log-probs at temperature 1)."""
-  for name, v in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not math.isfinite(v):
-      raise ValueError(f"{name}={v!r} must be a finite number")
-  if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
-    raise ValueError(f"top_k={top_k!r} must be an int >= 0 (0 disables it)")
-  if temperature == 0:
-    greedy, temperature = True, 1.0
-  if greedy:  # the cuts cannot change an argmax; normalised away so greedy compiles once
-    top_k, top_p, min_p = 0, 1.0, 0.0
-  return SamplingParams(bool(greedy), float(temperature), int(top_k), float(top_p),
-                        float(min_p))
-
-
-# ------------------------------------------------------------------------------------------------
-# The vocabulary head, walked in chunks.
-
-
-class _Head(NamedTuple):
-  """The [V_valid, D] head (vocabulary-major, like a tied embedding) as full chunks [n, c, D]
-  plus one narrower rest [r, D]. Chunk logits are computed vocabulary-major too, [c, B]: on
-  CPU that matmul and the reductions over c (vectorised across the batch) are ~15% faster
-  than the [B, c] layout."""
-  chunks_NcD: Array | None
-  rest_rD: Array | None
-  source_VD: Array  # the whole head, for recomputing a few rows of logits per batch row
-
-
-def _prepare_head(head_VD: Array, valid: int, chunk: int) -> _Head:
-  n = valid // chunk
-  chunks = head_VD[:n * chunk].reshape(n, chunk, head_VD.shape[1]) if n else None
-  rest = head_VD[n * chunk:valid] if valid > n * chunk else None
-  return _Head(chunks, rest, head_VD)
-
-
-def _num_chunks(valid: int, chunk: int) -> int:
-  return -(-valid // chunk)
-
-
-def head_chunk(head: _Head) -> int:
-  return head.chunks_NcD.shape[1] if head.chunks_NcD is not None else head.rest_rD.shape[0]
-
-
-def _vocab_scan(head: _Head, h_BD: Array, inv_temp: float, body, carry, per_chunk=None):
-  """carry = body(carry, logits_cB / temperature, vocab offset, per_chunk[i]) over all chunks.
-
-  `per_chunk` is a pytree with a leading axis of _num_chunks entries (e.g. random numbers).
-  """
-  n = 0 if head.chunks_NcD is None else head.chunks_NcD.shape[0]
-  chunk = 0 if head.chunks_NcD is None else head.chunks_NcD.shape[1]
-  take = lambda sl: jax.tree.map(lambda x: x[sl], per_chunk)
-
-  def logits(w_cD):
-    return jnp.einsum("cD,BD->cB", w_cD.astype(h_BD.dtype), h_BD,
-                      preferred_element_type=jnp.float32) * inv_temp
-
-  if n:
-    def step(c, xs):
-      w_cD, i, extra = xs
-      return body(c, logits(w_cD), i * chunk, extra), None
-    carry, _ = jax.lax.scan(step, carry, (head.chunks_NcD, jnp.arange(n, dtype=jnp.int32),
-                                          take(slice(0, n))))
-  if head.rest_rD is not None:
-    carry = body(carry, logits(head.rest_rD), jnp.int32(n * chunk), take(n))
-  return carry
-
-
-# ------------------------------------------------------------------------------------------------
-# Exact categorical draws without per-entry random numbers.
-
-
-def _first_true(mask: Array, fallback: Array) -> Array:
-  """Index of the first True along the last axis; where there is none, the last True of
-  `fallback`."""
-  r = mask.shape[-1]
-  first = jnp.argmax(mask, axis=-1)
-  last = r - 1 - jnp.argmax(jnp.flip(fallback, -1), axis=-1)
-  return jnp.where(jnp.any(mask, axis=-1), first, last).astype(jnp.int32)
-
-
-_ARGMAX_BLOCK = 32  # vocabulary entries per block in the greedy pass; divides every vocab_chunk
-
-
-def _block_size(width: int) -> int:
-  """A power of two near sqrt(width): both levels of `_draw` then cost about sqrt(width)²."""
-  return 1 << max(0, int(math.log2(max(width, 1))) // 2)
-
-
-def _inverse_cdf(w_BR: Array, u_BS: Array) -> Array:
-  """S indices per row, draw s with P(i) = w[i] / sum(w) (w >= 0) from uniform u[:, s] in [0, 1).
-
-  The cumulative sum is a triangular matmul (XLA's cumsum is a slow scan on CPU); an index with
-  weight 0 is never returned even where rounding makes neighbouring partial sums disagree.
-  """
-  r = w_BR.shape[-1]
-  cum_BR = jnp.einsum("BR,RQ->BQ", w_BR, jnp.triu(jnp.ones((r, r), w_BR.dtype)),
-                      precision=jax.lax.Precision.HIGHEST)
-  target_BS = u_BS * cum_BR[:, -1:]
-  positive_B1R = (w_BR > 0)[:, None, :]
-  hit_BSR = (cum_BR[:, None, :] > target_BS[..., None]) & positive_B1R
-  return _first_true(hit_BSR, jnp.broadcast_to(positive_B1R, hit_BSR.shape))
-
-
-def _draw(e_cB: Array, u_BS2: Array) -> Array:
-  """[B, S] indices drawn with P ∝ e over c: a block of ~sqrt(c) entries, then one inside it."""
-  c, b = e_cB.shape
-  s = u_BS2.shape[1]
-  r = _block_size(c)
-  blocks_NRB = jnp.pad(e_cB, ((0, -c % r), (0, 0))).reshape(-1, r, b)
-  blk_BS = _inverse_cdf(blocks_NRB.sum(1).T, u_BS2[..., 0])
-  inner_BSR = blocks_NRB[blk_BS, :, jnp.arange(b)[:, None]]
-  inner_BS = _inverse_cdf(inner_BSR.reshape(b * s, r), u_BS2[..., 1].reshape(b * s, 1))
-  return blk_BS * r + inner_BS.reshape(b, s)
-
-
-# ------------------------------------------------------------------------------------------------
-# Streaming passes over the vocabulary. Each returns per-row results; logits are temperature-scaled
-# and arrive vocabulary-major, [c, B].
-
-
-def _online_lse(m, s, l_cB, cm=None):
-  """Running (max, sum exp(l - max)) updated with one chunk; also the chunk's max."""
-  cm = jnp.max(l_cB, 0) if cm is None else cm
-  nm = jnp.maximum(m, cm)
-  s = s * jnp.exp(m - nm) + jnp.sum(jnp.exp(l_cB - cm[None, :]), 0) * jnp.exp(cm - nm)
-  return nm, s, cm
-
-
-def _greedy_pass(head, h_BD, inv_temp, valid, argmax=True):
-  """(argmax token or None, its logit = the max, logsumexp) per row.
-
-  The argmax is found in two steps: the pass keeps only the best block of `_ARGMAX_BLOCK`
-  entries (a plain max reduction, much cheaper on CPU than a value-and-index reduction over
-  every entry), then that block's logits are recomputed per row and searched.
-  """
-  r = _ARGMAX_BLOCK
-
-  def body(c, l_cB, off, _):
-    m, s, blk = c
-    if not argmax:
-      return _online_lse(m, s, l_cB)[:2] + (blk,)
-    w, b = l_cB.shape
-    blocks_KB = jnp.pad(l_cB, ((0, -w % r), (0, 0)), constant_values=-jnp.inf).reshape(
-        -1, r, b).max(1)
-    cb = jnp.argmax(blocks_KB, 0).astype(jnp.int32)
-    nm, s, cm = _online_lse(m, s, l_cB, jnp.max(blocks_KB, 0))
-    # Strict '>' keeps the earliest block on ties, as argmax over the whole row would.
-    return nm, s, jnp.where(cm > m, off // r + cb, blk)
-  b = h_BD.shape[0]
-  init = (jnp.full((b,), -jnp.inf), jnp.zeros((b,)), jnp.zeros((b,), jnp.int32))
-  m, s, blk = _vocab_scan(head, h_BD, inv_temp, body, init)
-  if not argmax:
-    return None, m, m + jnp.log(s)
-  rows_BR = blk[:, None] * r + jnp.arange(r)
-  w_BRD = head.source_VD[jnp.minimum(rows_BR, valid - 1)]
-  l_BR = jnp.einsum("BRD,BD->BR", w_BRD.astype(h_BD.dtype), h_BD,
-                    preferred_element_type=jnp.float32) * inv_temp
-  l_BR = jnp.where(rows_BR < valid, l_BR, -jnp.inf)
-  return blk * r + jnp.argmax(l_BR, -1).astype(jnp.int32), m, m + jnp.log(s)
-
-
-def _reservoir_pass(head, h_BD, inv_temp, u_NBS3, tau_B=None):
-  """S independent draws per row ∝ exp(logits) over {logits >= tau} (all when tau is None).
-
-  Within a chunk `_draw` picks a candidate; across chunks the running pick is replaced by the
-  chunk's with probability (chunk mass) / (mass so far), so chunk c wins with probability
-  mass_c / total: exact. Returns (tokens [B, S], their logits, max and sum exp(l - max) of the
-  kept set).
-  """
-  def body(c, l_cB, off, u_BS3):
-    m, s, tok, tok_logit = c
-    if tau_B is not None:
-      l_cB = jnp.where(l_cB >= tau_B[None, :], l_cB, -jnp.inf)
-    cm = jnp.max(l_cB, 0)
-    cm_safe = jnp.where(jnp.isfinite(cm), cm, 0.0)  # a chunk may be entirely cut
-    e_cB = jnp.exp(l_cB - cm_safe[None, :])
-    nm = jnp.maximum(m, cm)
-    nm_safe = jnp.where(jnp.isfinite(nm), nm, 0.0)
-    w = jnp.sum(e_cB, 0) * jnp.exp(cm_safe - nm_safe) * jnp.isfinite(cm)
-    s = s * jnp.exp(m - nm_safe) + w
-    take_BS = (w > 0)[:, None] & (u_BS3[..., 0] * s[:, None] < w[:, None])
-    idx_BS = _draw(e_cB, u_BS3[..., 1:])
-    picked_BS = jnp.take_along_axis(l_cB, idx_BS.T, 0).T
-    return (nm, s, jnp.where(take_BS, off + idx_BS, tok), jnp.where(take_BS, picked_BS, tok_logit))
-  b, n_draws = h_BD.shape[0], u_NBS3.shape[2]
-  init = (jnp.full((b,), -jnp.inf), jnp.zeros((b,)), jnp.zeros((b, n_draws), jnp.int32),
-          jnp.zeros((b, n_draws)))
-  m, s, tok, tok_logit = _vocab_scan(head, h_BD, inv_temp, body, init, u_NBS3)
-  return tok, tok_logit, m, s
-
-
-def _candidates_pass(head, h_BD, inv_temp, k):
-  """(max, logsumexp, top-k logits [B, k] descending, their ids) per row."""
-  def body(c, l_cB, off, _):
-    m, s, vals, ids = c
-    nm, s, _ = _online_lse(m, s, l_cB)
-    cv, ci = jax.lax.top_k(l_cB.T, min(k, l_cB.shape[0]))
-    vals, pos = jax.lax.top_k(jnp.concatenate([vals, cv], 1), k)
-    ids = jnp.take_along_axis(jnp.concatenate([ids, off + ci.astype(jnp.int32)], 1), pos, 1)
-    return nm, s, vals, ids
-  b = h_BD.shape[0]
-  init = (jnp.full((b,), -jnp.inf), jnp.zeros((b,)), jnp.full((b, k), -jnp.inf),
-          jnp.zeros((b, k), jnp.int32))
-  m, s, vals, ids = _vocab_scan(head, h_BD, inv_temp, body, init)
-  return m, m + jnp.log(s), vals, ids
-
-
-def _mass_above_pass(head, h_BD, inv_temp, v_BS, tau_B, ref_B):
-  """[B, S]: sum of exp(l - ref) over logits l > v[:, s] with l >= tau (the mass ranked above)."""
-  def body(acc, l_cB, off, _):
-    e_cB = jnp.where(l_cB >= tau_B[None, :], jnp.exp(l_cB - ref_B[None, :]), 0.0)
-    above_cBS = l_cB[:, :, None] > v_BS[None, :, :]
-    return acc + jnp.sum(jnp.where(above_cBS, e_cB[:, :, None], 0.0), 0)
-  return _vocab_scan(head, h_BD, inv_temp, body, jnp.zeros(v_BS.shape))
-
-
-# ------------------------------------------------------------------------------------------------
-# One token per row.
-
-
-def _cut_threshold(sp: SamplingParams, m_B, lse_B, vals_BK, valid: int):
-  """From the top-K candidates (K = top_k + 1): (threshold tau, top-k floor, covered) per row.
-
-  covered: every token with logit >= tau is among the candidates and tau is exact, so the draw
-  can be made among them (false only when the k-th value is tied beyond the candidates).
-  """
-  b, k = vals_BK.shape
-  all_in = k >= valid  # the candidates are the whole vocabulary
-  tau_k = vals_BK[:, sp.top_k - 1] if sp.top_k < valid else jnp.full((b,), -jnp.inf)
-  covered = jnp.ones((b,), bool) if all_in else vals_BK[:, -1] < tau_k
-  tau = tau_k
-  if sp.top_p < 1.0:
-    p_BK = jnp.exp(vals_BK - m_B[:, None]) * (vals_BK >= tau_k[:, None])
-    reach_BK = jnp.cumsum(p_BK, -1) >= sp.top_p * jnp.sum(p_BK, -1, keepdims=True)
-    tau = jnp.maximum(tau, jnp.take_along_axis(vals_BK, jnp.argmax(reach_BK, -1)[:, None], 1)[:, 0])
-  if sp.min_p > 0.0:
-    tau = jnp.maximum(tau, m_B + math.log(sp.min_p))
-  return tau, tau_k, covered
-
-
-def _nucleus_draw(sp: SamplingParams, head, h_BD, inv_temp, uniforms, num_draws, tau_B=None):
-  """A draw from the distribution cut at tau (None: no cut) and then at top_p, exactly.
-
-  top-p by rejection: draw S candidates from the cut distribution and keep the first whose
-  higher-ranked mass is < top_p of the total; conditioned on acceptance a draw follows the
-  nucleus distribution exactly. Each candidate is accepted with probability >= top_p, so one
-  round (two head passes) almost always settles every row; rows that do not are redrawn.
-  Returns (token, logit, logsumexp of the kept set, extra rounds).
-  """
-  n = uniforms.num_chunks
-  s = num_draws if sp.top_p < 1.0 else 1
-
-  def draw(round_):
-    u_NBS3 = uniforms(round_, (n, s, 3)).transpose(1, 0, 2, 3)
-    return _reservoir_pass(head, h_BD, inv_temp, u_NBS3, tau_B)
-
-  tok_BS, logit_BS, m, z = draw(1)
-  lse = m + jnp.log(z)
-  if sp.top_p == 1.0:
-    return tok_BS[:, 0], logit_BS[:, 0], lse, jnp.int32(0)
-  floor = jnp.full(m.shape, -jnp.inf) if tau_B is None else tau_B
-
-  def judge(tok_BS, logit_BS):
-    ok_BS = _mass_above_pass(head, h_BD, inv_temp, logit_BS, floor, m) < sp.top_p * z[:, None]
-    j = _first_true(ok_BS, ok_BS)[:, None]
-    return (jnp.take_along_axis(tok_BS, j, 1)[:, 0], jnp.take_along_axis(logit_BS, j, 1)[:, 0],
-            jnp.any(ok_BS, -1))
-
-  tok, logit, ok = judge(tok_BS, logit_BS)
-
-  def redraw(c):
-    round_, tok, logit, ok = c
-    t, l, o = judge(*draw(round_ + 2)[:2])
-    new = ~ok & o  # rows settled earlier keep their token
-    return round_ + 1, jnp.where(new, t, tok), jnp.where(new, l, logit), ok | o
-  # The cap is never reached in practice: a row fails a round with probability < (1-top_p)^S.
-  rounds, tok, logit, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[3]) & (c[0] < 64), redraw,
-                                             (jnp.int32(0), tok, logit, ok))
-  return tok, logit, lse, rounds
-
-
-class _Uniforms:
-  """Per-row uniforms: round r of a step gets uniform(fold_in(row step key, r), shape)."""
-
-  def __init__(self, keys_B, num_chunks):
-    self.keys_B, self.num_chunks = keys_B, num_chunks
-
-  def __call__(self, round_, shape):
-    return jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, round_), shape))(self.keys_B)
-
-
-def _next_token(sp: SamplingParams, head: _Head, h_BD, keys_B, valid: int, num_draws: int):
-  """One token per row from hidden states h_BD and per-row step keys.
-
-  Returns (token, log-prob before the cuts, extra rounds: top-p redraws, or 1 where a tie at
-  the k-th value sent top-k down the streaming path).
-  """
-  inv_temp = 1.0 / sp.temperature
-  if sp.greedy:
-    tok, logit, lse = _greedy_pass(head, h_BD, inv_temp, valid)
-    return tok, logit - lse, jnp.int32(0)
-  uniforms = _Uniforms(keys_B, _num_chunks(valid, head_chunk(head)))
-  if not sp.cuts:
-    tok, logit, lse, _ = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms, 1)
-    return tok, logit - lse, jnp.int32(0)
-  min_p_cut = (lambda m: m + math.log(sp.min_p)) if sp.min_p > 0.0 else (lambda m: -jnp.inf)
-
-  if not 0 < sp.top_k < valid:  # top-p and/or min-p only
-    lse, tau = None, None
-    if sp.min_p > 0.0:
-      _, m, lse = _greedy_pass(head, h_BD, inv_temp, valid, argmax=False)
-      tau = min_p_cut(m)
-    tok, logit, kept_lse, rounds = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms, num_draws,
-                                                 tau)
-    return tok, logit - (kept_lse if lse is None else lse), rounds
-
-  # top-k: the k + 1 best candidates decide everything unless the k-th value is tied beyond them.
-  m, lse, vals, ids = _candidates_pass(head, h_BD, inv_temp, sp.top_k + 1)
-  tau, tau_k, covered = _cut_threshold(sp, m, lse, vals, valid)
-  pick = _inverse_cdf(jnp.exp(vals - m[:, None]) * (vals >= tau[:, None]), uniforms(0, (1,)))
-  tok = jnp.take_along_axis(ids, pick, 1)[:, 0]
-  logit = jnp.take_along_axis(vals, pick, 1)[:, 0]
-
-  def exact(_):
-    floor = jnp.maximum(tau_k, min_p_cut(m))
-    t, l, _, rounds = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms, num_draws, floor)
-    return t, l, rounds + 1
-  f_tok, f_logit, extra = jax.lax.cond(jnp.all(covered), lambda _: (tok, logit, jnp.int32(0)),
-                                       exact, None)
-  # Per-row choice: a covered row's draw never depends on whether another row was tied.
-  return jnp.where(covered, tok, f_tok), jnp.where(covered, logit, f_logit) - lse, extra
-
-
-# ------------------------------------------------------------------------------------------------
-# The sampler.
-
-
 class Sampler:
   """Built once per model; each call compiles once per (B, bucket, G, sampling settings).
 
@@ -459,14 +80,14 @@ class Sampler:
     max_new_tokens: C, the fixed completion length budget.
     stop_ids: token ids that end a completion (kept in the output, counted in `lengths`).
     buckets: prompt lengths P the batch is left-padded to (the smallest that fits is used).
-    greedy, temperature, top_k, top_p, min_p: default sampling settings (module docstring);
+    greedy, temperature, top_k, top_p, min_p: default sampling settings (grpo_jax.sampling);
       each call may override them. temperature=0 means greedy (log-probs then at temperature 1).
     valid_vocab_size: ids >= this are never sampled (default: the whole embedding).
     pad_id: written after a row's stop token and used to left-pad prompts.
     mesh: a (data, fsdp, tensor) mesh; the batch is split over data × fsdp.
     dtype: compute dtype when `model` is a config (default fp32).
     vocab_chunk: columns of the head processed at a time (keeps one chunk's logits in cache).
-    top_p_draws: candidates drawn per row and step for top-p's rejection step (module doc).
+    top_p_draws: candidates drawn per row and step for top-p's rejection step (grpo_jax.sampling).
   """
 
   def __init__(self, model: qwen.Qwen | qwen.QwenConfig, *, max_new_tokens: int,
@@ -498,11 +119,12 @@ class Sampler:
       raise ValueError(f"stop_ids {bad} are outside the vocabulary [0, {cfg.vocab_size})")
     if not 0 <= pad_id < cfg.vocab_size:
       raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {cfg.vocab_size})")
-    if vocab_chunk < 1 or vocab_chunk % _ARGMAX_BLOCK:
-      raise ValueError(f"vocab_chunk={vocab_chunk} must be a positive multiple of {_ARGMAX_BLOCK}")
+    block = sampling.ARGMAX_BLOCK
+    if vocab_chunk < 1 or vocab_chunk % block:
+      raise ValueError(f"vocab_chunk={vocab_chunk} must be a positive multiple of {block}")
     if top_p_draws < 1:
       raise ValueError(f"top_p_draws={top_p_draws} must be >= 1")
-    self.defaults = _settings(greedy, temperature, top_k, top_p, min_p)
+    self.defaults = sampling.parse_settings(greedy, temperature, top_k, top_p, min_p)
     self.max_new_tokens, self.stop_ids, self.buckets = int(max_new_tokens), stop_ids, buckets
     self.valid, self.pad_id, self.mesh = valid, int(pad_id), mesh
     self.vocab_chunk = min(int(vocab_chunk), valid)
@@ -539,7 +161,7 @@ class Sampler:
         "prompt_len": tile(jnp.sum(mask_BP, 1, dtype=jnp.int32)),
     }
 
-  def _decode_impl(self, params, cache, state, rng, row_ids_R2, sp: SamplingParams):
+  def _decode_impl(self, params, cache, state, rng, row_ids_R2, sp: sampling.SamplingParams):
     """A while_loop: sample a token per row from the last hidden state, feed it, repeat."""
     c, cfg = self.max_new_tokens, self.cfg
     r = state["hidden"].shape[0]
@@ -547,12 +169,12 @@ class Sampler:
     keys_R = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(rng, i[0]), i[1]))(
         row_ids_R2)
     # qwen.head_kernel is [D, V]; for a tied model its .T is the embedding itself, no copy.
-    head = _prepare_head(qwen.head_kernel(params, cfg).T, self.valid, self.vocab_chunk)
+    head = sampling.prepare_head(qwen.head_kernel(params, cfg).T, self.valid, self.vocab_chunk)
     stop = jnp.asarray(self.stop_ids or (-1,), jnp.int32)
 
     def next_token(h_RD, step):
       step_keys_R = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys_R)
-      return _next_token(sp, head, h_RD, step_keys_R, self.valid, self.top_p_draws)
+      return sampling.next_token(sp, head, h_RD, step_keys_R, self.valid, self.top_p_draws)
 
     # One sampling site in the program (half the compile time of sampling token 0 separately):
     # each step samples from the carried hidden state, then runs the forward for the next step.
@@ -646,7 +268,7 @@ class Sampler:
     unknown = set(settings) - {"greedy", "temperature", "top_k", "top_p", "min_p"}
     if unknown:
       raise TypeError(f"unknown sampling settings {sorted(unknown)}")
-    sp = _settings(**{**dataclasses.asdict(self.defaults), **settings})
+    sp = sampling.parse_settings(**{**dataclasses.asdict(self.defaults), **settings})
     if key is None:
       if not sp.greedy:
         raise ValueError("key is required unless sampling greedily")

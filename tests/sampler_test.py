@@ -6,14 +6,13 @@ tiny vocabulary whose head is scaled so that temperature and the cuts change the
 lot. Compilations are counted with jax.monitoring.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
+import chi2
 import fixtures
 from grpo_jax import sampler as sampler_lib
 from grpo_jax import sharding
@@ -182,26 +181,6 @@ def _kept_probs(logits_V, temperature, top_k=0, top_p=1.0, min_p=0.0, slack=0.0)
   return q / q.sum()
 
 
-def _chi2_critical(df, z=3.719):
-  """Wilson-Hilferty chi-square quantile; z = 3.719 is the normal quantile of p = 1e-4."""
-  a = 2.0 / (9.0 * df)
-  return df * (1.0 - a + z * math.sqrt(a)) ** 3
-
-
-def _chi2_rejects(counts, probs):
-  """Pearson chi-square at p = 1e-4, bins with expectation < 5 merged into one."""
-  n = counts.sum()
-  expected = probs * n
-  if (counts[probs == 0] > 0).any():
-    return True
-  big = expected >= 5
-  obs = np.append(counts[big], counts[~big].sum())
-  exp = np.append(expected[big], expected[~big].sum())
-  obs, exp = obs[exp > 0], exp[exp > 0]
-  stat = ((obs - exp) ** 2 / exp).sum()
-  return stat > _chi2_critical(len(obs) - 1)
-
-
 @pytest.fixture(scope="module")
 def peaked(checkpoints):
   """Qwen3 with its head scaled ×15: logits spread over several units, so cuts bite."""
@@ -265,11 +244,11 @@ def test_sampling_supports_fit_and_logprobs(peaked, name):
     if cuts:  # exact support: every kept token is likely enough to be seen
       assert (q[q > 0] * DRAWS).min() > 10 and seen == kept, (seen, kept)
       assert len(kept) < VALID / 2  # the cut is not vacuous
-    assert not _chi2_rejects(counts, q)
+    assert not chi2.rejects(counts, q)
     # Power: the same draws reject the distribution a wrong setting would give.
     wrong = (_kept_probs(logits[b * DRAWS, 0], 1.0) if name == "temperature" else
              _kept_probs(logits[b * DRAWS, 0], temperature))
-    assert _chi2_rejects(counts, wrong)
+    assert chi2.rejects(counts, wrong)
 
 
 def test_same_key_same_output_and_rows_independent_of_batch(peaked):
