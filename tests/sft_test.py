@@ -1,12 +1,13 @@
 """The supervised warm start: batch layout and loss against transformers' cross-entropy."""
 
+import jax
 import numpy as np
-import optax
+import pytest
 import torch
 
 import fixtures
-from grpo_jax import sft
-from grpo_jax.models import qwen, weights
+from grpo_jax import grpo, sft, sharding, train_step
+from grpo_jax.models import weights
 
 
 def test_reference_completion_strips_calculator_annotations():
@@ -15,31 +16,45 @@ def test_reference_completion_strips_calculator_annotations():
 
 
 def test_batch_layout():
-  tokens, mask, loss_mask = sft.sft_batch([[5, 6], [7]], [[8, 9], [3, 4, 2]], 6, pad_id=0)
-  np.testing.assert_array_equal(tokens, [[0, 0, 5, 6, 8, 9], [0, 0, 7, 3, 4, 2]])
-  np.testing.assert_array_equal(mask, [[0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
-  np.testing.assert_array_equal(loss_mask, [[0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1]])
+  """The train step's layout: prompts left-padded to a bucket, completions right-padded to the
+  longest rounded up to the multiple."""
+  batch = sft.sft_batch([[5, 6], [7]], [[8, 9], [3, 4, 2]], pad_id=0, buckets=(3, 4), multiple=2,
+                        max_completion=8)
+  np.testing.assert_array_equal(batch["tokens_BS"], [[0, 5, 6, 8, 9, 0, 0], [0, 0, 7, 3, 4, 2, 0]])
+  np.testing.assert_array_equal(batch["attn_mask_BS"],
+                                [[0, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 0]])
+  np.testing.assert_array_equal(batch["completion_mask_BC"], [[1, 1, 0, 0], [1, 1, 1, 0]])
+  with pytest.raises(ValueError, match="max_new_tokens=2"):
+    sft.sft_batch([[5]], [[8, 9, 1]], pad_id=0, buckets=(3,), multiple=2, max_completion=2)
 
 
 def test_sft_loss_equals_transformers_cross_entropy(tmp_path):
+  """The warm start is the shared train step with objective='sft': its loss and gradient equal
+  transformers' cross-entropy of the completion tokens."""
   path = fixtures.make_checkpoint(tmp_path, "qwen2_untied", 128)
   params, cfg = weights.load_checkpoint(path)
   prompts, completions = [[5, 6, 7], [9]], [[10, 11], [12, 13, 14, 15]]
-  tokens, mask, loss_mask = sft.sft_batch(prompts, completions, 8, pad_id=0)
-  # Plain SGD with lr 1 makes the update equal to minus the gradient, so the step's loss output
-  # can be checked and the update compared with torch's gradient.
-  step = sft.make_sft_step(qwen.Qwen(cfg), cfg, optax.sgd(1.0))
-  new_params, _, loss = step(params, optax.sgd(1.0).init(params), tokens, mask, loss_mask)
+  batch = sft.sft_batch(prompts, completions, pad_id=0, buckets=(3,), multiple=1,
+                        max_completion=4)
+  # max_grad_norm=0: AdamW's first moment after one step is (1 − b1)·grad, read back below.
+  optim = train_step.default_optim_config()
+  optim.update(lr=1e-3, max_grad_norm=0.0, compute_dtype="float32", grad_accum_steps=1)
+  mesh = sharding.make_mesh((1, 1, 1))
+  step = train_step.TrainStep(cfg, grpo.default_loss_config(), optim, mesh, objective="sft")
+  state, metrics, _ = step(train_step.create_train_state(params, cfg, optim, mesh), batch)
 
+  tokens = batch["tokens_BS"]
   model = fixtures.hf_model(path)
   logits = model(input_ids=torch.tensor(tokens, dtype=torch.long),
-                 attention_mask=torch.tensor(mask)).logits
+                 attention_mask=torch.tensor(batch["attn_mask_BS"])).logits
   logp = torch.log_softmax(logits[:, :-1], -1).gather(
       -1, torch.tensor(tokens[:, 1:], dtype=torch.long)[..., None])[..., 0]
-  w = torch.tensor(loss_mask[:, 1:], dtype=torch.float32)
+  w = torch.zeros(logp.shape)
+  w[:, -4:] = torch.tensor(batch["completion_mask_BC"], dtype=torch.float32)
   ref_loss = -(logp * w).sum() / w.sum()
-  np.testing.assert_allclose(float(loss), ref_loss.item(), rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["loss"]), ref_loss.item(), rtol=1e-5)
   ref_loss.backward()
   grad = model.model.embed_tokens.weight.grad.numpy()
-  update = np.asarray(params["embed_tokens"]["embedding"] - new_params["embed_tokens"]["embedding"])
-  np.testing.assert_allclose(update, grad, atol=1e-6)
+  mu = [s.mu for s in jax.tree.leaves(state["opt_state"], is_leaf=lambda s: hasattr(s, "mu"))
+        if hasattr(s, "mu")][0]
+  np.testing.assert_allclose(np.asarray(mu["embed_tokens"]["embedding"]) / 0.1, grad, atol=1e-6)

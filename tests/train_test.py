@@ -19,8 +19,8 @@ from safetensors.numpy import load_file
 import cli
 import fixtures
 from configs import gsm8k
-from grpo_jax import (data, logging_io, plots, sampler as sampler_lib, tokenizer as tokenizer_lib,
-                      train)
+from grpo_jax import (data, logging_io, plots, rollout, sampler as sampler_lib, sft,
+                      tokenizer as tokenizer_lib, train)
 from grpo_jax.models import qwen, weights
 from grpo_jax.rewards import Reward
 
@@ -227,11 +227,11 @@ def test_warm_start_stops_at_the_first_check_reaching_its_target(tmp_path, monke
   config.sft.update(steps=40, eval_every=10, target_accuracy=0.3, eval_examples=32, batch_size=8)
   config.train.update(steps=0, eval_examples=8, eval_batch_size=8, tensorboard=False)
   validation, trained = [], set()
-  real_evaluate, real_reference = train.evaluate, train.sft.reference_completion
+  real_evaluate, real_reference = rollout.evaluate, sft.reference_completion
 
-  def scripted_evaluate(config, trainer, params, tokenizer, rows):
+  def scripted_evaluate(config, sampler, tokenizer, params, rows, reward=None):
     if len(rows) != 32:  # the held-out eval at GRPO step 0: really measured
-      return real_evaluate(config, trainer, params, tokenizer, rows)
+      return real_evaluate(config, sampler, tokenizer, params, rows, reward)
     validation.append([r["answer"] for r in rows])
     return (0.1, 0.25, 0.31, 0.9)[len(validation) - 1]
 
@@ -239,8 +239,8 @@ def test_warm_start_stops_at_the_first_check_reaching_its_target(tmp_path, monke
     trained.add(answer)
     return real_reference(answer)
 
-  monkeypatch.setattr(train, "evaluate", scripted_evaluate)
-  monkeypatch.setattr(train.sft, "reference_completion", recording_reference)
+  monkeypatch.setattr(rollout, "evaluate", scripted_evaluate)
+  monkeypatch.setattr(sft, "reference_completion", recording_reference)
   train.run(config, str(tmp_path))
   out = capsys.readouterr().out
   assert "warm start reached 31.0% on 32 validation problems (target 30%) after 30 steps" in out

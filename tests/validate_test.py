@@ -39,15 +39,16 @@ def test_bad_settings_are_named(field, value, message):
     validate.validate(config, num_devices=8)
 
 
-def test_loss_temperature_follows_sampling_and_a_mismatch_is_caught():
+def test_settings_have_one_home_and_the_cosine_schedule_counts_mu():
+  """No loss field shadows a sampling or model one; optim.total_steps counts optimizer updates."""
   config = gsm8k.get_config("tiny")
-  config.sampling.temperature = 0.7  # an override moves both: loss.temperature is a reference
-  assert config.loss.temperature == 0.7
-  validate.validate(config, num_devices=1)
-  config.loss = config.loss.copy_and_resolve_references()  # cut the link, then break it
-  config.loss.temperature = 1.0
-  with pytest.raises(validate.ConfigError, match="config.loss.temperature: 1.0 differs"):
+  assert "temperature" not in config.loss and "valid_vocab_size" not in config.loss
+  config.loss.num_iterations = 2
+  config.optim.update(schedule="cosine", total_steps=config.train.steps)
+  with pytest.raises(validate.ConfigError, match="800 optimizer updates"):
     validate.validate(config, num_devices=1)
+  config.optim.total_steps = 2 * config.train.steps
+  validate.validate(config, num_devices=1)
 
 
 def test_unknown_preset():
