@@ -47,8 +47,9 @@ Phases (each side's own clocks; medians over the measured steps):
              copy to host. TRL: _generate = chat template + tokenize, transformers generate,
              EOS masking, batch_decode.
   reward     grpo_jax: time/reward_s = batch_decode + math_accuracy. TRL: _calculate_rewards.
-  reference  grpo_jax: time/reference_s if the step reports it, else the Trainer's reference
-             log-prob call (Trainer.logprob_fn) timed to completion. TRL:
+  reference  grpo_jax: the reference forward runs inside the step's one compiled program, so
+             the same forward (train_step.make_logprob_fn, reference params, the step's batch)
+             is timed alone after each step, outside the step's time. TRL:
              _get_per_token_logps_and_entropies called under no_grad (only the reference model
              here: with μ = 1 TRL computes no old log-probs). Both run the LM head on CPU, but
              TRL's fused head scores every position, prompt included (it keeps only the
@@ -146,6 +147,8 @@ def parse_args(argv=None):
                  help="A/B alternations (default: 2 small, 1 large, 2 small_vocab)")
   p.add_argument("--forced_length", action="store_true",
                  help="also run every size with no stop tokens (exactly C tokens per row)")
+  p.add_argument("--sides", default=",".join(SIDES),
+                 help="comma-separated sides to run (a one-sided run prints no speedup)")
   p.add_argument("--smoke", action="store_true",
                  help="2 layers x 64, 16 new tokens, 1 warm-up + 1 measured step, 1 round")
   # Internal: one (side, size) in this process; prints one RESULT line.
@@ -223,6 +226,7 @@ class _Spy:
       self.first = jax.tree.map(
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
           if isinstance(x, jax.Array) else x, args)
+    self.last = args
     t = time.perf_counter()
     out = self.fn(*args)
     if self.block:
@@ -243,12 +247,17 @@ def _xla_flops(compiled) -> float:
 def run_grpo_jax(spec: dict, forced: bool, cost: bool, out: dict) -> None:
   """grpo_jax's own training-loop code, configured from configs/gsm8k.py. Kept in one place:
   only Trainer(...), init_state and grpo_step(...) -> (state, metrics, samples) are relied on;
-  the spies on step_fn / logprob_fn are optional extras (timing, cost_analysis)."""
+  the spy on step_fn keeps the step's batch for the phase split and cost_analysis.
+
+  The reference forward runs inside the step's one compiled program, so its share is measured
+  beside it: after each step the same forward (train_step.make_logprob_fn on the reference
+  params, the step's batch) is timed on its own, outside the step's time, and subtracted from
+  time/train_s to give the update's share."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   from configs import gsm8k
-  from grpo_jax import sharding, tokenizer as tokenizer_lib, train, validate
+  from grpo_jax import sharding, tokenizer as tokenizer_lib, train, train_step, validate
   from grpo_jax.models import weights
   from grpo_jax.rewards import build_rewards
 
@@ -276,41 +285,41 @@ def run_grpo_jax(spec: dict, forced: bool, cost: bool, out: dict) -> None:
   params, cfg = weights.load_checkpoint(spec["model"], param_dtype=jnp.float32, mesh=mesh)
   rewards = build_rewards(c.rewards)
   trainer = train.Trainer(c, cfg, mesh, tokenizer, stop_ids)
-  spies = {}
-  for name in ("step_fn", "logprob_fn"):
-    if callable(getattr(trainer, name, None)):
-      spies[name] = _Spy(getattr(trainer, name), block=name == "logprob_fn")
-      setattr(trainer, name, spies[name])
+  spies = {"step_fn": _Spy(trainer.step_fn)}
+  trainer.step_fn = spies["step_fn"]
   state = jax.block_until_ready(trainer.init_state(params))
   ref_params = params
+  logprob_fn = train_step.make_logprob_fn(
+      cfg, trainer.optim, mesh, temperature=c.sampling.temperature,
+      valid_vocab_size=tokenizer_lib.valid_vocab_size(tokenizer))
   out["setup_s"] = time.perf_counter() - out["t_start"]
+
+  def reference_inputs(batch):
+    b = jax.device_get(batch)
+    C = b["completion_BC"].shape[1]
+    cmask = (np.arange(C)[None, :] < b["lengths_B"][:, None]).astype(np.int32)
+    return (np.concatenate([b["prompt_BP"], b["completion_BC"]], 1),
+            np.concatenate([b["prompt_mask_BP"], cmask], 1).astype(np.int32), C)
+
+  def reference_seconds(batch):
+    """The reference forward alone on the step's batch (compiled first, then timed)."""
+    args = (ref_params,) + reference_inputs(batch)
+    jax.block_until_ready(logprob_fn(*args))
+    t = time.perf_counter()
+    jax.block_until_ready(logprob_fn(*args))
+    return time.perf_counter() - t
 
   rows = spec["rows"]
   for step in range(spec["num_steps"]):
     batch = iter([rows[step * NUM_PROMPTS:(step + 1) * NUM_PROMPTS]])
-    ref_spy = spies.get("logprob_fn")
-    if ref_spy is not None:
-      ref_spy.seconds = 0.0
     t0 = time.perf_counter()
     state, m, _ = trainer.grpo_step(state, ref_params, lambda: next(batch), rewards, step)
     jax.block_until_ready(state)
     step_s = time.perf_counter() - t0
     sample_s, reward_s = m.get("time/sample_s"), m.get("time/reward_s")
-    train_s, ref_s = m.get("time/train_s"), m.get("time/reference_s")
-    if ref_s is None:
-      ref_inside = True  # today's loop: the reference forward runs inside time/train_s
-      if ref_spy is not None and ref_spy.block:
-        ref_s = ref_spy.seconds
-    else:
-      if ref_spy is not None:
-        ref_spy.block = False  # the step times it itself: stop serialising the call
-      # The step's own key may sit inside time/train_s or beside it: inside if the keys
-      # together would exceed the step.
-      ref_inside = train_s is not None and (
-          (sample_s or 0) + (reward_s or 0) + train_s + ref_s > 1.01 * step_s)
-    update_s = train_s
-    if train_s is not None and ref_s is not None and ref_inside:
-      update_s = train_s - ref_s
+    train_s = m.get("time/train_s")
+    ref_s = reference_seconds(spies["step_fn"].last[1])  # inside time/train_s
+    update_s = train_s - ref_s
     rec = {"step_s": step_s, "sample_s": sample_s, "reward_s": reward_s,
            "reference_s": ref_s, "update_s": update_s,
            "mean_length": m.get("completion/mean_length"),
@@ -336,12 +345,14 @@ def run_grpo_jax(spec: dict, forced: bool, cost: bool, out: dict) -> None:
   if cost:  # XLA's own FLOP count of the compiled train step and reference forward
     xla = {}
     try:
-      st, batch = spies["step_fn"].first
-      xla["train_step"] = _xla_flops(trainer.step_fn.jitted(batch).lower(st, batch).compile())
+      st, batch, ref = spies["step_fn"].first
+      xla["train_step"] = _xla_flops(trainer.step_fn.jitted(batch, True).lower(
+          st, ref, batch).compile())
     except Exception as e:  # noqa: BLE001 - internals may change; the check is optional
       xla["train_step_error"] = f"{type(e).__name__}: {e}"[:200]
     try:
-      xla["reference"] = _xla_flops(trainer.logprob_fn.lower(*spies["logprob_fn"].first).compile())
+      tokens, attn, C = reference_inputs(spies["step_fn"].last[1])
+      xla["reference"] = _xla_flops(logprob_fn.lower(ref_params, tokens, attn, C).compile())
     except Exception as e:  # noqa: BLE001
       xla["reference_error"] = f"{type(e).__name__}: {e}"[:200]
     out["xla_flops"] = xla
@@ -585,8 +596,7 @@ def report(label, spec, runs, args, peak_gflops) -> float | None:
   if gj_runs:
     keys = gj_runs[0].get("time_keys", [])
     print(f"  grpo_jax step time metrics: {keys}"
-          + ("" if "time/reference_s" in keys else
-             "; reference timed around Trainer.logprob_fn (no time/reference_s)"))
+          + "; reference: the same forward timed alone beside the step")
   compacts = next((r["head_compacts"] for r in runs["trl"] if "head_compacts" in r), None)
   if compacts is False:
     print(f"  TRL's fused LM head (no Triton on CPU) scores every one of the ~P + C - 1 "
@@ -676,7 +686,7 @@ def main():
     def one_round(key, r):
       size, variant = key
       for side in SIDES:
-        if (side, size) in failed:
+        if (side, size) in failed or side not in args.sides.split(","):
           continue
         label = f"round{r + 1}_{size}_{variant}_{side}"
         res = spawn(side, size, tmp, args, label, forced=variant == "forced_length",

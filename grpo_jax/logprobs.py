@@ -16,8 +16,9 @@ into a running (max, sum exp, sum exp·l) per token and dropped. The target logi
 product with the gathered head row. The backward (a custom VJP) recomputes each block from the
 saved logsumexp: d l = g (onehot - softmax) / temperature, so
   d hidden += d l @ head_c,   d head_c += d l^T @ hidden,
-one block at a time; the one-hot part is a gather and a scatter-add of N rows. The whole pass
-costs four matmuls with the head (one forward, three backward) and the traffic of the blocks.
+one block at a time (the one-hot enters each block by a compare of ids, so there is no scatter
+into the [V, D] gradient). The whole pass costs four matmuls with the head (one forward, three
+backward) and the traffic of the blocks.
 The entropy is a metric: it carries no gradient.
 
 Inputs may be bf16 (the compute dtype): the matmuls accumulate in fp32 and every softmax
@@ -110,33 +111,36 @@ def _fused_bwd(inv_temp, t, c, residuals, cotangents):
   g_N = cotangents[0].astype(jnp.float32) * inv_temp  # the entropy's cotangent is dropped
   n_tok, d = h_ND.shape
   cdt = h_ND.dtype
-  # One-hot part: d logp / d l[n, y_n] = 1.
-  dh_ND = g_N[:, None] * w_VD[y_N].astype(jnp.float32)
-  dw_VD = jnp.zeros(w_VD.shape, jnp.float32).at[y_N].add(g_N[:, None] * h_ND.astype(jnp.float32))
-  # Softmax part, block by block: d l = -g · exp(l - lse).
-  h_btD, lse_bt, g_bt = _blocks(h_ND, t), _blocks(lse_N, t), _blocks(g_N, t)
+  h_btD, lse_bt, g_bt, y_bt = _blocks(h_ND, t), _blocks(lse_N, t), _blocks(g_N, t), _blocks(y_N, t)
 
-  def rows_block(w_cD):
+  def rows_block(w_cD, offset):
+    """d head for rows [offset, offset + c) and these rows' share of d hidden."""
+    rows_c = offset + jnp.arange(w_cD.shape[0], dtype=jnp.int32)
+
     def tokens_block(dw_cD, xs):
-      h_tD, lse_t, g_t = xs
-      dl_tc = (-g_t[:, None] * jnp.exp(_logits(h_tD, w_cD, inv_temp) - lse_t[:, None])).astype(cdt)
+      h_tD, lse_t, g_t, y_t = xs
+      # d l = g (onehot - p), the one-hot folded in by a compare: no gather or scatter.
+      p_tc = jnp.exp(_logits(h_tD, w_cD, inv_temp) - lse_t[:, None])
+      dl_tc = (g_t[:, None] * ((y_t[:, None] == rows_c[None, :]) - p_tc)).astype(cdt)
       dh_tD = jnp.einsum("tc,cD->tD", dl_tc, w_cD, preferred_element_type=jnp.float32)
       return dw_cD + jnp.einsum("tc,tD->cD", dl_tc, h_tD, preferred_element_type=jnp.float32), dh_tD
     dw_cD, dh_btD = jax.lax.scan(tokens_block, jnp.zeros(w_cD.shape, jnp.float32),
-                                 (h_btD, lse_bt, g_bt))
-    return dw_cD, dh_btD.reshape(-1, d)[:n_tok]
+                                 (h_btD, lse_bt, g_bt, y_bt))
+    return dw_cD.astype(w_cD.dtype), dh_btD.reshape(-1, d)[:n_tok]
 
   full_ncD, rest_rD = _split_rows(w_VD, c)
 
-  def over_rows(dh, w_cD):
-    dw_cD, dh_part = rows_block(w_cD)
+  def over_rows(dh, xs):
+    w_cD, i = xs
+    dw_cD, dh_part = rows_block(w_cD, i * c)
     return dh + dh_part, dw_cD
-  dh_soft, dw_ncD = jax.lax.scan(over_rows, jnp.zeros((n_tok, d), jnp.float32), full_ncD)
-  dw_soft = dw_ncD.reshape(-1, d)
+  dh_ND, dw_ncD = jax.lax.scan(over_rows, jnp.zeros((n_tok, d), jnp.float32),
+                               (full_ncD, jnp.arange(full_ncD.shape[0], dtype=jnp.int32)))
+  dw_VD = dw_ncD.reshape(-1, d)
   if rest_rD.shape[0]:
-    dw_rest, dh_rest = rows_block(rest_rD)
-    dh_soft, dw_soft = dh_soft + dh_rest, jnp.concatenate([dw_soft, dw_rest])
-  return ((dh_ND + dh_soft).astype(h_ND.dtype), (dw_VD + dw_soft).astype(w_VD.dtype), None)
+    dw_rest, dh_rest = rows_block(rest_rD, full_ncD.shape[0] * c)
+    dh_ND, dw_VD = dh_ND + dh_rest, jnp.concatenate([dw_VD, dw_rest])
+  return dh_ND.astype(h_ND.dtype), dw_VD, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
