@@ -283,27 +283,48 @@ def make_batch(rollout, loss_cfg, *, group_size, reward_weights):
 # Forward to completion log-probs.
 
 
-def _model(model_cfg, optim_cfg, mesh):
+def _model(model_cfg, optim_cfg, mesh, collect_kv=False):
   # The residual stream is pinned to the batch split (see qwen.Qwen.act_sharding).
   return qwen.Qwen(model_cfg, dtype=jnp.dtype(optim_cfg.compute_dtype),
                    param_dtype=jnp.dtype(optim_cfg.param_dtype), remat=optim_cfg.remat,
-                   act_sharding=NamedSharding(mesh, P(sharding.BATCH_AXES)))
+                   act_sharding=NamedSharding(mesh, P(sharding.BATCH_AXES)),
+                   collect_kv=collect_kv)
 
 
 def completion_logprobs(model, params, tokens_BS, attn_mask_BS, C, *, temperature, valid,
-                        block_bytes):
+                        block_bytes, group=1):
   """Per-token log-probs and entropies of the last C tokens: ([B, C], [B, C]) fp32.
 
-  The forward runs over S − 1 positions: position t's hidden state predicts token t + 1, so the
-  completion's C tokens are predicted from positions P − 1 … S − 2. Only the first `valid`
-  head rows enter the softmax: rows past the tokenizer are never sampled, so these are the
-  log-probs of the distribution the sampler drew from.
+  Position t's hidden state predicts token t + 1, so the completion's C tokens are predicted
+  from positions P − 1 … S − 2. Only the first `valid` head rows enter the softmax: rows past
+  the tokenizer are never sampled, so these are the log-probs of the distribution the sampler
+  drew from.
+
+  group > 1: every `group` consecutive rows share their prompt (a GRPO group, left-padded
+  identically). The prompt then runs once per group and its keys/values are the prefix of the
+  completions' pass, instead of once per row: the same numbers, at about 1/group of the
+  prompt's cost (in the reference forward and the policy's forward and backward alike).
   """
+  B, S = tokens_BS.shape
   positions_BS = qwen.positions_from_mask(attn_mask_BS)
-  hidden_BTD, _ = model.apply({"params": params}, tokens_BS[:, :-1], positions_BS[:, :-1],
-                              attn_mask_BS[:, :-1])
+  if group > 1:
+    P_ = S - C
+    prompt_bP, pmask_bP = tokens_BS[::group, :P_], attn_mask_BS[::group, :P_]
+    hidden_bPD, kv = model.clone(collect_kv=True).apply(
+        {"params": params}, prompt_bP, positions_BS[::group, :P_], pmask_bP)
+    last_B1D = jnp.repeat(hidden_bPD[:, -1:], group, axis=0)  # predicts completion token 0
+    if C > 1:
+      hidden_BcD, _ = model.apply({"params": params}, tokens_BS[:, P_:-1],
+                                  positions_BS[:, P_:-1], attn_mask_BS[:, :-1], prefix=kv)
+      hidden_BCD = jnp.concatenate([last_B1D, hidden_BcD], axis=1)
+    else:
+      hidden_BCD = last_B1D
+  else:
+    hidden_BTD, _ = model.apply({"params": params}, tokens_BS[:, :-1], positions_BS[:, :-1],
+                                attn_mask_BS[:, :-1])
+    hidden_BCD = hidden_BTD[:, -C:]
   head_VD = qwen.head_kernel(params, model.cfg).T[:valid].astype(model.dtype)
-  return logprobs.token_logprobs(hidden_BTD[:, -C:], head_VD, tokens_BS[:, -C:],
+  return logprobs.token_logprobs(hidden_BCD, head_VD, tokens_BS[:, -C:],
                                  temperature=temperature, block_bytes=block_bytes)
 
 
@@ -390,8 +411,9 @@ class TrainStep:
   def _loss(self, params, ref_params, mb, norm):
     """One micro-batch's share of the loss; aux: metric sums, log-probs, reference log-probs."""
     C = mb["completion_mask_BC"].shape[1]
+    kw = dict(self.logprob_kw, group=norm["group"])
     logp_BC, entropy_BC = completion_logprobs(self.model, params, mb["tokens_BS"],
-                                              mb["attn_mask_BS"], C, **self.logprob_kw)
+                                              mb["attn_mask_BS"], C, **kw)
     mask_BC = mb["mask_BC"]
     if self.objective == "sft":
       loss = -jnp.sum(mask_BC * logp_BC) / jnp.maximum(norm["tokens"], 1.0)
@@ -400,8 +422,7 @@ class TrainStep:
       ref_BC = mb.get("ref_logp_BC")
       if grpo.needs_reference(self.loss_cfg) and ref_BC is None:
         ref_BC = jax.lax.stop_gradient(completion_logprobs(
-            self.model, ref_params, mb["tokens_BS"], mb["attn_mask_BS"], C,
-            **self.logprob_kw)[0])
+            self.model, ref_params, mb["tokens_BS"], mb["attn_mask_BS"], C, **kw)[0])
       weights_BC = grpo.token_weights(mask_BC, self.loss_cfg.loss_type,
                                       num_sequences=norm["sequences"], num_tokens=norm["tokens"],
                                       max_completion_length=norm["max_completion_length"])
@@ -461,11 +482,12 @@ class TrainStep:
 
   def _program(self, state, ref_params, batch):
     self.num_traces += 1
-    metrics = {}
+    metrics, group = {}, 1
     if is_rollout(batch):
       batch, stats = make_batch(batch, self.loss_cfg, group_size=self.group_size,
                                 reward_weights=self.reward_weights)
       metrics.update({f"advantages/{k}": v for k, v in stats.items()})
+      group = self._prompt_sharing(batch["tokens_BS"].shape[0])
     lc = self.loss_cfg
     mask_BC = (grpo.loss_mask(batch["completion_mask_BC"], batch.get("truncated_B"),
                               lc.mask_truncated_completions) if self.objective == "grpo"
@@ -473,7 +495,7 @@ class TrainStep:
     batch = dict(batch, mask_BC=mask_BC)
     B, C = mask_BC.shape
     norm = {"tokens": mask_BC.sum(), "sequences": B,
-            "max_completion_length": self.max_completion_length or C}
+            "max_completion_length": self.max_completion_length or C, "group": group}
     state, m, logp_BC, ref_BC = self._update(state, ref_params, batch, norm)
     if self.objective == "grpo" and lc.num_iterations > 1:
       # Updates 2..μ: old log-probs are the first update's (the params before any update).
@@ -495,6 +517,16 @@ class TrainStep:
       metrics.update({"advantages/mean": adv_B.mean(), "advantages/std": adv_B.std(),
                       "advantages/min": adv_B.min(), "advantages/max": adv_B.max()})
     return state, metrics, adv_B
+
+  def _prompt_sharing(self, rows: int) -> int:
+    """Rows per micro-batch that share a prompt (1: none). A rollout batch is group-major, and
+    micro-batch a holds rows a, a + accum, ... (_split_micro): when accum divides G, each holds
+    G / accum rows of every group, consecutive. Its prompts must also split over the devices."""
+    g, accum = self.group_size or 1, self.optim_cfg.grad_accum_steps
+    n_dev = int(np.prod([self.mesh.shape[a] for a in sharding.BATCH_AXES]))
+    if g % accum or g // accum < 2 or (rows // g) % n_dev:
+      return 1
+    return g // accum
 
   # --- host side -------------------------------------------------------------------------------
 
@@ -530,7 +562,7 @@ def make_grad_fn(model_cfg, loss_cfg, optim_cfg, mesh, batch, **step_kw):
     mask_BC = grpo.loss_mask(batch["completion_mask_BC"], batch.get("truncated_B"),
                              loss_cfg.mask_truncated_completions)
     norm = {"tokens": mask_BC.sum(), "sequences": mask_BC.shape[0],
-            "max_completion_length": step.max_completion_length or mask_BC.shape[1]}
+            "max_completion_length": step.max_completion_length or mask_BC.shape[1], "group": 1}
     grads, sums, _, _ = step._grads(params, None, dict(batch, mask_BC=mask_BC), norm)
     return sums["loss"], grads
   param_sh = step.state_sh["params"]

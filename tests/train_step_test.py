@@ -431,6 +431,16 @@ def test_reference_pass_inside_the_step_equals_given_reference_logprobs(params, 
     np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-8)
 
 
+def _shared_prompts(batch):
+  """The baseline batch with each group's prompt made that of its first row, as in a rollout."""
+  out = dict(batch)
+  for k in ("tokens_BS", "attn_mask_BS"):
+    x = batch[k].copy()
+    x[:, :P] = np.repeat(x[::G, :P], G, axis=0)
+    out[k] = x
+  return out
+
+
 def _rollout_from(batch, rewards):
   tokens, attn = batch["tokens_BS"], batch["attn_mask_BS"]
   return {"prompt_BP": tokens[:, :P], "prompt_mask_BP": attn[:, :P],
@@ -439,8 +449,9 @@ def _rollout_from(batch, rewards):
 
 
 def test_rollout_batch_builds_the_train_batch_on_device(params, data):
-  """Advantages and masks made inside the program == the host-built train batch."""
-  batch, _ = data
+  """Advantages and masks made inside the program == the host-built train batch (whose
+  forward runs every row's prompt; the rollout's runs each group's prompt once)."""
+  batch = _shared_prompts(data[0])
   rng = np.random.default_rng(3)
   rewards = rng.normal(size=(B, 2)).astype(np.float32)
   rewards[rng.random((B, 2)) < 0.1] = np.nan
@@ -545,3 +556,27 @@ def test_cosine_schedule_counts_every_update_of_mu(params, data):
     state, m, _ = step(state, plain)
     np.testing.assert_allclose(float(m["lr"]), float(schedule(mu * i + mu - 1)), rtol=1e-6)
   assert int(state["step"]) == steps * mu and float(m["lr"]) > 0
+
+
+@pytest.mark.parametrize("accum,shape", [(1, (1, 1, 1)), (2, (1, 1, 1)), (2, (2, 2, 2)),
+                                         (4, (1, 1, 1))])
+def test_prompt_run_once_per_group_equals_running_every_row(params, data, accum, shape):
+  """The shared-prompt forward (G / accum rows of a group per micro-batch) gives the step of the
+  full forward over every row; accum = 4 = G leaves one row per group: the full forward."""
+  batch = _shared_prompts(data[0])
+  rewards = np.random.default_rng(4).normal(size=(B, 1)).astype(np.float32)
+  optim = optim_config(grad_accum_steps=accum)
+  mesh = sharding.make_mesh(shape)
+  p = jax.device_put(params, train_step.state_shardings(MODEL, optim, mesh)["params"])
+  step = train_step.make_train_step(MODEL, loss_config(), optim, mesh, group_size=G,
+                                    reward_weights=(1.0,))
+  assert step._prompt_sharing(B) == (G // accum if G // accum > 1 else 1)
+  ref = jax.tree.map(lambda x: x * 0.9, p)
+  got, got_m, adv = step(train_step.create_train_state(p, MODEL, optim, mesh),
+                         _rollout_from(batch, rewards), ref)
+  train = {k: v for k, v in batch.items() if k not in ("old_logp_BC", "ref_logp_BC")}
+  want, want_m, _ = step(train_step.create_train_state(p, MODEL, optim, mesh),
+                         dict(train, advantages_B=np.asarray(adv)), ref)
+  for k in ("loss", "loss/kl", "entropy", "grad_norm"):
+    np.testing.assert_allclose(float(got_m[k]), float(want_m[k]), rtol=1e-5, err_msg=k)
+  assert_same_step(host(got), host(got_m), host(want), host(want_m))

@@ -225,7 +225,7 @@ class Attention(nn.Module):
   param_dtype: Any
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, attn_mask_BS, cache, layer, cache_index):
+  def __call__(self, x_BTD, positions_BT, attn_mask_BS, cache, layer, cache_index, prefix=None):
     cfg = self.cfg
     d, h = cfg.hidden_size, cfg.head_dim
 
@@ -243,7 +243,15 @@ class Attention(nn.Module):
     k = rope(k, positions_BT, cfg.rope_theta)
 
     k_BKTH, v_BKTH = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    if cache is None:
+    if prefix is not None:
+      # A shared prefix's keys/values [b, K, P, H], each row used by B / b consecutive rows
+      # (a prompt's G completions): the queries sit at slots P, P + 1, ...
+      g = x_BTD.shape[0] // prefix["k"].shape[0]
+      tile = lambda a: jnp.repeat(a.astype(k_BKTH.dtype), g, axis=0)
+      keys = jnp.concatenate([tile(prefix["k"]), k_BKTH], axis=2)
+      values = jnp.concatenate([tile(prefix["v"]), v_BKTH], axis=2)
+      start = prefix["k"].shape[2]
+    elif cache is None:
       keys, values, start = k_BKTH, v_BKTH, 0
     else:
       # Write this call's k/v at slots [cache_index, cache_index + T) of this layer, straight
@@ -257,7 +265,7 @@ class Attention(nn.Module):
                       cfg.is_causal)
     y = Linear("BTNH,NHD->BTD", (cfg.num_heads, h, d), ("q_heads", "head_dim", "embed"),
                1 if cfg.o_bias else 0, self.dtype, self.param_dtype, name="o_proj")(out_BTNH)
-    return y, cache
+    return y, cache, {"k": k_BKTH, "v": v_BKTH}
 
 
 def attend(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, attn_mask_BS: Array,
@@ -310,20 +318,22 @@ class DecoderLayer(nn.Module):
   dtype: Any
   param_dtype: Any
   act_sharding: Any = None
+  collect_kv: bool = False
 
   @nn.compact
-  def __call__(self, carry, _):
+  def __call__(self, carry, prefix):
     x, cache, layer, positions_BT, attn_mask_BS, cache_index = carry
     cfg = self.cfg
     h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "norm",
                 name="input_layernorm")(x)
-    h, cache = Attention(cfg, self.dtype, self.param_dtype, name="self_attn")(
-        h, positions_BT, attn_mask_BS, cache, layer, cache_index)
+    h, cache, kv = Attention(cfg, self.dtype, self.param_dtype, name="self_attn")(
+        h, positions_BT, attn_mask_BS, cache, layer, cache_index, prefix)
     x = _constrain(x + h, self.act_sharding)
     h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "norm",
                 name="post_attention_layernorm")(x)
     x = _constrain(x + MLP(cfg, self.dtype, self.param_dtype, name="mlp")(h), self.act_sharding)
-    return (x, cache, layer + 1, positions_BT, attn_mask_BS, cache_index), None
+    return (x, cache, layer + 1, positions_BT, attn_mask_BS, cache_index), (
+        kv if self.collect_kv else None)
 
 
 class Qwen(nn.Module):
@@ -335,6 +345,9 @@ class Qwen(nn.Module):
   # Without it the partitioner may follow the FSDP weights and split activations along D, so
   # that every device computes the whole batch (2.7x the memory for Qwen2.5-1.5B, fsdp = 8).
   act_sharding: Any = None
+  # Also return each layer's keys/values, stacked [L, B, K, T, H]: the `prefix` of a later
+  # call (the training forward runs a prompt once for its G completions).
+  collect_kv: bool = False
 
   def setup(self):
     cfg = self.cfg
@@ -347,7 +360,7 @@ class Qwen(nn.Module):
     self.layers = nn.scan(
         layer, variable_axes={"params": 0}, split_rngs={"params": True},
         length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"},
-    )(cfg, self.dtype, self.param_dtype, self.act_sharding)
+    )(cfg, self.dtype, self.param_dtype, self.act_sharding, self.collect_kv)
     self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = self.param(
@@ -355,8 +368,14 @@ class Qwen(nn.Module):
           (cfg.hidden_size, cfg.vocab_size), self.param_dtype)
 
   def __call__(self, tokens_BT: Array, positions_BT: Array, attn_mask_BS: Array,
-               cache: Cache | None = None, cache_index: Array | int | None = None):
-    """Returns (hidden_BTD after the final norm, updated cache or None)."""
+               cache: Cache | None = None, cache_index: Array | int | None = None,
+               prefix: Cache | None = None):
+    """Returns (hidden_BTD after the final norm, updated cache or None); with collect_kv the
+    second result is this call's keys/values per layer instead.
+
+    prefix: keys/values [L, b, K, P, H] of a shared prefix (from a collect_kv call), row i of
+      it used by rows [i·B/b, (i+1)·B/b); attn_mask_BS then covers P + T slots.
+    """
     if cache is not None and cache_index is None:
       raise ValueError("a cache needs a cache_index (the slot of the first token)")
     if cache is not None and not self.cfg.is_causal:
@@ -364,8 +383,8 @@ class Qwen(nn.Module):
     x = _constrain(self.embed_tokens(tokens_BT), self.act_sharding)
     carry = (x, cache, jnp.int32(0), positions_BT, attn_mask_BS,
              None if cache is None else jnp.asarray(cache_index, jnp.int32))
-    (x, cache, *_), _ = self.layers(carry, None)
-    return self.norm(x), cache
+    (x, cache, *_), kv = self.layers(carry, prefix)
+    return self.norm(x), kv if self.collect_kv else cache
 
   def logits(self, hidden_BTD: Array) -> Array:
     """fp32 logits; for training use grpo_jax.grpo's chunked log-probs instead of this."""
