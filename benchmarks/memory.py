@@ -1,16 +1,16 @@
 """Peak device memory of the GRPO train step for Qwen2.5-1.5B, from the compiler, no weights.
 
-AOT-compiles `train_step` (`jax.jit(...).lower(abstract state, abstract batch).compile()`) on a
-simulated mesh of fake CPU devices and prints `memory_analysis()` per device: arguments (params,
-optimizer state, batch) + outputs − donated aliases + temporaries. Then the same step with
-unchunked [B, C, V] fp32 logits, to show what chunking saves.
+AOT-compiles the GRPO step (`jax.jit(...).lower(abstract state, reference params, rollout
+batch).compile()`: advantages, the reference pass, μ = 2 updates) on a simulated mesh of fake
+CPU devices and prints `memory_analysis()` per device: arguments (params, optimizer state,
+reference params, batch) + outputs − donated aliases + temporaries.
 
     python3 benchmarks/memory.py                       # fsdp=8, batch 64 × (256 + 1024) tokens
     python3 benchmarks/memory.py --grad_accum_steps=4 --prompt_len=512
 
-The last line is `train_step_peak_gb_per_device=<x>` (chunked, the default config). Target:
-under 16 GB, one TPU v5e chip. The CPU compiler's buffer assignment stands in for the TPU's, so
-treat the numbers as estimates; the chunked/unchunked difference is the robust part.
+The last line is `train_step_peak_gb_per_device=<x>`. Target: under 16 GB, one TPU v5e chip.
+The CPU compiler's buffer assignment stands in for the TPU's, so treat the numbers as
+estimates.
 """
 from __future__ import annotations
 
@@ -39,13 +39,12 @@ QWEN25_1_5B = qwen.QwenConfig(
     tie_word_embeddings=True, qkv_bias=True, max_position_embeddings=32768)
 
 
-def abstract_batch(batch, prompt_len, completion_len, mesh, loss_cfg):
-  S, C = prompt_len + completion_len, completion_len
-  shapes = {"tokens_BS": ((batch, S), jnp.int32), "attn_mask_BS": ((batch, S), jnp.int32),
-            "completion_mask_BC": ((batch, C), jnp.int32), "advantages_B": ((batch,), jnp.float32),
-            "old_logp_BC": ((batch, C), jnp.float32)}
-  if grpo.needs_reference(loss_cfg):
-    shapes["ref_logp_BC"] = ((batch, C), jnp.float32)
+def abstract_batch(batch, prompt_len, completion_len, mesh):
+  """The rollout layout (train_step.py) as ShapeDtypeStructs with the batch sharding."""
+  shapes = {"prompt_BP": ((batch, prompt_len), jnp.int32),
+            "prompt_mask_BP": ((batch, prompt_len), jnp.int32),
+            "completion_BC": ((batch, completion_len), jnp.int32),
+            "lengths_B": ((batch,), jnp.int32), "rewards_BR": ((batch, 1), jnp.float32)}
   out = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items()}
   sh = train_step.batch_shardings(out, mesh)
   return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k]) for k, v in out.items()}
@@ -53,10 +52,14 @@ def abstract_batch(batch, prompt_len, completion_len, mesh, loss_cfg):
 
 def peak_bytes(model_cfg, loss_cfg, optim_cfg, mesh, args):
   state = train_step.abstract_state(model_cfg, optim_cfg, mesh)
-  batch = abstract_batch(args.batch, args.prompt_len, args.completion_len, mesh, loss_cfg)
-  step = train_step.make_train_step(model_cfg, loss_cfg, optim_cfg, mesh)
+  batch = abstract_batch(args.batch, args.prompt_len, args.completion_len, mesh)
+  step = train_step.make_train_step(model_cfg, loss_cfg, optim_cfg, mesh,
+                                    group_size=args.group, reward_weights=(1.0,),
+                                    max_completion_length=args.completion_len)
+  with_ref = grpo.needs_reference(loss_cfg)
+  ref = state["params"] if with_ref else None
   t0 = time.time()
-  compiled = step.jitted(batch).lower(state, batch).compile()
+  compiled = step.jitted(batch, with_ref).lower(state, ref, batch).compile()
   m = compiled.memory_analysis()
   peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
           + m.temp_size_in_bytes)
@@ -74,35 +77,27 @@ def main(argv=None):
   p.add_argument("--prompt_len", type=int, default=256)
   p.add_argument("--completion_len", type=int, default=1024)
   p.add_argument("--grad_accum_steps", type=int, default=1)
-  p.add_argument("--chunk", type=int, default=128, help="logprob_chunk_size")
-  p.add_argument("--beta", type=float, default=0.04, help="> 0 adds ref_logp_BC to the batch")
+  p.add_argument("--group", type=int, default=8, help="G: rows sharing a prompt")
+  p.add_argument("--block_mb", type=float, default=4.0, help="optim.logprob_block_bytes in MiB")
+  p.add_argument("--beta", type=float, default=0.04, help="> 0: the reference pass runs too")
   p.add_argument("--no_remat", action="store_true")
-  p.add_argument("--skip_unchunked", action="store_true")
   args = p.parse_args(argv)
 
   mesh = sharding.make_mesh(tuple(int(x) for x in args.mesh.split(",")))
   loss_cfg = grpo.default_loss_config()
-  loss_cfg.update(beta=args.beta, num_iterations=2, logprob_chunk_size=args.chunk)
+  loss_cfg.update(beta=args.beta, num_iterations=2)
   optim_cfg = train_step.default_optim_config()
   optim_cfg.update(grad_accum_steps=args.grad_accum_steps, remat=not args.no_remat,
-                   param_dtype="float32", compute_dtype="bfloat16")
+                   param_dtype="float32", compute_dtype="bfloat16",
+                   logprob_block_bytes=int(args.block_mb * 2**20))
   n_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(QWEN25_1_5B)))
   print(f"Qwen2.5-1.5B ({n_params / 1e9:.3f}B params, fp32 params + AdamW, bf16 compute, "
         f"remat={optim_cfg.remat}) on mesh {dict(mesh.shape)}; batch {args.batch} × "
         f"({args.prompt_len} prompt + {args.completion_len} completion) tokens, "
         f"grad_accum_steps={args.grad_accum_steps}, beta={args.beta}", flush=True)
 
-  results = {}
-  if not args.skip_unchunked:
-    print("unchunked logits (logprob_chunk_size=0):", flush=True)
-    unchunked = loss_cfg.copy_and_resolve_references()
-    unchunked.logprob_chunk_size = 0
-    results["unchunked"] = peak_bytes(QWEN25_1_5B, unchunked, optim_cfg, mesh, args)
-  print(f"chunked logits (logprob_chunk_size={args.chunk}):", flush=True)
-  results["chunked"] = peak_bytes(QWEN25_1_5B, loss_cfg, optim_cfg, mesh, args)
-  if "unchunked" in results:
-    print(f"train_step_unchunked_peak_gb_per_device={results['unchunked'] / GB:.2f}")
-  print(f"train_step_peak_gb_per_device={results['chunked'] / GB:.2f}")
+  peak = peak_bytes(QWEN25_1_5B, loss_cfg, optim_cfg, mesh, args)
+  print(f"train_step_peak_gb_per_device={peak / GB:.2f}")
 
 
 if __name__ == "__main__":

@@ -67,8 +67,11 @@ biases, norms, RoPE, softmax and the optimizer's elementwise work are left out):
   per token per layer  W = 2·(2·D·H·h + 2·D·K·h + 3·D·I)    (q, o; k, v; gate, up, down)
   per (query, key) pair per layer  A = 4·H·h               (QKᵀ and AV, dense: the masked
                                                            full matrix is what both compute)
-  log-prob forward     F = R·[L·(W·T + A·T²) + 2·D·V·C]     (T = P + C - 1 positions, the LM
-                                                           head only over the C completion ones)
+  log-prob forward     F = B·L·(W·P + A·P²) + R·[L·(W·c + A·c·(P + c)) + 2·D·V·C]
+                           (c = C - 1: each prompt runs once for its G rows (train_step's
+                            shared-prompt forward), then the R rows' completion positions
+                            against the P + c key slots; the LM head only over the C
+                            completion ones)
   sampling             S = B·L·(W·P + A·P²) + n·R·[2·D·V + L·(W + A·(P + C))]
                            (prefill of the B prompts once, then n decode steps over R rows
                             against the P + C cache slots, one LM-head pass per step)
@@ -76,11 +79,10 @@ biases, norms, RoPE, softmax and the optimizer's elementwise work are left out):
 with L layers, D hidden, H heads, K KV heads, h head dim, I MLP width, V = the tokenizer's
 vocabulary (grpo_jax samples and scores over it only), B = 8 prompts, R = 64 rows, P the
 prompt bucket, C the new tokens, n the decode steps the sampler ran. Rematerialisation
-recomputes L·(W·T + A·T²)·R more, not counted in the step total. The floor is that total over
-the fp32 matmul peak (a 2048³ jnp matmul, median of 5, timed in every grpo_jax worker of the
-run). The train step and the reference forward are cross-checked with XLA's
-jax.jit(...).lower(...).compile().cost_analysis(), which includes the remat recomputation and
-counts the body of the scan over layers once, so it is set against the formula with L = 1.
+recomputes the body once more (F less its LM head), not counted in the step total. The floor
+is that total over the fp32 matmul peak (a 2048³ jnp matmul, median of 5, timed in every
+grpo_jax worker of the run). XLA's cost_analysis is no cross-check here: it counts the body of
+every scan once (the layers, and the LM head's blocks in logprobs.py).
 
 Protocol: every (side, size) runs in its own process (this script with --worker), grpo_jax then
 TRL, alternated A/B/A/B for --rounds rounds (default 2 for small and small_vocab, 1 for large,
@@ -155,7 +157,6 @@ def parse_args(argv=None):
   p.add_argument("--worker", nargs=2, metavar=("SIDE", "SIZE"), help=argparse.SUPPRESS)
   p.add_argument("--dir", help=argparse.SUPPRESS)
   p.add_argument("--forced", action="store_true", help=argparse.SUPPRESS)
-  p.add_argument("--cost_analysis", action="store_true", help=argparse.SUPPRESS)
   return p.parse_args(argv)
 
 
@@ -214,7 +215,7 @@ def prepare(size: str, out_dir: Path, num_steps: int) -> dict:
 
 class _Spy:
   """Stands in for one of the Trainer's jitted functions: remembers the first call's arguments
-  (as shapes, before the state is donated) for cost_analysis and, while `block`, times calls to
+  (as shapes, before the state is donated) and the last call's, and while `block` times calls to
   completion (the call is otherwise asynchronous)."""
 
   def __init__(self, fn, block=False):
@@ -238,16 +239,10 @@ class _Spy:
     return getattr(self.fn, name)
 
 
-def _xla_flops(compiled) -> float:
-  ca = compiled.cost_analysis()
-  ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-  return float(ca.get("flops", float("nan")))
-
-
-def run_grpo_jax(spec: dict, forced: bool, cost: bool, out: dict) -> None:
+def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   """grpo_jax's own training-loop code, configured from configs/gsm8k.py. Kept in one place:
   only Trainer(...), init_state and grpo_step(...) -> (state, metrics, samples) are relied on;
-  the spy on step_fn keeps the step's batch for the phase split and cost_analysis.
+  the spy on step_fn keeps the step's batch for the phase split.
 
   The reference forward runs inside the step's one compiled program, so its share is measured
   beside it: after each step the same forward (train_step.make_logprob_fn on the reference
@@ -291,7 +286,8 @@ def run_grpo_jax(spec: dict, forced: bool, cost: bool, out: dict) -> None:
   ref_params = params
   logprob_fn = train_step.make_logprob_fn(
       cfg, trainer.optim, mesh, temperature=c.sampling.temperature,
-      valid_vocab_size=tokenizer_lib.valid_vocab_size(tokenizer))
+      valid_vocab_size=tokenizer_lib.valid_vocab_size(tokenizer),
+      group=trainer.step_fn._prompt_sharing(NUM_PROMPTS * G))  # as the step runs it
   out["setup_s"] = time.perf_counter() - out["t_start"]
 
   def reference_inputs(batch):
@@ -342,20 +338,6 @@ def run_grpo_jax(spec: dict, forced: bool, cost: bool, out: dict) -> None:
     times.append(time.perf_counter() - t)
   out["matmul_gflops"] = 2 * 2048 ** 3 / np.median(times) / 1e9
 
-  if cost:  # XLA's own FLOP count of the compiled train step and reference forward
-    xla = {}
-    try:
-      st, batch, ref = spies["step_fn"].first
-      xla["train_step"] = _xla_flops(trainer.step_fn.jitted(batch, True).lower(
-          st, ref, batch).compile())
-    except Exception as e:  # noqa: BLE001 - internals may change; the check is optional
-      xla["train_step_error"] = f"{type(e).__name__}: {e}"[:200]
-    try:
-      tokens, attn, C = reference_inputs(spies["step_fn"].last[1])
-      xla["reference"] = _xla_flops(logprob_fn.lower(ref_params, tokens, attn, C).compile())
-    except Exception as e:  # noqa: BLE001
-      xla["reference_error"] = f"{type(e).__name__}: {e}"[:200]
-    out["xla_flops"] = xla
   out["versions"] = {"jax": jax.__version__}
 
 
@@ -476,7 +458,7 @@ def worker(args) -> None:
     else:
       spec = json.loads((workdir / "spec.json").read_text())
       if side == "grpo_jax":
-        run_grpo_jax(spec, args.forced, args.cost_analysis, out)
+        run_grpo_jax(spec, args.forced, out)
       else:
         run_trl(spec, args.forced, out)
   except BaseException as e:  # noqa: BLE001 - reported to the parent, which goes on
@@ -489,13 +471,13 @@ def worker(args) -> None:
 
 # --- the parent: alternation and report -----------------------------------------------------------
 
-def spawn(side, size, tmp: Path, args, label, forced=False, cost=False) -> dict:
+def spawn(side, size, tmp: Path, args, label, forced=False) -> dict:
   """Runs one worker process; its output goes to a log, its RESULT line comes back."""
   log = tmp / "logs" / f"{label}.log"
   log.parent.mkdir(exist_ok=True)
   cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, size, "--dir", str(tmp),
          "--steps", str(args.steps), "--warmup", str(args.warmup)]
-  cmd += ["--forced"] * forced + ["--cost_analysis"] * cost
+  cmd += ["--forced"] * forced
   # Offline, CPU only; tokenizers' own thread pool would compete with torch's and XLA's.
   env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
              HF_DATASETS_OFFLINE="1", JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
@@ -535,8 +517,8 @@ def step_flops(spec: dict, decode_steps: float, layers: int | None = None) -> di
   P, C, B, R = spec["bucket"], spec["new_tokens"], NUM_PROMPTS, NUM_PROMPTS * G
   W = 2 * (2 * D * H * h + 2 * D * K * h + 3 * D * I)
   A = 4 * H * h
-  T = P + C - 1
-  body = R * L * (W * T + A * T * T)
+  c = C - 1
+  body = B * L * (W * P + A * P * P) + R * L * (W * c + A * c * (P + c))
   fwd = body + R * 2 * D * V * C
   prefill = B * L * (W * P + A * P * P)
   decode = decode_steps * R * (2 * D * V + L * (W + A * (P + C)))
@@ -622,19 +604,6 @@ def report(label, spec, runs, args, peak_gflops) -> float | None:
         f"TFLOP = sampling {f['sample'] / T:.3f} (prefill {f['prefill'] / T:.3f}) + reference "
         f"forward {f['reference'] / T:.3f} + policy forward+backward {f['policy'] / T:.3f}; "
         f"remat recompute +{f['remat'] / T:.3f} not counted")
-  xla = next((r["xla_flops"] for r in gj_runs if "xla_flops" in r), None)
-  if xla:
-    # The decoder layers are one lax.scan, whose body XLA's cost analysis counts once: compare
-    # with the analytic count for a single layer (remat recompute included, as compiled).
-    f1 = step_flops(m, decode_steps, layers=1)
-
-    def one(key, analytic):
-      if key in xla:
-        return f"{xla[key] / T:.4f} TFLOP (analytic {analytic / T:.4f})"
-      return f"n/a ({xla.get(key + '_error', 'not measured')})"
-    print(f"  XLA cost_analysis, which counts the scan over layers once, against the analytic "
-          f"count for 1 layer: train step {one('train_step', f1['policy'] + f1['remat'])}, "
-          f"reference forward {one('reference', f1['reference'])}")
   if peak_gflops and sums["grpo_jax"]["step"]:
     floor = f["total"] / (peak_gflops * 1e9)
     print(f"  floor at the measured fp32 matmul peak ({peak_gflops:.1f} GFLOP/s): {floor:.2f}s; "
@@ -689,8 +658,7 @@ def main():
         if (side, size) in failed or side not in args.sides.split(","):
           continue
         label = f"round{r + 1}_{size}_{variant}_{side}"
-        res = spawn(side, size, tmp, args, label, forced=variant == "forced_length",
-                    cost=side == "grpo_jax" and r == 0 and variant == "natural")
+        res = spawn(side, size, tmp, args, label, forced=variant == "forced_length")
         results[key][side].append(res)
         if res["error"]:
           failed.add((side, size))  # an out-of-memory side would only fail again

@@ -169,7 +169,7 @@ def pad_to_bucket(ids_list: Sequence[Sequence[int]], buckets: Sequence[int],
   tokens_BP = np.full((len(ids_list), length), pad_id, dtype=np.int32)
   mask_BP = np.zeros((len(ids_list), length), dtype=bool)
   for row, ids in enumerate(ids_list):
-    if ids:
+    if len(ids):
       tokens_BP[row, length - len(ids):] = ids
       mask_BP[row, length - len(ids):] = True
   return tokens_BP, mask_BP

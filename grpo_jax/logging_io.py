@@ -5,6 +5,7 @@
     tensorboard/    the same scalars, for `tensorboard --logdir WORKDIR`
     samples.jsonl   one sampled completion per line, with its reward components (the record)
     samples.md      the same samples rendered for reading; rebuilt from samples.jsonl on resume
+    summary.json    held-out accuracy at the start and end of GRPO and the gain (write_summary)
 
 Samples are kept as JSONL because it can be cut at a step exactly and parsed back whatever the
 completion text holds; the Markdown is a view of it, so the two never disagree.
@@ -205,3 +206,37 @@ def _render_steps(records: Sequence[Mapping[str, Any]]) -> str:
     number += 1
     out.append(_render_sample(number, record))
   return "".join(out)
+
+
+SUMMARY_FILE = "summary.json"
+
+
+def write_summary(workdir, stopped_at: int | None = None):
+  """summary.json from the eval rows of metrics.jsonl: held-out accuracy at the start and end of
+  GRPO and the gain. A run stopped early (SIGTERM) at step `stopped_at` has no end: it reports
+  where it stopped and what it measured, and no gain (that needs the completed run)."""
+  evals = [r for r in read_jsonl(os.path.join(workdir, METRICS_FILE))
+           if r.get("eval/accuracy") is not None]
+  if not evals:
+    return {}
+  first, last = evals[0], evals[-1]
+  summary = {"eval_accuracy_start": first["eval/accuracy"], "start_step": first["step"]}
+  if stopped_at is None:
+    summary.update(eval_accuracy_end=last["eval/accuracy"], end_step=last["step"])
+    summary["eval_accuracy_gain_points"] = 100 * (summary["eval_accuracy_end"]
+                                                  - summary["eval_accuracy_start"])
+    line = (f"held-out greedy accuracy {first['eval/accuracy']:.1%} (step {first['step']}) -> "
+            f"{last['eval/accuracy']:.1%} (step {last['step']}): "
+            f"{summary['eval_accuracy_gain_points']:+.1f} points")
+  else:
+    summary = {"stopped_early": True, "stopped_at_step": stopped_at, **summary}
+    line = (f"stopped early at step {stopped_at}; held-out greedy accuracy "
+            f"{first['eval/accuracy']:.1%} at step {first['step']}")
+    if last["step"] > first["step"]:
+      summary.update(eval_accuracy_latest=last["eval/accuracy"], latest_eval_step=last["step"])
+      line += f", {last['eval/accuracy']:.1%} at step {last['step']}"
+    line += "; the gain is reported when the run completes (run the same command to resume)"
+  with open(os.path.join(workdir, SUMMARY_FILE), "w") as f:
+    json.dump(summary, f, indent=2)
+  print(f"grpo_jax: {line}", flush=True)
+  return summary

@@ -12,19 +12,19 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
 import numpy as np
 
-from grpo_jax import data
+from grpo_jax import data, grpo
 from grpo_jax.rewards import build_rewards, score
 
 
 @dataclasses.dataclass
 class Prompts:
-  """One batch of prompts: the chat-templated texts, their token ids and left-padded tokens."""
+  """One batch of prompts: the chat-templated texts and their token ids (unpadded: the sampler
+  and Rollouts.device_batch pad them, both with data.pad_to_bucket)."""
   texts: list[str]
   ids: list[list[int]]
-  tokens_BP: np.ndarray
-  mask_BP: np.ndarray
 
 
 def prompt_texts(config, tokenizer, rows) -> list[str]:
@@ -41,9 +41,7 @@ def reward_columns(rows, g):
 
 def encode(config, tokenizer, rows) -> Prompts:
   texts = prompt_texts(config, tokenizer, rows)
-  ids = data.encode_prompts(tokenizer, texts)
-  tokens, mask = data.pad_to_bucket(ids, config.data.prompt_buckets, tokenizer.pad_token_id)
-  return Prompts(texts, ids, tokens, mask)
+  return Prompts(texts, data.encode_prompts(tokenizer, texts))
 
 
 @dataclasses.dataclass
@@ -98,7 +96,7 @@ def sample_and_score(config, sampler, tokenizer, params, rows, rewards, key):
   g = config.sampling.num_generations
   t0 = time.perf_counter()
   prompts = encode(config, tokenizer, rows)
-  out = sampler.generate(params, prompts.tokens_BP, prompts.mask_BP, num_samples=g, key=key)
+  out = sampler.generate(params, prompts.ids, num_samples=g, key=key)
   completion_ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
   t1 = time.perf_counter()
   texts = tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids, lengths)],
@@ -108,6 +106,53 @@ def sample_and_score(config, sampler, tokenizer, params, rows, rewards, key):
   part = Rollouts(list(rows), prompts.texts, prompts.ids, completion_ids, lengths,
                   np.asarray(out.truncated), texts, reward_BR)
   return part, reward_metrics, out.metrics, (t1 - t0, time.perf_counter() - t1)
+
+
+def collect(config, sampler, tokenizer, params, next_rows, rewards, key):
+  """Rollouts for one GRPO step; next_rows() gives train.prompts_per_step dataset rows.
+
+  With train.dynamic_sampling (DAPO), groups whose G rewards are all equal (zero advantage:
+  they teach nothing) are set aside and further prompts sampled, up to
+  train.max_sampling_rounds rounds in all; a batch still short of prompts_per_step informative
+  groups is completed with set-aside groups, so the train step's row count never changes.
+  Returns (Rollouts of the batch, metrics): reward and completion metrics describe the first
+  round, an unbiased sample of the policy.
+  """
+  cfg = config
+  g, n = cfg.sampling.num_generations, cfg.train.prompts_per_step
+  weights_R = np.asarray(cfg.rewards.weights, np.float32)
+  rounds = cfg.train.max_sampling_rounds if cfg.train.dynamic_sampling else 1
+  m = {"time/sample_s": 0.0, "time/reward_s": 0.0}
+  parts, informative = [], []
+  for r in range(rounds):
+    part, part_metrics, sampler_metrics, (t_sample, t_reward) = sample_and_score(
+        cfg, sampler, tokenizer, params, next_rows(), rewards,
+        key if r == 0 else jax.random.fold_in(key, r))
+    m["time/sample_s"] += t_sample
+    m["time/reward_s"] += t_reward
+    if r == 0:
+      m.update(part_metrics)
+      m.update(sampler_metrics)
+    parts.append(part)
+    informative.append(np.asarray(grpo.informative_groups(
+        part.reward_BR, g, weights_R, cfg.loss.reward_aggregation)))
+    if not cfg.train.dynamic_sampling or np.concatenate(informative).sum() >= n:
+      break
+  first, pool, informative = parts[0], Rollouts.pool(parts), np.concatenate(informative)
+  if cfg.train.dynamic_sampling:
+    m["sampling/rounds"] = len(parts)
+    m["sampling/informative_frac_first_round"] = float(informative[:n].mean())
+    m["sampling/filled_groups"] = int(max(0, n - informative.sum()))
+    order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])
+    pool = pool.take(order[:n], g)
+  total = np.nansum(first.reward_BR * weights_R, axis=1)
+  m.update({
+      "reward/total/mean": float(total.mean()), "reward/total/std": float(total.std()),
+      "completion/mean_length": float(first.lengths_B.mean()),
+      "completion/max_length": int(first.lengths_B.max()),
+      "completion/truncated_frac": float(first.truncated_B.mean()),
+  })
+  return pool, m
 
 
 def accuracy_reward(config):
@@ -125,8 +170,7 @@ def evaluate(config, sampler, tokenizer, params, rows, reward=None) -> float:
   for i in range(0, len(rows), bs):
     chunk = rows[i:i + bs]
     prompts = encode(config, tokenizer, chunk)
-    out = sampler.generate(params, prompts.tokens_BP, prompts.mask_BP, num_samples=1,
-                           greedy=True)
+    out = sampler.generate(params, prompts.ids, num_samples=1, greedy=True)
     ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
     texts = tokenizer.batch_decode([t[:n] for t, n in zip(ids, lengths)],
                                    skip_special_tokens=True)

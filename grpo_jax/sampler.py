@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from grpo_jax import sampling
+from grpo_jax import data, sampling
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.models import qwen
 
@@ -278,14 +278,12 @@ class Sampler:
     ids = np.arange(b) if prompt_ids is None else np.asarray(prompt_ids)
     if ids.shape != (b,) or not np.issubdtype(ids.dtype, np.integer):
       raise ValueError(f"prompt_ids must be {b} ints (one per prompt), got shape {ids.shape}")
-    p = next(x for x in self.buckets if x >= max(r.size for r in rows))
     # Rows added so the batch splits evenly over the mesh (copies of the last prompt); dropped.
     b_pad = -(-b // self._batch_multiple()) * self._batch_multiple()
-    tokens = np.full((b_pad, p), self.pad_id, np.int32)
-    mask_BP = np.zeros((b_pad, p), np.int32)
-    for i in range(b_pad):
-      row = rows[min(i, b - 1)]
-      tokens[i, p - row.size:], mask_BP[i, p - row.size:] = row, 1
+    tokens, mask_BP = data.pad_to_bucket([rows[min(i, b - 1)] for i in range(b_pad)],
+                                         self.buckets, self.pad_id)
+    mask_BP = mask_BP.astype(np.int32)
+    p = tokens.shape[1]
     row_ids = np.stack([np.repeat(np.resize(ids, b_pad), g), np.tile(np.arange(g), b_pad)], 1)
     put = lambda x: jnp.asarray(x) if self.mesh is None else jax.device_put(
         x, sharding_lib.batch_sharding(self.mesh, x.ndim))

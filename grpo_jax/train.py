@@ -1,5 +1,7 @@
-"""The GRPO outer loop: sample -> reward -> advantages -> num_iterations updates, with eval,
-checkpoints, metrics, samples and plots. `run(config, workdir)` is the whole program.
+"""The GRPO program: `run(config, workdir)` builds the run, then loops: rollouts (host:
+sample, decode, reward) → one compiled train step (advantages, reference pass, μ updates) →
+metrics, samples, eval and checkpoints at their cadence; plots, summary and the exported model
+at the end.
 
 Resuming is automatic: a workdir holding a checkpoint continues from it. Every source of
 randomness is a pure function of (seed, step) and the data order of (seed, epoch), so on one
@@ -10,7 +12,6 @@ Files in the workdir: see README ("What a run writes").
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -19,82 +20,19 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm.auto import tqdm
 
-from grpo_jax import (checkpoint, data, grpo, logging_io, plots, rollout, sampler as sampler_lib,
-                      sft, sharding, synthetic, tokenizer as tokenizer_lib, train_step, validate)
-from grpo_jax.errors import UserError, warn
+from grpo_jax import (checkpoint, data, grpo, inputs, logging_io, plots, rollout,
+                      sampler as sampler_lib, sft, sharding, tokenizer as tokenizer_lib,
+                      train_step, validate)
+from grpo_jax.errors import UserError
 from grpo_jax.models import qwen, weights
-from grpo_jax.rewards import Interrupted, MissingRewardsError, RewardHealth, build_rewards, probe, score
+from grpo_jax.rewards import Interrupted, MissingRewardsError, RewardHealth, build_rewards, probe
 
-SUMMARY_FILE = "summary.json"
 
 
 class TooManyBadSteps(UserError):
   """Consecutive non-finite steps: a setting (usually optim.lr) to change, not a crash."""
-
-
-# --- set-up ------------------------------------------------------------------------------------
-
-def _tokenizer(config, workdir, train_rows):
-  name = config.model.tokenizer or config.model.checkpoint
-  if name == "tiny":
-    # BPE merges learnt from the training problems (deterministic), plus the chat roles.
-    corpus = [r["question"] for r in train_rows] + [r["answer"] for r in train_rows]
-    corpus += ["user assistant system"] * 100
-    name = tokenizer_lib.build_tiny_tokenizer(os.path.join(workdir, "tokenizer"), corpus,
-                                              config.model.tiny.vocab_size)
-  field = "config.model.tokenizer" if config.model.tokenizer else "config.model.checkpoint"
-  tok = tokenizer_lib.load_tokenizer(name, field)
-  return tok, tokenizer_lib.stop_ids(tok, name)
-
-
-def _datasets(config, workdir):
-  d = config.data
-  if d.source == "synthetic":
-    spec = synthetic.ProblemSpec(num_operands=d.synthetic_operands, digits=d.synthetic_digits)
-    source = synthetic.write_splits(os.path.join(workdir, "data"), d.synthetic_train,
-                                    d.synthetic_test, seed=config.seed, spec=spec)
-  else:
-    source = d.source
-  kw = dict(config_name=d.config_name or None, question_field=d.question_field,
-            answer_field=d.answer_field)
-  return (data.load_rows(source, d.train_split, **kw), data.load_rows(source, d.eval_split, **kw))
-
-
-def _model_config(config, tokenizer):
-  """(QwenConfig, generation_config or None) without loading any weights."""
-  m = config.model
-  if m.random_init:
-    t = m.tiny
-    # Exactly the tokenizer's ids: no unused rows whose logits would enter the loss's softmax.
-    cfg = qwen.QwenConfig(
-        vocab_size=len(tokenizer), hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
-        num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, rope_theta=t.rope_theta,
-        tie_word_embeddings=t.tie_word_embeddings, max_position_embeddings=4096)
-    generation_config = None
-  else:
-    path = weights.resolve(m.checkpoint, "config.model.checkpoint")
-    cfg, generation_config = weights.read_config(path), weights.read_generation_config(path)
-  if cfg.vocab_size < len(tokenizer):
-    raise validate.ConfigError(
-        f"config.model: the model's vocabulary ({cfg.vocab_size}) is smaller than the "
-        f"tokenizer's ({len(tokenizer)}); they do not belong together")
-  return cfg, generation_config
-
-
-def _initial_params(config, cfg, mesh):
-  """The starting policy: random (tiny preset) or the checkpoint, placed in its shardings."""
-  param_dtype = jnp.dtype(config.optim.param_dtype)
-  if config.model.random_init:
-    params = qwen.init_params(cfg, jax.random.key(config.seed), param_dtype)
-    shard = sharding.param_shardings(qwen.logical_axes(cfg), qwen.abstract_params(cfg), mesh)
-    return jax.device_put(params, shard)
-  params, _ = weights.load_checkpoint(config.model.checkpoint, param_dtype=param_dtype,
-                                      mesh=mesh)
-  return params
 
 
 # --- the program -------------------------------------------------------------------------------
@@ -106,8 +44,8 @@ def run(config, workdir: str) -> dict:
   (open(os.path.join(workdir, "config.json"), "w")).write(config.to_json_best_effort(indent=2))
 
   mesh = sharding.make_mesh(tuple(config.mesh))
-  train_rows, eval_rows = _datasets(config, workdir)
-  tokenizer, stop_ids = _tokenizer(config, workdir, train_rows)
+  train_rows, eval_rows = inputs.datasets(config, workdir)
+  tokenizer, stop_ids = inputs.tokenizer(config, workdir, train_rows)
   if config.train.eval_examples:
     eval_rows = eval_rows[:config.train.eval_examples]
   # The warm start's stopping rule reads accuracy on training problems that neither phase trains
@@ -126,7 +64,7 @@ def run(config, workdir: str) -> dict:
   probe(rewards, rollout.prompt_texts(config, tokenizer, probe_rows),
         [r["answer"] for r in probe_rows], rollout.reward_columns(probe_rows, 1),
         allow_missing=config.rewards.allow_missing)
-  cfg, generation_config = _model_config(config, tokenizer)
+  cfg, generation_config = inputs.model_config(config, tokenizer)
   trainer = Trainer(config, cfg, mesh, tokenizer, stop_ids)
   num_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
   print(f"grpo_jax: {cfg.model_type} {cfg.num_layers}x{cfg.hidden_size}, "
@@ -139,7 +77,7 @@ def run(config, workdir: str) -> dict:
   # The latest checkpoint whose files pass their checksums; damaged newer ones are skipped.
   restored = checkpoint.resume(workdir, trainer.abstract_checkpoint())
   if restored is None:
-    params = _initial_params(config, cfg, mesh)
+    params = inputs.initial_params(config, cfg, mesh)
     if config.sft.steps:
       params = sft.run_sft(config, trainer, params, train_rows, sft_eval_rows)
     state = trainer.init_state(params)
@@ -230,7 +168,7 @@ def run(config, workdir: str) -> dict:
     signal.signal(signal.SIGTERM, previous)
 
   finished = done >= config.train.steps  # a SIGTERM in the last step still finishes the run
-  summary = _summary(workdir, stopped_at=None if finished else done)
+  summary = logging_io.write_summary(workdir, stopped_at=None if finished else done)
   if finished:  # on SIGTERM every second counts; `python -m grpo_jax.plots` draws it later
     plots.plot_metrics(workdir)
   if generation_config is None:
@@ -238,37 +176,6 @@ def run(config, workdir: str) -> dict:
   if finished:
     weights.save_checkpoint(state["params"], cfg, os.path.join(workdir, "final_model"),
                             generation_config=generation_config, tokenizer=tokenizer)
-  return summary
-
-
-def _summary(workdir, stopped_at: int | None = None):
-  """summary.json from the eval rows of metrics.jsonl: held-out accuracy at the start and end of
-  GRPO and the gain. A run stopped early (SIGTERM) at step `stopped_at` has no end: it reports
-  where it stopped and what it measured, and no gain (that needs the completed run)."""
-  evals = [r for r in logging_io.read_jsonl(os.path.join(workdir, logging_io.METRICS_FILE))
-           if r.get("eval/accuracy") is not None]
-  if not evals:
-    return {}
-  first, last = evals[0], evals[-1]
-  summary = {"eval_accuracy_start": first["eval/accuracy"], "start_step": first["step"]}
-  if stopped_at is None:
-    summary.update(eval_accuracy_end=last["eval/accuracy"], end_step=last["step"])
-    summary["eval_accuracy_gain_points"] = 100 * (summary["eval_accuracy_end"]
-                                                  - summary["eval_accuracy_start"])
-    line = (f"held-out greedy accuracy {first['eval/accuracy']:.1%} (step {first['step']}) -> "
-            f"{last['eval/accuracy']:.1%} (step {last['step']}): "
-            f"{summary['eval_accuracy_gain_points']:+.1f} points")
-  else:
-    summary = {"stopped_early": True, "stopped_at_step": stopped_at, **summary}
-    line = (f"stopped early at step {stopped_at}; held-out greedy accuracy "
-            f"{first['eval/accuracy']:.1%} at step {first['step']}")
-    if last["step"] > first["step"]:
-      summary.update(eval_accuracy_latest=last["eval/accuracy"], latest_eval_step=last["step"])
-      line += f", {last['eval/accuracy']:.1%} at step {last['step']}"
-    line += "; the gain is reported when the run completes (run the same command to resume)"
-  with open(os.path.join(workdir, SUMMARY_FILE), "w") as f:
-    json.dump(summary, f, indent=2)
-  print(f"grpo_jax: {line}", flush=True)
   return summary
 
 
@@ -312,49 +219,6 @@ class Trainer:
     return rollout.evaluate(self.config, self.sampler, self.tokenizer, params, rows,
                             self.accuracy)
 
-  def _collect(self, params, next_rows, rewards, key):
-    """Rollouts for one step. With train.dynamic_sampling (DAPO), groups whose G rewards are all
-    equal (zero advantage: they teach nothing) are set aside and further prompts sampled, up to
-    train.max_sampling_rounds rounds in all; a batch still short of prompts_per_step informative
-    groups is completed with set-aside groups, so the train step's row count never changes.
-    Returns (batch Rollouts, first round's Rollouts, metrics): reward and completion metrics
-    describe the first round, an unbiased sample of the policy."""
-    cfg = self.config
-    g, n = cfg.sampling.num_generations, cfg.train.prompts_per_step
-    weights_R = np.asarray(cfg.rewards.weights, np.float32)
-    rounds = cfg.train.max_sampling_rounds if cfg.train.dynamic_sampling else 1
-    m = {"time/sample_s": 0.0, "time/reward_s": 0.0}
-    parts, informative = [], []
-    for r in range(rounds):
-      part, part_metrics, sampler_metrics, (t_sample, t_reward) = rollout.sample_and_score(
-          cfg, self.sampler, self.tokenizer, params, next_rows(), rewards,
-          key if r == 0 else jax.random.fold_in(key, r))
-      m["time/sample_s"] += t_sample
-      m["time/reward_s"] += t_reward
-      if r == 0:
-        m.update(part_metrics)
-        m.update(sampler_metrics)
-      parts.append(part)
-      informative.append(np.asarray(grpo.informative_groups(
-          part.reward_BR, g, weights_R, cfg.loss.reward_aggregation)))
-      if not cfg.train.dynamic_sampling or np.concatenate(informative).sum() >= n:
-        break
-    first, pool, informative = parts[0], rollout.Rollouts.pool(parts), np.concatenate(informative)
-    if cfg.train.dynamic_sampling:
-      m["sampling/rounds"] = len(parts)
-      m["sampling/informative_frac_first_round"] = float(informative[:n].mean())
-      m["sampling/filled_groups"] = int(max(0, n - informative.sum()))
-      order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])
-      pool = pool.take(order[:n], g)
-    total = np.nansum(first.reward_BR * weights_R, axis=1)
-    m.update({
-        "reward/total/mean": float(total.mean()), "reward/total/std": float(total.std()),
-        "completion/mean_length": float(first.lengths_B.mean()),
-        "completion/max_length": int(first.lengths_B.max()),
-        "completion/truncated_frac": float(first.truncated_B.mean()),
-    })
-    return pool, m
-
   def grpo_step(self, state, ref_params, next_rows, rewards, step):
     """One GRPO step: rollouts (host), then one compiled program on the device: advantages,
     reference log-probs and the loss.num_iterations updates. next_rows() returns the next
@@ -362,7 +226,8 @@ class Trainer:
     cfg = self.config
     g = cfg.sampling.num_generations
     key = jax.random.fold_in(self.base_key, step)
-    batch_r, m = self._collect(state["params"], next_rows, rewards, key)
+    batch_r, m = rollout.collect(cfg, self.sampler, self.tokenizer, state["params"],
+                                 next_rows, rewards, key)
     t0 = time.perf_counter()
     host = batch_r.device_batch(self.tokenizer.pad_token_id, buckets=cfg.data.prompt_buckets,
                                 multiple=cfg.train.pad_multiple,

@@ -51,8 +51,6 @@ compiles once and never evicts another.
 """
 from __future__ import annotations
 
-import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -340,16 +338,18 @@ def _join_micro(x):
   return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
 
 
-def make_logprob_fn(model_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_size=None):
+def make_logprob_fn(model_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_size=None,
+                    group=1):
   """Jitted (params, tokens_BS, attn_mask_BS, C) → logp_BC, forward only, in grad_accum_steps
-  micro-batches. For tests and benchmarks: the train step computes its own."""
+  micro-batches (group: rows per micro-batch sharing a prompt, see completion_logprobs). For
+  tests and benchmarks: the train step computes its own."""
   validate_optim_config(optim_cfg)
   model = _model(model_cfg, optim_cfg, mesh)
   accum = optim_cfg.grad_accum_steps
   param_sh = state_shardings(model_cfg, optim_cfg, mesh)["params"]
   row_sh = NamedSharding(mesh, P(sharding.BATCH_AXES))
   kw = dict(temperature=temperature, valid=valid_vocab_size or model_cfg.vocab_size,
-            block_bytes=optim_cfg.logprob_block_bytes)
+            block_bytes=optim_cfg.logprob_block_bytes, group=group)
 
   def fn(params, tokens_BS, attn_mask_BS, C):
     micro = (_split_micro(tokens_BS, accum, mesh), _split_micro(attn_mask_BS, accum, mesh))

@@ -132,14 +132,14 @@ def test_summary_reports_a_gain_only_for_a_completed_run(tmp_path, capsys):
   rows = [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "loss": 0.5},
           {"step": 2, "eval/accuracy": 0.5}, {"step": 3, "loss": 0.4}]
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-  stopped = train._summary(str(tmp_path), stopped_at=3)
+  stopped = logging_io.write_summary(str(tmp_path), stopped_at=3)
   assert stopped == {"stopped_early": True, "stopped_at_step": 3, "eval_accuracy_start": 0.25,
                      "start_step": 0, "eval_accuracy_latest": 0.5, "latest_eval_step": 2}
   assert json.loads((tmp_path / "summary.json").read_text()) == stopped
   line = capsys.readouterr().out
   assert "stopped early at step 3" in line and "50.0% at step 2" in line and "points" not in line
 
-  done = train._summary(str(tmp_path))
+  done = logging_io.write_summary(str(tmp_path))
   assert done == {"eval_accuracy_start": 0.25, "start_step": 0, "eval_accuracy_end": 0.5,
                   "end_step": 2, "eval_accuracy_gain_points": 25.0}
   assert "25.0% (step 0) -> 50.0% (step 2): +25.0 points" in capsys.readouterr().out

@@ -1,0 +1,77 @@
+"""What a run is built from: its data, tokenizer, model config and initial params.
+
+    train_rows, eval_rows = inputs.datasets(config, workdir)
+    tokenizer, stop_ids = inputs.tokenizer(config, workdir, train_rows)
+    cfg, generation_config = inputs.model_config(config, tokenizer)
+    params = inputs.initial_params(config, cfg, mesh)
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from grpo_jax import data, sharding, synthetic, tokenizer as tokenizer_lib, validate
+from grpo_jax.models import qwen, weights
+
+
+def tokenizer(config, workdir, train_rows):
+  name = config.model.tokenizer or config.model.checkpoint
+  if name == "tiny":
+    # BPE merges learnt from the training problems (deterministic), plus the chat roles.
+    corpus = [r["question"] for r in train_rows] + [r["answer"] for r in train_rows]
+    corpus += ["user assistant system"] * 100
+    name = tokenizer_lib.build_tiny_tokenizer(os.path.join(workdir, "tokenizer"), corpus,
+                                              config.model.tiny.vocab_size)
+  field = "config.model.tokenizer" if config.model.tokenizer else "config.model.checkpoint"
+  tok = tokenizer_lib.load_tokenizer(name, field)
+  return tok, tokenizer_lib.stop_ids(tok, name)
+
+
+def datasets(config, workdir):
+  d = config.data
+  if d.source == "synthetic":
+    spec = synthetic.ProblemSpec(num_operands=d.synthetic_operands, digits=d.synthetic_digits)
+    source = synthetic.write_splits(os.path.join(workdir, "data"), d.synthetic_train,
+                                    d.synthetic_test, seed=config.seed, spec=spec)
+  else:
+    source = d.source
+  kw = dict(config_name=d.config_name or None, question_field=d.question_field,
+            answer_field=d.answer_field)
+  return (data.load_rows(source, d.train_split, **kw), data.load_rows(source, d.eval_split, **kw))
+
+
+def model_config(config, tokenizer):
+  """(QwenConfig, generation_config or None) without loading any weights."""
+  m = config.model
+  if m.random_init:
+    t = m.tiny
+    # Exactly the tokenizer's ids: no unused rows whose logits would enter the loss's softmax.
+    cfg = qwen.QwenConfig(
+        vocab_size=len(tokenizer), hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, rope_theta=t.rope_theta,
+        tie_word_embeddings=t.tie_word_embeddings, max_position_embeddings=4096)
+    generation_config = None
+  else:
+    path = weights.resolve(m.checkpoint, "config.model.checkpoint")
+    cfg, generation_config = weights.read_config(path), weights.read_generation_config(path)
+  if cfg.vocab_size < len(tokenizer):
+    raise validate.ConfigError(
+        f"config.model: the model's vocabulary ({cfg.vocab_size}) is smaller than the "
+        f"tokenizer's ({len(tokenizer)}); they do not belong together")
+  return cfg, generation_config
+
+
+def initial_params(config, cfg, mesh):
+  """The starting policy: random (tiny preset) or the checkpoint, placed in its shardings."""
+  param_dtype = jnp.dtype(config.optim.param_dtype)
+  if config.model.random_init:
+    params = qwen.init_params(cfg, jax.random.key(config.seed), param_dtype)
+    shard = sharding.param_shardings(qwen.logical_axes(cfg), qwen.abstract_params(cfg), mesh)
+    return jax.device_put(params, shard)
+  params, _ = weights.load_checkpoint(config.model.checkpoint, param_dtype=param_dtype,
+                                      mesh=mesh)
+  return params
