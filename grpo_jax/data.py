@@ -159,13 +159,7 @@ def pad_to_bucket(ids_list: Sequence[Sequence[int]], buckets: Sequence[int],
   """
   if not ids_list:
     raise ValueError("pad_to_bucket: no prompts")
-  longest = max(len(ids) for ids in ids_list)
-  fitting = [b for b in sorted(buckets) if b >= longest]
-  if not fitting:
-    raise ValueError(f"a prompt has {longest} tokens, more than the largest prompt bucket "
-                     f"{max(buckets)} (buckets: {sorted(buckets)}); raise the buckets or "
-                     "filter long prompts")
-  length = fitting[0]
+  length = bucket_length(max(len(ids) for ids in ids_list), buckets)
   tokens_BP = np.full((len(ids_list), length), pad_id, dtype=np.int32)
   mask_BP = np.zeros((len(ids_list), length), dtype=bool)
   for row, ids in enumerate(ids_list):
@@ -225,6 +219,16 @@ class PromptIterator:
         self._epoch, self._index = self._epoch + 1, 0
         self._order = self._permutation(self._epoch)
     return np.asarray(out, dtype=np.int64)
+
+
+def bucket_length(longest: int, buckets: Sequence[int]) -> int:
+  """The smallest bucket that holds `longest` tokens."""
+  fitting = [b for b in sorted(buckets) if b >= longest]
+  if not fitting:
+    raise ValueError(f"a prompt has {longest} tokens, more than the largest prompt bucket "
+                     f"{max(buckets)} (buckets: {sorted(buckets)}); raise the buckets or "
+                     "filter long prompts")
+  return fitting[0]
 
 
 def pad_right(ids_list: Sequence[Sequence[int]], length: int,

@@ -61,9 +61,9 @@ from ml_collections import config_dict
 
 from grpo_jax import grpo, logprobs, sharding
 from grpo_jax.models import qwen
+from grpo_jax.rewards.options import DTYPES
 
 SCHEDULES = ("constant", "cosine")
-DTYPES = ("float32", "bfloat16")
 
 OBJECTIVES = ("grpo", "sft")
 
@@ -224,6 +224,12 @@ def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_p
     if group_size is None or B % group_size:
       raise ValueError(f"a rollout batch of {B} rows needs group_size (G={group_size}) "
                        "dividing it")
+    # The step runs each group's prompt once: its rows must hold one prompt (a small fetch).
+    for k in ("prompt_BP", "prompt_mask_BP"):
+      x = np.asarray(batch[k]).reshape(B // group_size, group_size, -1)
+      if (x != x[:, :1]).any():
+        raise ValueError(f"batch['{k}']: the {group_size} rows of a group must be one prompt, "
+                         "left-padded alike")
   else:
     B, S = _shape(batch["tokens_BS"])
     C = _shape(batch["completion_mask_BC"])[-1]
@@ -530,10 +536,14 @@ class TrainStep:
 
   # --- host side -------------------------------------------------------------------------------
 
+  @staticmethod
+  def _key(batch, with_ref: bool):
+    return (with_ref,) + tuple(sorted((k, _shape(v), str(np.asarray(v).dtype) if not hasattr(
+        v, "dtype") else str(v.dtype)) for k, v in batch.items()))
+
   def jitted(self, batch, with_ref: bool):
     """The compiled program for this batch layout (cached by keys, shapes and dtypes)."""
-    key = (with_ref,) + tuple(sorted((k, _shape(v), str(np.asarray(v).dtype) if not hasattr(
-        v, "dtype") else str(v.dtype)) for k, v in batch.items()))
+    key = self._key(batch, with_ref)
     if key not in self._jitted:
       rep = sharding.replicated(self.mesh)
       row_sh = NamedSharding(self.mesh, P(sharding.BATCH_AXES))
@@ -544,12 +554,15 @@ class TrainStep:
           out_shardings=(self.state_sh, rep, row_sh), donate_argnums=0)
     return self._jitted[key]
 
+  def _needs_ref(self, batch) -> bool:
+    return (self.objective == "grpo" and grpo.needs_reference(self.loss_cfg)
+            and "ref_logp_BC" not in batch)
+
   def __call__(self, state, batch, ref_params=None):
     check_batch(batch, self.loss_cfg, self.optim_cfg, self.mesh, self.objective,
                 has_ref_params=ref_params is not None, group_size=self.group_size,
                 num_rewards=None if self.reward_weights is None else len(self.reward_weights))
-    need_ref = (self.objective == "grpo" and grpo.needs_reference(self.loss_cfg)
-                and "ref_logp_BC" not in batch)
+    need_ref = self._needs_ref(batch)
     return self.jitted(batch, need_ref)(state, ref_params if need_ref else None, batch)
 
 

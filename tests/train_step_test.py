@@ -465,6 +465,9 @@ def test_rollout_batch_builds_the_train_batch_on_device(params, data):
   given = dict(batch, advantages_B=np.asarray(adv, np.float32))
   want, want_m, want_adv = step(train_step.create_train_state(p, MODEL, optim, mesh),
                                 {k: v for k, v in given.items() if k != "old_logp_BC"})
+  roll = _rollout_from(data[0], rewards)  # every row its own prompt: not a rollout
+  with pytest.raises(ValueError, match="must be one prompt"):
+    step(train_step.create_train_state(p, MODEL, optim, mesh), roll)
   roll = _rollout_from(batch, rewards)
   roll["ref_logp_BC"] = batch["ref_logp_BC"]  # not a rollout key: rejected
   with pytest.raises(ValueError, match="unknown"):
@@ -580,3 +583,4 @@ def test_prompt_run_once_per_group_equals_running_every_row(params, data, accum,
   for k in ("loss", "loss/kl", "entropy", "grad_norm"):
     np.testing.assert_allclose(float(got_m[k]), float(want_m[k]), rtol=1e-5, err_msg=k)
   assert_same_step(host(got), host(got_m), host(want), host(want_m))
+

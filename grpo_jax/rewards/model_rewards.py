@@ -52,7 +52,6 @@ from grpo_jax.models import qwen, weights
 from grpo_jax.rewards import text
 from grpo_jax.rewards.options import DiversityOptions, LocalOptions, VerifierOptions, json_object
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _MIN_BUCKET = 16
 
 
@@ -60,7 +59,7 @@ def _load(checkpoint: str, tokenizer: str, dtype: str, field: str, is_causal: bo
   """A checkpoint's params, config, Flax module (compute and params in `dtype`) and tokenizer."""
   if not checkpoint:
     raise ValueError(f"{field} is empty: set it to a local checkpoint folder")
-  jdtype = _DTYPES[dtype]
+  jdtype = jnp.dtype(dtype)  # a name from options.DTYPES, checked there
   params, cfg = weights.load_checkpoint(checkpoint, param_dtype=jdtype)
   if is_causal is not None:
     cfg = dataclasses.replace(cfg, is_causal=is_causal)
