@@ -22,9 +22,9 @@ tiny — offline, CPU, minutes: a 2-layer 128-wide Qwen2 with random weights, a 
   every 10 steps, at most 1,000 steps); GRPO with dynamic sampling then has to lift it:
     python -m grpo_jax.main --config=configs/gsm8k.py:tiny --workdir=runs/tiny
   Measured on the 2-core CPU (2026-11-23, experiments/tiny_seeds.md): held-out greedy accuracy
-  gain over seeds 0-4 +36.2 ± 8.4 points (mean ± std; lowest +27.9), from 17.6-33.2% after the
-  warm start. Seed 0 from a fresh clone, alone on the CPU: 4.3 minutes (warm start 1.4, GRPO
-  400 steps 2.8), 17.6% -> 46.3%, +28.7 points. Seeds 5 and 6: +28.3, +45.7.
+  gain over seeds 0-4 +33.6 ± 4.3 points (mean ± std; lowest +28.3), from 18.2-31.1% after the
+  warm start. Seed 0 from a fresh clone, alone on the CPU: 2.3 minutes, 29.9% -> 69.9%, +40.0
+  points.
   Learning rate: experiments/tiny_seeds.md (redone over seeds) and tiny_lr_sweep.md.
 """
 
