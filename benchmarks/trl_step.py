@@ -85,11 +85,10 @@ grpo_jax worker of the run). XLA's cost_analysis is no cross-check here: it coun
 every scan once (the layers, and the LM head's blocks in logprobs.py).
 
 Protocol: every (side, size) runs in its own process (this script with --worker), grpo_jax then
-TRL, alternated A/B/A/B for --rounds rounds (default 2 for small and small_vocab, 1 for large,
-so the default run should take about 35 minutes on 2 otherwise idle cores, estimated from
-earlier measurements of TRL at ~90 s/step small and ~390 s/step large and grpo_jax at ~30 s
-and ~170 s; not timed as a whole). Each worker runs --warmup steps (dropped) and then --steps
-measured ones. A side that fails (out of memory: killed by a signal, or XLA's
+TRL, alternated A/B/A/B for --rounds rounds (default 2 for small and small_vocab, 1 for large).
+Measured 2026-11-23 on 2 otherwise idle cores: `--sizes small --small_vocab --steps 2` took
+18 minutes, `--sizes large --steps 1` 21 minutes (TRL's steps: ~136 s small, 450-550 s large).
+Each worker runs --warmup steps (dropped) and then --steps measured ones. A side that fails (out of memory: killed by a signal, or XLA's
 RESOURCE_EXHAUSTED) is reported and not run again; the others go on. If the mean completion
 lengths differ by more than 3% (or with --forced_length), the size is run again with no stop
 tokens on either side (grpo_jax: stop_ids=(); TRL: generation_kwargs min_new_tokens = C), so

@@ -112,16 +112,20 @@ def data(params):
   return batch, logp
 
 
+def dense_logprobs(params, tokens, attn, valid=MODEL.vocab_size):
+  """Completion log-probs from the model's dense logits (first `valid` rows), in float64."""
+  model = qwen.Qwen(MODEL)
+  hidden, _ = model.apply({"params": params}, tokens, qwen.positions_from_mask(attn), attn)
+  logits = np.asarray(model.apply({"params": params}, hidden, method=qwen.Qwen.logits),
+                      np.float64)[:, P - 1:-1, :valid]
+  lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  return np.take_along_axis(logits, tokens[:, P:, None], -1)[..., 0] - lse
+
+
 def test_logprob_fn_matches_dense_logits(params, data):
   """Chunked, micro-batched, sharded log-probs == log_softmax of the model's dense logits."""
   batch, logp = data
-  model = qwen.Qwen(MODEL)
-  tokens, attn = batch["tokens_BS"], batch["attn_mask_BS"]
-  hidden, _ = model.apply({"params": params}, tokens, qwen.positions_from_mask(attn), attn)
-  logits = np.asarray(model.apply({"params": params}, hidden, method=qwen.Qwen.logits),
-                      np.float64)[:, P - 1:-1]
-  lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-  want = np.take_along_axis(logits, tokens[:, P:, None], -1)[..., 0] - lse
+  want = dense_logprobs(params, batch["tokens_BS"], batch["attn_mask_BS"])
   mask = batch["completion_mask_BC"] > 0
   np.testing.assert_allclose(logp[mask], want[mask], rtol=1e-5, atol=1e-5)
 
@@ -138,12 +142,7 @@ def test_valid_vocab_size_restricts_the_softmax(params, data):
   fn = train_step.make_logprob_fn(MODEL, optim, mesh, valid_vocab_size=valid)
   got = np.asarray(fn(jax.device_put(params, train_step.state_shardings(MODEL, optim, mesh)[
       "params"]), tokens, attn, C))
-  model = qwen.Qwen(MODEL)
-  hidden, _ = model.apply({"params": params}, tokens, qwen.positions_from_mask(attn), attn)
-  logits = np.asarray(model.apply({"params": params}, hidden, method=qwen.Qwen.logits),
-                      np.float64)[:, P - 1:-1, :valid]
-  lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-  want = np.take_along_axis(logits, tokens[:, P:, None], -1)[..., 0] - lse
+  want = dense_logprobs(params, tokens, attn, valid)
   mask = batch["completion_mask_BC"] > 0
   np.testing.assert_allclose(got[mask], want[mask], rtol=1e-5, atol=1e-5)
 
@@ -506,13 +505,7 @@ def test_dr_grpo_divides_by_max_completion_length_not_the_padded_width(params, d
 def test_sft_objective_is_the_mean_nll_of_completion_tokens(params, data):
   batch, _ = data
   sft_batch = {k: batch[k] for k in ("tokens_BS", "attn_mask_BS", "completion_mask_BC")}
-  model = qwen.Qwen(MODEL)
-  tokens, attn = batch["tokens_BS"], batch["attn_mask_BS"]
-  hidden, _ = model.apply({"params": params}, tokens, qwen.positions_from_mask(attn), attn)
-  logits = np.asarray(model.apply({"params": params}, hidden, method=qwen.Qwen.logits),
-                      np.float64)[:, P - 1:-1]
-  lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-  nll = lse - np.take_along_axis(logits, tokens[:, P:, None], -1)[..., 0]
+  nll = -dense_logprobs(params, batch["tokens_BS"], batch["attn_mask_BS"])
   mask = batch["completion_mask_BC"]
   want = (nll * mask).sum() / mask.sum()
   optim = optim_config(grad_accum_steps=4, lr=1e-2)
