@@ -232,8 +232,9 @@ class Trainer:
     host = batch_r.device_batch(self.tokenizer.pad_token_id, buckets=cfg.data.prompt_buckets,
                                 multiple=cfg.train.pad_multiple,
                                 with_truncated=cfg.loss.mask_truncated_completions)
-    batch = jax.device_put(host, train_step.batch_shardings(host, self.mesh))  # one upload
-    state, train_m, adv_B = self.step_fn(state, batch, ref_params)
+    # Host arrays: checked here without a device round trip, then uploaded once, by the jitted
+    # step's input shardings (the batch split over data × fsdp).
+    state, train_m, adv_B = self.step_fn(state, host, ref_params)
     train_m, adv_B = jax.device_get((train_m, adv_B))
     m.update({k: float(v) for k, v in train_m.items()})
     m["time/train_s"] = time.perf_counter() - t0

@@ -499,9 +499,8 @@ class TrainStep:
                               lc.mask_truncated_completions) if self.objective == "grpo"
                else batch["completion_mask_BC"].astype(jnp.float32))
     batch = dict(batch, mask_BC=mask_BC)
-    B, C = mask_BC.shape
-    norm = {"tokens": mask_BC.sum(), "sequences": B,
-            "max_completion_length": self.max_completion_length or C, "group": group}
+    B = mask_BC.shape[0]
+    norm = self._normalisers(mask_BC, group)
     state, m, logp_BC, ref_BC = self._update(state, ref_params, batch, norm)
     if self.objective == "grpo" and lc.num_iterations > 1:
       # Updates 2..μ: old log-probs are the first update's (the params before any update).
@@ -523,6 +522,12 @@ class TrainStep:
       metrics.update({"advantages/mean": adv_B.mean(), "advantages/std": adv_B.std(),
                       "advantages/min": adv_B.min(), "advantages/max": adv_B.max()})
     return state, metrics, adv_B
+
+  def _normalisers(self, mask_BC, group=1):
+    """What the loss divides by, over the whole batch (so micro-batching never changes it)."""
+    return {"tokens": mask_BC.sum(), "sequences": mask_BC.shape[0],
+            "max_completion_length": self.max_completion_length or mask_BC.shape[1],
+            "group": group}
 
   def _prompt_sharing(self, rows: int) -> int:
     """Rows per micro-batch that share a prompt (1: none). A rollout batch is group-major, and
@@ -574,9 +579,8 @@ def make_grad_fn(model_cfg, loss_cfg, optim_cfg, mesh, batch, **step_kw):
   def fn(params, batch):
     mask_BC = grpo.loss_mask(batch["completion_mask_BC"], batch.get("truncated_B"),
                              loss_cfg.mask_truncated_completions)
-    norm = {"tokens": mask_BC.sum(), "sequences": mask_BC.shape[0],
-            "max_completion_length": step.max_completion_length or mask_BC.shape[1], "group": 1}
-    grads, sums, _, _ = step._grads(params, None, dict(batch, mask_BC=mask_BC), norm)
+    grads, sums, _, _ = step._grads(params, None, dict(batch, mask_BC=mask_BC),
+                                    step._normalisers(mask_BC))
     return sums["loss"], grads
   param_sh = step.state_sh["params"]
   return jax.jit(fn, in_shardings=(param_sh, batch_shardings(batch, mesh)),
