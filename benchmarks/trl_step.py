@@ -213,26 +213,15 @@ def prepare(size: str, out_dir: Path, num_steps: int) -> dict:
 
 
 class _Spy:
-  """Stands in for one of the Trainer's jitted functions: remembers the first call's arguments
-  (as shapes, before the state is donated) and the last call's, and while `block` times calls to
-  completion (the call is otherwise asynchronous)."""
+  """Stands in for the Trainer's train step and keeps the last call's arguments (the step's
+  batch, for timing the reference forward beside it)."""
 
-  def __init__(self, fn, block=False):
-    self.fn, self.block, self.first, self.seconds = fn, block, None, 0.0
+  def __init__(self, fn):
+    self.fn, self.last = fn, None
 
   def __call__(self, *args):
-    import jax
-    if self.first is None:
-      self.first = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-          if isinstance(x, jax.Array) else x, args)
     self.last = args
-    t = time.perf_counter()
-    out = self.fn(*args)
-    if self.block:
-      out = jax.block_until_ready(out)
-      self.seconds += time.perf_counter() - t
-    return out
+    return self.fn(*args)
 
   def __getattr__(self, name):
     return getattr(self.fn, name)

@@ -67,7 +67,6 @@ def run_sft(config, trainer, params, rows, eval_rows=()):
   order = data.PromptIterator(len(rows), s.batch_size, config.seed + 1)
   stop = tok.convert_tokens_to_ids(tok.eos_token)
   target = s.target_accuracy if eval_rows else 0.0
-  reward = rollout.accuracy_reward(config)
   bar = tqdm(range(s.steps), desc="sft warm start", dynamic_ncols=True, mininterval=2.0)
   acc = None
   for i in bar:
@@ -83,7 +82,7 @@ def run_sft(config, trainer, params, rows, eval_rows=()):
       bar.set_postfix(loss=f"{float(metrics['loss']):.3f}",
                       **({} if acc is None else {"val": f"{acc:.3f}"}))
     if target and (i + 1) % s.eval_every == 0:
-      acc = rollout.evaluate(config, trainer.sampler, tok, state["params"], eval_rows, reward)
+      acc = trainer.evaluate(state["params"], eval_rows)
       bar.write(f"grpo_jax: warm start step {i + 1}: validation accuracy {acc:.1%}")
       if acc >= target:
         bar.close()

@@ -82,7 +82,7 @@ def default_optim_config() -> config_dict.ConfigDict:
       param_dtype="float32",   # dtype the params and optimizer moments are stored in
       compute_dtype="bfloat16",  # dtype of the forward/backward matmuls
       remat=True,              # rematerialise each decoder layer in the backward pass
-      logprob_block_bytes=4 << 20,  # fp32 logits per block of the head pass (logprobs.py)
+      logprob_block_bytes=logprobs.DEFAULT_BLOCK_BYTES,  # fp32 logits per head-pass block
   ))
 
 
@@ -287,12 +287,11 @@ def make_batch(rollout, loss_cfg, *, group_size, reward_weights):
 # Forward to completion log-probs.
 
 
-def _model(model_cfg, optim_cfg, mesh, collect_kv=False):
+def _model(model_cfg, optim_cfg, mesh):
   # The residual stream is pinned to the batch split (see qwen.Qwen.act_sharding).
   return qwen.Qwen(model_cfg, dtype=jnp.dtype(optim_cfg.compute_dtype),
                    param_dtype=jnp.dtype(optim_cfg.param_dtype), remat=optim_cfg.remat,
-                   act_sharding=NamedSharding(mesh, P(sharding.BATCH_AXES)),
-                   collect_kv=collect_kv)
+                   act_sharding=NamedSharding(mesh, P(sharding.BATCH_AXES)))
 
 
 def completion_logprobs(model, params, tokens_BS, attn_mask_BS, C, *, temperature, valid,
