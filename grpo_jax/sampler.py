@@ -26,6 +26,13 @@ What happens in one call (C = max_new_tokens, P = the smallest bucket holding ev
 The batch (B, and B*G after tiling) is split over the mesh's data × fsdp axes; B is padded to a
 multiple of that size with copies of the last prompt, whose rows are dropped from the output.
 
+Multi-turn (grpo_jax.agent): `begin` prefills with room for several turns, `extend` samples
+the next turn of every active row from where its conversation stands, and `append` feeds each
+row's next user turn (e.g. a tool's output) into the same cache; `generate` is begin + one
+extend. The cache slot a call writes is the same for every row, while each row keeps its own
+RoPE position: the slots a row leaves unused after its stop token are masked out as holes, so
+the rows' conversations need not be aligned.
+
 Sampling settings (defaults given to the Sampler, overridable per call; each distinct setting
 compiles once): `greedy` (or temperature=0), `temperature`, `top_k`, `top_p`, `min_p`, defined
 in grpo_jax.sampling (the cuts, their order and how they are drawn from exactly).
@@ -70,6 +77,17 @@ class SampleOutput(NamedTuple):
   prompt_tokens: Array  # [B, P] int32, left-padded with pad_id
   prompt_mask: Array  # [B, P] int32
   metrics: dict[str, float]
+
+
+class Conversation(NamedTuple):
+  """G conversations per prompt on the device (Sampler.begin / extend / append): the KV cache
+  and decode state carried from turn to turn, so no turn re-reads what came before it."""
+  cache: dict  # [L, R_pad, K, slots, H] per 'k'/'v', donated by each extend/append
+  state: dict  # hidden [R_pad, D], mask [R_pad, slots], pos [R_pad], slot (see _prefill_impl)
+  row_ids: Array  # [R_pad, 2] (prompt id, sample index): each row's random stream
+  rows: int  # R = B*G real rows; the rest pad the batch to the mesh
+  prompt_tokens: np.ndarray  # [B, P] left-padded
+  prompt_mask: np.ndarray  # [B, P]
 
 
 class Sampler:
@@ -129,9 +147,10 @@ class Sampler:
     self.valid, self.pad_id, self.mesh = valid, int(pad_id), mesh
     self.vocab_chunk = min(int(vocab_chunk), valid)
     self.top_p_draws = int(top_p_draws)
-    self._prefill = jax.jit(self._prefill_impl, static_argnums=(3,))
+    self._prefill = jax.jit(self._prefill_impl, static_argnums=(3, 4))
     # The cache (argument 1) is donated: the decode loop updates the prefill's buffer in place.
-    self._decode = jax.jit(self._decode_impl, static_argnums=(5,), donate_argnums=(1,))
+    self._decode = jax.jit(self._decode_impl, static_argnums=(6, 7), donate_argnums=(1,))
+    self._append = jax.jit(self._append_impl, donate_argnums=(1,))
 
   # --- device side -------------------------------------------------------------------------
 
@@ -141,31 +160,40 @@ class Sampler:
     spec = sharding_lib.logical_to_spec(P(*logical), x.shape, self.mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-  def _prefill_impl(self, params, tokens_BP, mask_BP, num_samples):
-    """Prompt forward into a P-slot cache, then tiled to [L, B*G, K, P+C, H]."""
-    cfg, g, c = self.cfg, num_samples, self.max_new_tokens
-    b, _ = tokens_BP.shape
-    cache = qwen.init_cache(cfg, b, tokens_BP.shape[1], self.model.dtype)
+  def _prefill_impl(self, params, tokens_BP, mask_BP, num_samples, capacity):
+    """Prompt forward into a P-slot cache, then tiled to [L, B*G, K, capacity, H].
+
+    The decode state: `hidden` [R, D] (the last position's, which predicts the next token),
+    `mask` [R, capacity] (1 on slots a row may attend to), `pos` [R] (each row's next RoPE
+    position) and `slot` (the next cache slot to write, the same for every row).
+    """
+    cfg, g = self.cfg, num_samples
+    b, p = tokens_BP.shape
+    cache = qwen.init_cache(cfg, b, p, self.model.dtype)
     cache = jax.tree.map(lambda x: self._constrain(x, CACHE_AXES), cache)
     hidden_BPD, cache = self.model.apply({"params": params}, tokens_BP,
                                          qwen.positions_from_mask(mask_BP), mask_BP, cache, 0)
     tile = lambda x: jnp.repeat(x, g, axis=0)
     cache = jax.tree.map(lambda x: self._constrain(
-        jnp.pad(jnp.repeat(x, g, axis=1), ((0, 0), (0, 0), (0, 0), (0, c), (0, 0))),
+        jnp.pad(jnp.repeat(x, g, axis=1), ((0, 0), (0, 0), (0, 0), (0, capacity - p), (0, 0))),
         CACHE_AXES), cache)
-    # Every completion slot is marked real: the causal rule (slot s <= t) hides unwritten ones.
-    mask_RS = jnp.concatenate([tile(mask_BP), jnp.ones((b * g, c), mask_BP.dtype)], 1)
+    # Every later slot is marked real: the causal rule (slot s <= t) hides unwritten ones; a
+    # decode call marks the slots a row left unused (after its stop token) as holes.
+    mask_RS = jnp.concatenate([tile(mask_BP), jnp.ones((b * g, capacity - p), mask_BP.dtype)], 1)
     return cache, {
         "hidden": self._constrain(tile(hidden_BPD[:, -1]), ("batch", None)),
         "mask": self._constrain(mask_RS, ("batch", None)),
-        "prompt_len": tile(jnp.sum(mask_BP, 1, dtype=jnp.int32)),
+        "pos": tile(jnp.sum(mask_BP, 1, dtype=jnp.int32)),
+        "slot": jnp.int32(p),
     }
 
-  def _decode_impl(self, params, cache, state, rng, row_ids_R2, sp: sampling.SamplingParams):
-    """A while_loop: sample a token per row from the last hidden state, feed it, repeat."""
-    c, cfg = self.max_new_tokens, self.cfg
+  def _decode_impl(self, params, cache, state, rng, row_ids_R2, active_R,
+                   sp: sampling.SamplingParams, c: int):
+    """A while_loop: sample a token per row from the last hidden state, feed it, repeat; at
+    most c tokens, written from slot state['slot']; rows not active_R sample nothing."""
+    cfg = self.cfg
     r = state["hidden"].shape[0]
-    p = state["mask"].shape[1] - c
+    p = state["slot"]
     keys_R = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(rng, i[0]), i[1]))(
         row_ids_R2)
     # qwen.head_kernel is [D, V]; for a tied model its .T is the embedding itself, no copy.
@@ -181,7 +209,7 @@ class Sampler:
     # The forward after a row's last step is wasted work, one model step per call.
     carry = dict(step=jnp.int32(0), cache=cache, hidden=state["hidden"],
                  tokens=jnp.full((r, c), self.pad_id, jnp.int32),
-                 logp=jnp.zeros((r, c), jnp.float32), done=jnp.zeros((r,), bool),
+                 logp=jnp.zeros((r, c), jnp.float32), done=~active_R,
                  stopped=jnp.zeros((r,), bool), lengths=jnp.zeros((r,), jnp.int32),
                  extra_rounds=jnp.int32(0))
 
@@ -195,15 +223,23 @@ class Sampler:
       tok = jnp.where(live, tok, self.pad_id)
       stopped = live & jnp.isin(tok, stop)
       hidden, cache = self.model.apply(
-          {"params": params}, tok[:, None], (state["prompt_len"] + i)[:, None], state["mask"],
+          {"params": params}, tok[:, None], (state["pos"] + i)[:, None], state["mask"],
           s["cache"], p + i)
       put = lambda x_RC, x_R: jax.lax.dynamic_update_index_in_dim(x_RC, x_R, i, 1)
-      return dict(step=i + 1, cache=cache, hidden=hidden[:, 0], tokens=put(s["tokens"], tok),
+      # A row that stopped keeps the hidden state of its last token (what a later turn
+      # continues from), not that of the pads it is fed afterwards.
+      hidden = jnp.where(live[:, None], hidden[:, 0], s["hidden"])
+      return dict(step=i + 1, cache=cache, hidden=hidden, tokens=put(s["tokens"], tok),
                   logp=put(s["logp"], jnp.where(live, logp, 0.0)),
                   done=s["done"] | stopped, stopped=s["stopped"] | stopped,
                   lengths=s["lengths"] + live, extra_rounds=s["extra_rounds"] + fb)
 
     out = jax.lax.while_loop(cond, body, carry)
+    # Slots [p + length, p + steps) of a row hold what it was fed after stopping: holes.
+    j_S = jnp.arange(state["mask"].shape[1]) - p
+    hole_RS = (j_S[None] >= out["lengths"][:, None]) & (j_S[None] < out["step"])
+    new_state = {"hidden": out["hidden"], "mask": jnp.where(hole_RS, 0, state["mask"]),
+                 "pos": state["pos"] + out["lengths"], "slot": p + out["step"]}
     results = {
         "tokens": self._constrain(out["tokens"], ("batch", None)),
         "lengths": out["lengths"], "truncated": ~out["stopped"],
@@ -211,7 +247,21 @@ class Sampler:
         "steps": out["step"], "extra_rounds": out["extra_rounds"],
     }
     # Returning the cache aliases it with the donated input, so no copy is made on entry.
-    return results, out["cache"]
+    return results, out["cache"], new_state
+
+  def _append_impl(self, params, cache, state, tokens_RO, mask_RO):
+    """Feeds right-padded tokens (an observation) to every row at slots [slot, slot + O): the
+    multi-turn rollout's next user turn, written into the carried cache, no re-prefill."""
+    p = state["slot"]
+    n_R = jnp.sum(mask_RO, 1, dtype=jnp.int32)
+    positions_RO = state["pos"][:, None] + qwen.positions_from_mask(mask_RO)
+    mask_RS = jax.lax.dynamic_update_slice(state["mask"], mask_RO.astype(state["mask"].dtype),
+                                           (0, p))
+    hidden_ROD, cache = self.model.apply({"params": params}, tokens_RO, positions_RO, mask_RS,
+                                         cache, p)
+    last_RD = jnp.take_along_axis(hidden_ROD, jnp.maximum(n_R - 1, 0)[:, None, None], 1)[:, 0]
+    return cache, {"hidden": jnp.where(n_R[:, None] > 0, last_RD, state["hidden"]),
+                   "mask": mask_RS, "pos": state["pos"] + n_R, "slot": p + tokens_RO.shape[1]}
 
   # --- host side ---------------------------------------------------------------------------
 
@@ -254,25 +304,22 @@ class Sampler:
       return 1
     return int(np.prod([self.mesh.shape[a] for a in sharding_lib.BATCH_AXES]))
 
-  def generate(self, params, prompts, mask=None, *, num_samples: int = 1, key=None,
-               prompt_ids=None, **settings) -> SampleOutput:
-    """num_samples (G) completions per prompt; see the module docstring for the output.
-
-    prompts: B lists of token ids, or a left-padded [B, P] array with `mask`.
-    key: a jax PRNG key (required unless sampling greedily).
-    prompt_ids: B ints folded into each row's key instead of the prompt's batch index.
-    settings: greedy / temperature / top_k / top_p / min_p overriding the Sampler's defaults.
-    """
-    if not (isinstance(num_samples, (int, np.integer)) and num_samples >= 1):
-      raise ValueError(f"num_samples={num_samples!r} (G) must be an int >= 1")
+  def _settings(self, settings) -> sampling.SamplingParams:
     unknown = set(settings) - {"greedy", "temperature", "top_k", "top_p", "min_p"}
     if unknown:
       raise TypeError(f"unknown sampling settings {sorted(unknown)}")
-    sp = sampling.parse_settings(**{**dataclasses.asdict(self.defaults), **settings})
-    if key is None:
-      if not sp.greedy:
-        raise ValueError("key is required unless sampling greedily")
-      key = jax.random.key(0)
+    return sampling.parse_settings(**{**dataclasses.asdict(self.defaults), **settings})
+
+  def _put(self, x):
+    return jnp.asarray(x) if self.mesh is None else jax.device_put(
+        x, sharding_lib.batch_sharding(self.mesh, x.ndim))
+
+  def begin(self, params, prompts, mask=None, *, num_samples: int = 1, room: int,
+            prompt_ids=None) -> Conversation:
+    """Prefills the prompts into a cache with `room` free slots after the prompt bucket, tiled
+    ×G: the start of G conversations per prompt, continued by `extend` and `append`."""
+    if not (isinstance(num_samples, (int, np.integer)) and num_samples >= 1):
+      raise ValueError(f"num_samples={num_samples!r} (G) must be an int >= 1")
     rows = self._as_token_lists(prompts, mask)
     b, g = len(rows), int(num_samples)
     ids = np.arange(b) if prompt_ids is None else np.asarray(prompt_ids)
@@ -283,19 +330,65 @@ class Sampler:
     tokens, mask_BP = data.pad_to_bucket([rows[min(i, b - 1)] for i in range(b_pad)],
                                          self.buckets, self.pad_id)
     mask_BP = mask_BP.astype(np.int32)
-    p = tokens.shape[1]
     row_ids = np.stack([np.repeat(np.resize(ids, b_pad), g), np.tile(np.arange(g), b_pad)], 1)
-    put = lambda x: jnp.asarray(x) if self.mesh is None else jax.device_put(
-        x, sharding_lib.batch_sharding(self.mesh, x.ndim))
+    cache, state = self._prefill(params, self._put(tokens), self._put(mask_BP), g,
+                                 tokens.shape[1] + int(room))
+    return Conversation(cache, state, self._put(row_ids.astype(np.int32)), b * g,
+                        tokens[:b], mask_BP[:b])
 
+  def extend(self, params, conv: Conversation, key, *, max_tokens: int, active=None,
+             **settings) -> tuple[dict, Conversation]:
+    """Samples up to max_tokens more tokens for every active row (default: all), from where
+    each conversation stands. Returns ({'tokens' [R, max_tokens], 'lengths', 'truncated',
+    'logprobs', 'steps', 'extra_rounds'} as in SampleOutput, the conversation continued)."""
+    sp = self._settings(settings)
+    if key is None:
+      if not sp.greedy:
+        raise ValueError("key is required unless sampling greedily")
+      key = jax.random.key(0)
+    r_pad = conv.row_ids.shape[0]
+    act = np.zeros((r_pad,), bool)
+    act[:conv.rows] = True if active is None else np.asarray(active, bool)
+    results, cache, state = self._decode(params, conv.cache, conv.state, key, conv.row_ids,
+                                         self._put(act), sp, int(max_tokens))
+    if r_pad > conv.rows:
+      results = {k: v[:conv.rows] if np.ndim(v) else v for k, v in results.items()}
+    return results, conv._replace(cache=cache, state=state)
+
+  def append(self, params, conv: Conversation, token_lists, width: int) -> Conversation:
+    """Feeds each row its token list (an observation; may be empty), right-padded to `width`
+    (a fixed width compiles once), into the carried cache."""
+    if len(token_lists) != conv.rows:
+      raise ValueError(f"append got {len(token_lists)} token lists for {conv.rows} rows")
+    longest = max((len(t) for t in token_lists), default=0)
+    if longest > width:
+      raise ValueError(f"an appended token list has {longest} tokens, more than width={width}")
+    r_pad = conv.row_ids.shape[0]
+    tokens_RO, mask_RO = data.pad_right(list(token_lists) + [[]] * (r_pad - conv.rows), width,
+                                        self.pad_id)
+    cache, state = self._append(params, conv.cache, conv.state, self._put(tokens_RO),
+                                self._put(mask_RO.astype(np.int32)))
+    return conv._replace(cache=cache, state=state)
+
+  def generate(self, params, prompts, mask=None, *, num_samples: int = 1, key=None,
+               prompt_ids=None, **settings) -> SampleOutput:
+    """num_samples (G) completions per prompt; see the module docstring for the output.
+
+    prompts: B lists of token ids, or a left-padded [B, P] array with `mask`.
+    key: a jax PRNG key (required unless sampling greedily).
+    prompt_ids: B ints folded into each row's key instead of the prompt's batch index.
+    settings: greedy / temperature / top_k / top_p / min_p overriding the Sampler's defaults.
+    """
+    if key is None and not self._settings(settings).greedy:  # fail before any device work
+      raise ValueError("key is required unless sampling greedily")
     start = time.perf_counter()
-    cache, state = jax.block_until_ready(self._prefill(params, put(tokens), put(mask_BP), g))
+    conv = self.begin(params, prompts, mask, num_samples=num_samples, room=self.max_new_tokens,
+                      prompt_ids=prompt_ids)
+    jax.block_until_ready(conv.state)
     prefill_s = time.perf_counter() - start
-    results, _ = self._decode(params, cache, state, key, put(row_ids.astype(np.int32)), sp)
+    results, _ = self.extend(params, conv, key, max_tokens=self.max_new_tokens, **settings)
     results = jax.block_until_ready(results)
     seconds = time.perf_counter() - start
-    if b_pad > b:
-      results = {k: v[:b * g] if np.ndim(v) else v for k, v in results.items()}
     generated = int(np.asarray(results["lengths"]).sum())
     metrics = {
         "sampler/tokens_per_s": generated / seconds,
@@ -303,10 +396,10 @@ class Sampler:
         "sampler/prefill_seconds": prefill_s,
         "sampler/decode_steps": int(results["steps"]),
         "sampler/cut_extra_rounds": int(results["extra_rounds"]),
-        "sampler/prompt_bucket": p,
+        "sampler/prompt_bucket": conv.prompt_tokens.shape[1],
     }
     return SampleOutput(results["tokens"], results["lengths"], results["truncated"],
-                        results["logprobs"], jnp.asarray(tokens[:b]), jnp.asarray(mask_BP[:b]),
-                        metrics)
+                        results["logprobs"], jnp.asarray(conv.prompt_tokens),
+                        jnp.asarray(conv.prompt_mask), metrics)
 
   __call__ = generate
