@@ -275,7 +275,13 @@ class Runner:
             bar.update(1)
           elif ready:
             todo.remove(r)
-            self._start(r)
+            try:
+              self._start(r)
+            except OSError as e:  # the prefix's files went missing, a full disk: this run only
+              self.status[r.dir] = "failed"
+              self.records[r.dir].update(reason=f"could not start: {e}")
+              self._save(r)
+              bar.update(1)
         for key, (r, proc, started) in list(self.procs.items()):
           code = proc.poll()
           if code is None:
