@@ -76,7 +76,7 @@ def tail_mean(records: Sequence[dict], key: str, tail: int = TAIL_STEPS) -> floa
 
 def load_runs(sweep_dir: str) -> list[RunResult]:
   """The sweep's runs (not its prefixes), in sweep.json's order when there is one."""
-  index = sweep_runner._read_json(os.path.join(sweep_dir, sweep_runner.SWEEP_FILE)) or {}
+  index = sweep_runner.read_json(os.path.join(sweep_dir, sweep_runner.SWEEP_FILE)) or {}
   dirs = [r["dir"] for r in index.get("runs", []) if r.get("kind") == "run"]
   if not dirs:
     dirs = sorted(d for d in os.listdir(sweep_dir)
@@ -84,11 +84,11 @@ def load_runs(sweep_dir: str) -> list[RunResult]:
   out = []
   for d in dirs:
     path = os.path.join(sweep_dir, d)
-    rec = sweep_runner._read_json(os.path.join(path, sweep_runner.RUN_FILE))
+    rec = sweep_runner.read_json(os.path.join(path, sweep_runner.RUN_FILE))
     if rec is None or rec.get("kind", "run") != "run":
       continue
     finished = sweep_runner.summary_complete(path)
-    summary = sweep_runner._read_json(os.path.join(path, sweep_runner.SUMMARY_FILE))
+    summary = sweep_runner.read_json(os.path.join(path, sweep_runner.SUMMARY_FILE))
     out.append(RunResult(d, rec.get("overrides", {}), "finished" if finished else
                          rec.get("status", "pending"), summary if finished else None,
                          logging_io.read_jsonl(os.path.join(path, logging_io.METRICS_FILE)),
@@ -204,7 +204,7 @@ def plot_all(sweep_dir, runs, smoothing=None) -> list[tuple[str, str]]:
 # --- report.md ----------------------------------------------------------------------------------
 
 def render(sweep_dir, runs, plotted) -> str:
-  index = sweep_runner._read_json(os.path.join(sweep_dir, sweep_runner.SWEEP_FILE)) or {}
+  index = sweep_runner.read_json(os.path.join(sweep_dir, sweep_runner.SWEEP_FILE)) or {}
   lines = [f"# Sweep {os.path.basename(os.path.abspath(sweep_dir))}", ""]
   if index:
     lines += [f"Sweep file `{index.get('sweep_file')}`, config `{index.get('config')}`, fixed "

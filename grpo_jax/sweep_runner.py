@@ -43,7 +43,7 @@ STOP_GRACE_S = 300             # how long stopped runs get to save their checkpo
 POLL_S = 0.5
 
 
-def _read_json(path):
+def read_json(path):
   try:
     with open(path) as f:
       return json.load(f)
@@ -60,7 +60,7 @@ def _write_json(path, obj):
 def summary_complete(run_dir: str) -> bool:
   """summary.json of a run that reached train.steps (write_summary: the gain is only written
   then; a SIGTERM'd run writes stopped_early instead)."""
-  s = _read_json(os.path.join(run_dir, SUMMARY_FILE))
+  s = read_json(os.path.join(run_dir, SUMMARY_FILE))
   return isinstance(s, dict) and "eval_accuracy_gain_points" in s and not s.get("stopped_early")
 
 
@@ -136,7 +136,7 @@ class Runner:
     self._stopping, self._killed = False, False
     for r in self.runs:
       d = self.run_dir(r)
-      rec = _read_json(os.path.join(d, RUN_FILE))
+      rec = read_json(os.path.join(d, RUN_FILE))
       if rec is not None:
         self._check_same(r, rec)
       self.records[r.dir] = rec or {"name": r.name, "kind": r.kind, "config": sweep.config,
@@ -312,7 +312,7 @@ class Runner:
       print(f"grpo_jax.sweep: failed: {r.dir}: {self.records[r.dir].get('reason')}; log "
             f"{os.path.join(self.run_dir(r), LOG_FILE)}", file=sys.stderr)
     if self._stopping:
-      print(f"grpo_jax.sweep: stopped; run the same command to finish the sweep", flush=True)
+      print("grpo_jax.sweep: stopped; run the same command to finish the sweep", flush=True)
       return 130
     done = sum(self.status[r.dir] == "done" for r in runs)
     print(f"grpo_jax.sweep: {done} of {len(runs)} runs finished, {len(failed)} failed; "
