@@ -1,0 +1,272 @@
+"""A sweep directory → report.md and one PNG per metric, each setting's mean ± std over seeds.
+
+    python -m grpo_jax.report runs/tiny_lr      # writes runs/tiny_lr/report.md, plots/*.png
+
+A setting is a run's overrides without `seed`; its row averages the finished runs of that
+setting (summary.json has the gain; sweep_runner.summary_complete), and n says how many there
+are. Columns, each mean ± sample std (ddof 1) over those runs:
+
+    start, final          held-out greedy accuracy (%) at GRPO step 0 and at the end (summary.json)
+    gain                  eval_accuracy_gain_points (summary.json)
+    reward, KL, length    reward/total/mean, loss/kl, completion/mean_length: the mean over each
+                          run's last TAIL_STEPS GRPO steps (metrics.jsonl)
+    wall                  minutes the run's processes ran, over all attempts (sweep_run.json);
+                          a run started from a shared warm start does not count that warm start
+
+Plots: each metric plots.panels draws for a run, one line per setting: the mean over seeds of
+each seed's series, smoothed as plots.py smooths it (sparse eval points are not), at the steps
+every seed logged, with a band of ± one std where there are two seeds or more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Sequence
+
+from grpo_jax import logging_io, plots, sweep as sweep_lib, sweep_runner
+
+REPORT_FILE = "report.md"
+PLOTS_DIR = "plots"
+TAIL_STEPS = 50
+TAIL_KEYS = (("reward", "reward/total/mean"), ("KL", "loss/kl"),
+             ("length", "completion/mean_length"))
+
+
+@dataclasses.dataclass
+class RunResult:
+  dir: str
+  overrides: dict
+  status: str
+  summary: dict | None        # None unless finished
+  records: list[dict]
+  wall_s: float | None
+
+  @property
+  def seed(self):
+    return self.overrides.get("seed")
+
+  @property
+  def setting(self) -> str:
+    return sweep_lib.run_name({k: v for k, v in self.overrides.items() if k != "seed"})
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float, int]:
+  """(mean, sample std with ddof 1 (nan for one value), n) of the finite values."""
+  xs = [float(x) for x in values if x is not None and math.isfinite(x)]
+  n = len(xs)
+  if not n:
+    return math.nan, math.nan, 0
+  mean = sum(xs) / n
+  std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else math.nan
+  return mean, std, n
+
+
+def tail_mean(records: Sequence[dict], key: str, tail: int = TAIL_STEPS) -> float:
+  """The mean of key over the last `tail` GRPO steps (step > 0) that logged a finite value."""
+  xs = [r[key] for r in records if r.get("step", 0) > 0 and isinstance(r.get(key), (int, float))
+        and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+  return sum(xs[-tail:]) / len(xs[-tail:]) if xs else math.nan
+
+
+def load_runs(sweep_dir: str) -> list[RunResult]:
+  """The sweep's runs (not its prefixes), in sweep.json's order when there is one."""
+  index = sweep_runner.read_json(os.path.join(sweep_dir, sweep_runner.SWEEP_FILE)) or {}
+  dirs = [r["dir"] for r in index.get("runs", []) if r.get("kind") == "run"]
+  if not dirs:
+    dirs = sorted(d for d in os.listdir(sweep_dir)
+                  if os.path.exists(os.path.join(sweep_dir, d, sweep_runner.RUN_FILE)))
+  out = []
+  for d in dirs:
+    path = os.path.join(sweep_dir, d)
+    rec = sweep_runner.read_json(os.path.join(path, sweep_runner.RUN_FILE))
+    if rec is None or rec.get("kind", "run") != "run":
+      continue
+    finished = sweep_runner.summary_complete(path)
+    summary = sweep_runner.read_json(os.path.join(path, sweep_runner.SUMMARY_FILE))
+    out.append(RunResult(d, rec.get("overrides", {}), "finished" if finished else
+                         rec.get("status", "pending"), summary if finished else None,
+                         logging_io.read_jsonl(os.path.join(path, logging_io.METRICS_FILE)),
+                         rec.get("wall_s")))
+  return out
+
+
+def by_setting(runs: Sequence[RunResult]) -> dict[str, list[RunResult]]:
+  groups: dict[str, list[RunResult]] = {}
+  for r in runs:
+    groups.setdefault(r.setting, []).append(r)
+  return groups
+
+
+def run_values(r: RunResult) -> dict[str, float]:
+  """The table's columns for one finished run."""
+  s = r.summary
+  out = {"start": 100 * s["eval_accuracy_start"], "final": 100 * s["eval_accuracy_end"],
+         "gain": s["eval_accuracy_gain_points"]}
+  out.update({name: tail_mean(r.records, key) for name, key in TAIL_KEYS})
+  out["wall"] = math.nan if r.wall_s is None else r.wall_s / 60
+  return out
+
+
+COLUMNS = (("start", "start acc %", 1), ("final", "final acc %", 1), ("gain", "gain (points)", 1),
+           ("reward", "reward", 3), ("KL", "KL", 4), ("length", "length", 1),
+           ("wall", "wall (min)", 1))
+
+
+def _cell(mean, std, digits) -> str:
+  if math.isnan(mean):
+    return "—"
+  return f"{mean:.{digits}f}" if math.isnan(std) else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def table(runs: Sequence[RunResult]) -> list[dict]:
+  """One row a setting: {'setting', 'n', 'runs', column: (mean, std, n)} over finished runs."""
+  rows = []
+  for setting, members in by_setting(runs).items():
+    values = [run_values(r) for r in members if r.summary is not None]
+    row = {"setting": setting, "n": len(values), "runs": len(members)}
+    for key, _, _ in COLUMNS:
+      row[key] = mean_std([v[key] for v in values])
+    rows.append(row)
+  return rows
+
+
+# --- plots --------------------------------------------------------------------------------------
+
+def _seed_series(members, key, weight):
+  """{dir: {step: value}} of each finished member's smoothed series of key."""
+  out = {}
+  for r in members:
+    panel = next((p for p in plots.panels(r.records) if p.key == key), None)
+    if panel is not None:
+      values = panel.values if panel.sparse else plots.ema(panel.values, weight)
+      out[r.dir] = dict(zip(panel.steps, values))
+  return out
+
+
+def plot_metric(runs, key, title, sparse, out_path, smoothing=None) -> str | None:
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  finished = [r for r in runs if r.summary is not None]
+  lengths = [len(p.values) for r in finished for p in plots.panels(r.records) if p.key == key]
+  if not lengths:
+    return None
+  weight = 0.0 if sparse else (plots.smoothing_weight(max(lengths)) if smoothing is None
+                               else smoothing)
+  fig = Figure(figsize=(8, 4.8), layout="constrained")
+  FigureCanvasAgg(fig)
+  ax = fig.subplots()
+  for setting, members in by_setting(finished).items():
+    series = _seed_series(members, key, weight)
+    if not series:
+      continue
+    steps = sorted(set.intersection(*(set(s) for s in series.values())))
+    stats = [mean_std([s[t] for s in series.values()]) for t in steps]
+    mean = [m for m, _, _ in stats]
+    line, = ax.plot(steps, mean, marker="o" if sparse or len(steps) < 30 else None,
+                    markersize=3, label=f"{setting} (n={len(series)})")
+    if len(series) > 1:
+      ax.fill_between(steps, [m - s for m, s, _ in stats], [m + s for m, s, _ in stats],
+                      color=line.get_color(), alpha=0.2, linewidth=0)
+  how = "not smoothed" if weight == 0 else f"EMA weight {weight:.2f}"
+  ax.set_title(f"{title}: mean ± std over seeds ({how})", fontsize=10)
+  ax.set_xlabel("GRPO step")
+  ax.set_ylabel(key, fontsize=8)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.savefig(out_path + ".tmp.png", dpi=100)
+  os.replace(out_path + ".tmp.png", out_path)
+  return out_path
+
+
+def plot_all(sweep_dir, runs, smoothing=None) -> list[tuple[str, str]]:
+  """[(metric key, png path relative to sweep_dir)], one per metric any finished run logs."""
+  metrics = {}
+  for r in runs:
+    if r.summary is not None:
+      for p in plots.panels(r.records, beta=plots.config_beta(os.path.join(sweep_dir, r.dir))):
+        metrics.setdefault(p.key, (p.title, p.sparse))
+  os.makedirs(os.path.join(sweep_dir, PLOTS_DIR), exist_ok=True)
+  out = []
+  for key, (title, sparse) in metrics.items():
+    rel = os.path.join(PLOTS_DIR, re.sub(r"[^A-Za-z0-9._-]", "_", key) + ".png")
+    if plot_metric(runs, key, title, sparse, os.path.join(sweep_dir, rel), smoothing):
+      out.append((key, rel))
+  return out
+
+
+# --- report.md ----------------------------------------------------------------------------------
+
+def render(sweep_dir, runs, plotted) -> str:
+  index = sweep_runner.read_json(os.path.join(sweep_dir, sweep_runner.SWEEP_FILE)) or {}
+  lines = [f"# Sweep {os.path.basename(os.path.abspath(sweep_dir))}", ""]
+  if index:
+    lines += [f"Sweep file `{index.get('sweep_file')}`, config `{index.get('config')}`, fixed "
+              f"overrides `{json.dumps(index.get('fixed') or {})}`.", ""]
+  lines += [f"Mean ± sample std over the finished runs of each setting (n); reward, KL and "
+            f"length: the mean over each run's last {TAIL_STEPS} GRPO steps. "
+            "`python -m grpo_jax.report` wrote this; grpo_jax/report.py says how.", ""]
+  header = ["setting", "n"] + [title for _, title, _ in COLUMNS]
+  lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+  for row in table(runs):
+    n = f"{row['n']}" if row["n"] == row["runs"] else f"{row['n']} of {row['runs']}"
+    cells = [f"`{row['setting']}`", n] + [_cell(*row[k][:2], d) for k, _, d in COLUMNS]
+    lines.append("| " + " | ".join(cells) + " |")
+  prefixes = [r for r in index.get("runs", []) if r.get("kind") == "prefix"]
+  if prefixes:
+    lines += ["", "Shared warm starts, computed once for their runs and not counted in their "
+              "wall time: " + ", ".join(
+                  f"`{r['dir']}` ({r['status']}, {(r.get('wall_s') or 0) / 60:.1f} min)"
+                  for r in prefixes) + "."]
+  lines += ["", "## Runs", ""]
+  header = ["run", "status"] + [title for _, title, _ in COLUMNS]
+  lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+  for r in runs:
+    values = run_values(r) if r.summary is not None else {}
+    cells = [f"`{r.dir}`", r.status] + [_cell(values.get(k, math.nan), math.nan, d)
+                                        for k, _, d in COLUMNS]
+    lines.append("| " + " | ".join(cells) + " |")
+  if plotted:
+    lines += ["", "## Plots", ""]
+    lines += [f"![{key}]({path})" for key, path in plotted]
+  return "\n".join(lines) + "\n"
+
+
+def write_report(sweep_dir: str, smoothing: float | None = None) -> str:
+  runs = load_runs(sweep_dir)
+  if not runs:
+    raise FileNotFoundError(f"no sweep runs in {sweep_dir} (directories with "
+                            f"{sweep_runner.RUN_FILE})")
+  plotted = plot_all(sweep_dir, runs, smoothing)
+  path = os.path.join(sweep_dir, REPORT_FILE)
+  with open(path + ".tmp", "w") as f:
+    f.write(render(sweep_dir, runs, plotted))
+  os.replace(path + ".tmp", path)
+  return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m grpo_jax.report", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("sweep_dir", help="a sweep's --workdir")
+  parser.add_argument("--smoothing", type=float, default=None,
+                      help="EMA weight in [0, 1), 0 = none (default: from the runs' length)")
+  args = parser.parse_args(argv)
+  if args.smoothing is not None and not 0 <= args.smoothing < 1:
+    parser.error(f"--smoothing {args.smoothing} must be in [0, 1)")
+  try:
+    print(write_report(args.sweep_dir, args.smoothing))
+  except FileNotFoundError as e:
+    print(f"grpo_jax.report: error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,298 @@
+"""Ablation sweeps as data, and the command that runs them.
+
+    python -m grpo_jax.sweep experiments/tiny_lr.py --workdir=runs/tiny_lr [--parallel=N]
+    python -m grpo_jax.report runs/tiny_lr          # report.md + plots, mean ± std over seeds
+
+A sweep file is plain Python whose get_sweep() returns a Sweep: the base config (path:preset,
+as main's --config) and one dict of overrides per run, flat dotted keys as in --config.a.b=v,
+built with the helpers below (big_vision's get_hyper style):
+
+    from grpo_jax import sweep
+    def get_sweep():
+      return sweep.Sweep(config="configs/gsm8k.py:tiny", fixed={"train.steps": 200},
+                         runs=sweep.product(sweep.sweep_axis("optim.lr", [1e-5, 3e-5]),
+                                            sweep.seeds(2)))
+    # runs: [{"optim.lr": 1e-05, "seed": 0}, {"optim.lr": 1e-05, "seed": 1}, ...]
+
+Each run is `python -m grpo_jax.main` in its own process and directory, named after its
+overrides (`optim.lr=1e-05,seed=0`); `fixed` applies to every run and is left out of names.
+Running the command again skips finished runs and resumes the others (sweep_runner.py).
+
+Shared warm start: runs that differ only in keys of POST_WARM_START (GRPO-phase settings) start
+from the same policy, so a `prefix` run (under <workdir>/prefixes/) computes that warm start
+once, with train.steps=0, and each member starts from a copy of its step-0 checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib.util
+import itertools
+import json
+import os
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from grpo_jax.errors import UserError
+
+PREFIX_DIR = "prefixes"
+
+# Keys whose value cannot change anything up to and including a run's step-0 checkpoint and its
+# step-0 eval (the warm start, the initial GRPO train state, the data position, the first line of
+# metrics.jsonl). An allow-list: a key missing here only costs a separate warm start, a wrong one
+# would silently give a run another run's start. Each was checked against the code:
+#  - optim.lr, b1, b2, weight_decay, warmup_steps, schedule, total_steps: the warm start replaces
+#    them (sft.sft_optim_config), and the optimizer state at step 0 is zeros and counts whatever
+#    their values (tested in sweep_test). Not max_grad_norm: 0 removes the clipping stage, so
+#    the checkpoint's optimizer state would not fit.
+#  - loss.* except beta: the warm start validates them only; beta > 0 adds the reference params
+#    to the checkpoint.
+#  - train.*: the GRPO loop's length and cadence; at step 0 the data position is the start of
+#    epoch 0 whatever prompts_per_step is. Not eval_examples/eval_batch_size (the step-0 eval)
+#    nor pad_multiple (the warm start's batches).
+#  - sampling.num_generations and the cuts top_k/top_p/min_p (greedy eval normalises them away).
+#    Not temperature: greedy eval takes the argmax of logits / temperature, where rounding can
+#    tie; not max_new_tokens (the warm start's targets, the eval).
+#  - rewards.names/weights: the eval uses math_accuracy alone (rollout.accuracy_reward); the
+#    reward's options stay out, they score the eval.
+POST_WARM_START = frozenset({
+    "optim.lr", "optim.b1", "optim.b2", "optim.weight_decay", "optim.warmup_steps",
+    "optim.schedule", "optim.total_steps",
+    "loss.loss_type", "loss.kl_estimator", "loss.epsilon", "loss.epsilon_high", "loss.delta",
+    "loss.importance_sampling_level", "loss.num_iterations", "loss.scale_rewards",
+    "loss.reward_aggregation", "loss.mask_truncated_completions",
+    "train.steps", "train.prompts_per_step", "train.eval_every", "train.checkpoint_every",
+    "train.keep_checkpoints", "train.samples_per_step", "train.max_bad_steps",
+    "train.dynamic_sampling", "train.max_sampling_rounds", "train.max_missing_reward_steps",
+    "train.tensorboard", "train.wandb",
+    "sampling.num_generations", "sampling.top_k", "sampling.top_p", "sampling.min_p",
+    "rewards.names", "rewards.weights",
+})
+# What a prefix run adds: stop after the step-0 checkpoint. A constant schedule because cosine
+# needs steps > 0 to validate; the schedule is post-warm-start, so the checkpoint is the same.
+PREFIX_OVERRIDES = {"train.steps": 0, "optim.schedule": "constant"}
+
+
+class SweepError(UserError):
+  """A sweep file, its overrides or its working directory cannot be used as given."""
+
+
+# --- sweeps as data -----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Sweep:
+  config: str                         # main's --config: 'configs/gsm8k.py:tiny'
+  runs: list[dict[str, Any]]          # one override dict per run
+  fixed: dict[str, Any] = dataclasses.field(default_factory=dict)  # every run; not in names
+
+
+def sweep_axis(key: str, values: Iterable) -> list[dict]:
+  """sweep_axis('optim.lr', [1e-5, 3e-5]) -> [{'optim.lr': 1e-05}, {'optim.lr': 3e-05}]."""
+  return [{key: v} for v in values]
+
+
+def fixed(key: str, value) -> list[dict]:
+  """One setting for every run of a product: fixed('train.steps', 200)."""
+  return [{key: value}]
+
+
+def seeds(n: int, start: int = 0) -> list[dict]:
+  """The seed as one more axis (config.seed: data, initial weights, warm start, GRPO draws)."""
+  return sweep_axis("seed", range(start, start + n))
+
+
+def _merge(dicts: Sequence[dict]) -> dict:
+  out = {}
+  for d in dicts:
+    clash = out.keys() & d.keys()
+    if clash:
+      raise ValueError(f"key {sorted(clash)[0]!r} is set by two axes of one product/zip")
+    out.update(d)
+  return out
+
+
+def product(*axes: Sequence[dict]) -> list[dict]:
+  """Every combination, the first axis slowest: product(lrs, seeds(2)) -> lr0 s0, lr0 s1, ..."""
+  return [_merge(combo) for combo in itertools.product(*axes)]
+
+
+def zip_(*axes: Sequence[dict]) -> list[dict]:
+  """Element-wise: zip_(sweep_axis('optim.lr', [a, b]), sweep_axis('optim.b2', [c, d]))."""
+  lengths = {len(a) for a in axes}
+  if len(lengths) > 1:
+    raise ValueError(f"zip_ needs axes of one length, got {[len(a) for a in axes]}")
+  return [_merge(combo) for combo in zip(*axes)]
+
+
+# --- names --------------------------------------------------------------------------------------
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+=-]")
+
+
+def format_value(value) -> str:
+  """How a value appears in a run name: repr for numbers (3e-05), '+'-joined sequences."""
+  if isinstance(value, (list, tuple)):
+    return "+".join(format_value(v) for v in value)
+  return value if isinstance(value, str) else repr(value)
+
+
+def run_name(overrides: dict) -> str:
+  """'optim.lr=3e-05,seed=1': sorted keys, filesystem-safe; 'base' for no overrides.
+
+  Characters outside [A-Za-z0-9._+=-] become '_'; a name past 200 characters is cut and ends in
+  a hash of the whole, so it stays unique and under the 255-byte limit of file names.
+  """
+  if not overrides:
+    return "base"
+  name = ",".join(f"{k}={_UNSAFE.sub('_', format_value(v))}" for k, v in sorted(overrides.items()))
+  if len(name) > 200:
+    name = name[:183] + "," + hashlib.sha256(name.encode()).hexdigest()[:16]
+  return name
+
+
+def cli_value(value) -> str:
+  """The text of --config.k=<value> that ml_collections parses back to value."""
+  if isinstance(value, (list, tuple)):
+    return repr(tuple(value))
+  return value if isinstance(value, str) else repr(value)
+
+
+# --- the plan: prefixes and runs ----------------------------------------------------------------
+
+@dataclasses.dataclass
+class Run:
+  name: str                 # directory under the sweep's workdir (prefixes/<name> for prefixes)
+  overrides: dict           # the run's own overrides, what a report groups by
+  args: dict                # every --config override passed: fixed + own (+ PREFIX_OVERRIDES)
+  kind: str = "run"         # 'run' or 'prefix'
+  prefix: str | None = None  # the prefix run whose step-0 checkpoint this run starts from
+
+  @property
+  def dir(self) -> str:
+    return os.path.join(PREFIX_DIR, self.name) if self.kind == "prefix" else self.name
+
+
+def warm_start_part(args: dict) -> dict:
+  return {k: v for k, v in args.items() if k not in POST_WARM_START}
+
+
+def plan(sweep: Sweep, share_prefix: bool = True, min_shared: int = 2) -> list[Run]:
+  """Prefix runs first, then the sweep's runs in order. Runs whose warm-start part (everything
+  but POST_WARM_START keys) is equal share a prefix when there are at least min_shared of them."""
+  runs = [Run(run_name(o), dict(o), {**sweep.fixed, **o}) for o in sweep.runs]
+  seen = {}
+  for r in runs:
+    if r.name in seen:
+      raise SweepError(f"runs {seen[r.name]} and {r.overrides} have the same name {r.name!r}: "
+                       "two runs of a sweep must differ in their overrides")
+    seen[r.name] = r.overrides
+  if not share_prefix:
+    return runs
+  groups: dict[str, list[Run]] = {}
+  for r in runs:
+    groups.setdefault(json.dumps(warm_start_part(r.args), sort_keys=True), []).append(r)
+  prefixes = []
+  for members in groups.values():
+    if len(members) < min_shared:
+      continue
+    part = warm_start_part(members[0].args)
+    p = Run(run_name(warm_start_part(members[0].overrides)), part,
+            {**part, **PREFIX_OVERRIDES}, kind="prefix")
+    prefixes.append(p)
+    for r in members:
+      r.prefix = p.name
+  return prefixes + runs
+
+
+# --- loading and checking -----------------------------------------------------------------------
+
+def load_sweep(path: str) -> Sweep:
+  """Executes a sweep file and returns its get_sweep()."""
+  if not os.path.isfile(path):
+    raise SweepError(f"sweep file {path!r} does not exist")
+  spec = importlib.util.spec_from_file_location("grpo_jax_sweep_file", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_sweep"):
+    raise SweepError(f"{path} defines no get_sweep()")
+  sweep = module.get_sweep()
+  if not isinstance(sweep, Sweep) or not sweep.runs:
+    raise SweepError(f"{path}: get_sweep() must return a grpo_jax.sweep.Sweep with runs")
+  return sweep
+
+
+def load_config(spec: str):
+  """The base ConfigDict of 'path.py[:preset]', as main would build it."""
+  path, _, preset = spec.partition(":")
+  if not os.path.isfile(path):
+    raise SweepError(f"config {path!r} does not exist (a path relative to the current "
+                     f"directory, {os.getcwd()})")
+  module_spec = importlib.util.spec_from_file_location("grpo_jax_sweep_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(preset) if preset else module.get_config()
+
+
+def check_overrides(config, runs: Sequence[Run]) -> None:
+  """Every run's overrides name a config field and fit its type: a typo stops the sweep before
+  anything runs, not in each run's log."""
+  for r in runs:
+    c = config.copy_and_resolve_references()
+    for key, value in r.args.items():
+      *parents, leaf = key.split(".")
+      node = c
+      try:
+        for part in parents:
+          node = node[part]
+        if leaf not in node:
+          raise KeyError(leaf)
+        node[leaf] = tuple(value) if isinstance(value, list) else value
+      except (KeyError, TypeError, AttributeError) as e:
+        kind = "names no config field" if isinstance(e, (KeyError, AttributeError)) else (
+            f"does not fit the field's type ({e})")
+        raise SweepError(f"run {r.name}: override {key}={value!r} {kind}") from None
+
+
+# --- command line -------------------------------------------------------------------------------
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m grpo_jax.sweep", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("sweep_file", help="a sweep file, e.g. experiments/tiny_lr.py")
+  parser.add_argument("--workdir", required=True, help="the sweep's directory; one subdir a run")
+  parser.add_argument("--parallel", type=int, default=1,
+                      help="runs at once (default 1; each run uses every core or accelerator)")
+  parser.add_argument("--no_share_prefix", action="store_true",
+                      help="every run computes its own warm start")
+  parser.add_argument("--dry_run", action="store_true", help="print the runs and commands only")
+  parser.add_argument("--main_module", default="grpo_jax.main",
+                      help="module each run executes with -m (a wrapper with main's flags)")
+  args = parser.parse_args(argv)
+  if args.parallel < 1:
+    parser.error(f"--parallel {args.parallel} must be >= 1")
+  from grpo_jax import sweep_runner  # after parsing: --help stays fast
+
+  try:
+    sweep = load_sweep(args.sweep_file)
+    runs = plan(sweep, share_prefix=not args.no_share_prefix)
+    check_overrides(load_config(sweep.config), runs)
+    runner = sweep_runner.Runner(sweep, runs, args.workdir, parallel=args.parallel,
+                                 main_module=args.main_module, sweep_file=args.sweep_file)
+    if args.dry_run:
+      runner.print_plan()
+      return 0
+    return runner.run()
+  except UserError as e:
+    print(f"grpo_jax.sweep: error: {e}", file=sys.stderr, flush=True)
+    return 2
+
+
+if __name__ == "__main__":
+  # Sweep files import grpo_jax.sweep: run that module's main, not this __main__ copy, whose
+  # Sweep class is another one.
+  from grpo_jax import sweep as _module
+  sys.exit(_module.main())

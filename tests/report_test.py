@@ -1,0 +1,109 @@
+"""Sweep report: the table's statistics against a hand computation on fabricated run
+directories (summary.json, metrics.jsonl, sweep_run.json as main and the runner write them),
+unfinished runs left out and counted, one PNG per metric."""
+
+import json
+import math
+
+import pytest
+from matplotlib import image as mpimg
+
+from grpo_jax import report
+
+STEPS = 60
+
+
+def _write_run(sweep_dir, overrides, *, start, end, reward, wall_s, finished=True):
+  """A run whose reward/total/mean is reward + step / 1000 and whose length is 20 + step."""
+  d = sweep_dir / ",".join(f"{k}={v!r}" for k, v in sorted(overrides.items()))
+  d.mkdir(parents=True)
+  records = [{"step": 0, "eval/accuracy": start}]
+  records += [{"step": s, "reward/total/mean": reward + s / 1000, "loss/kl": 0.0,
+               "completion/mean_length": 20.0 + s, "entropy": 1.0}
+              for s in range(1, STEPS + 1)]
+  records[-1]["eval/accuracy"] = end
+  (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  summary = {"eval_accuracy_start": start, "start_step": 0}
+  if finished:
+    summary.update(eval_accuracy_end=end, end_step=STEPS,
+                   eval_accuracy_gain_points=100 * (end - start))
+  else:
+    summary = {"stopped_early": True, "stopped_at_step": 30, **summary}
+  (d / "summary.json").write_text(json.dumps(summary))
+  (d / "sweep_run.json").write_text(json.dumps({
+      "kind": "run", "overrides": overrides, "wall_s": wall_s,
+      "status": "done" if finished else "interrupted"}))
+  return d
+
+
+@pytest.fixture
+def sweep_dir(tmp_path):
+  # lr 1e-3: three seeds; lr 2e-3: two finished seeds and one stopped early.
+  for seed, (start, end, reward, wall) in enumerate([(0.20, 0.50, 0.1, 60), (0.25, 0.59, 0.2, 90),
+                                                     (0.30, 0.71, 0.3, 120)]):
+    _write_run(tmp_path, {"optim.lr": 1e-3, "seed": seed}, start=start, end=end, reward=reward,
+               wall_s=wall)
+  for seed, (start, end) in enumerate([(0.20, 0.40), (0.25, 0.45)]):
+    _write_run(tmp_path, {"optim.lr": 2e-3, "seed": seed}, start=start, end=end, reward=0.0,
+               wall_s=30)
+  _write_run(tmp_path, {"optim.lr": 2e-3, "seed": 2}, start=0.3, end=0.3, reward=0.0, wall_s=10,
+             finished=False)
+  return tmp_path
+
+
+def test_mean_std_is_the_sample_std():
+  assert report.mean_std([30.0, 34.0, 41.0]) == pytest.approx((35.0, math.sqrt(31.0), 3))
+  mean, std, n = report.mean_std([2.0, None, float("nan")])
+  assert (mean, n) == (2.0, 1) and math.isnan(std)
+
+
+def test_table_against_hand_computation(sweep_dir):
+  rows = {r["setting"]: r for r in report.table(report.load_runs(str(sweep_dir)))}
+  assert set(rows) == {"optim.lr=0.001", "optim.lr=0.002"}
+  a, b = rows["optim.lr=0.001"], rows["optim.lr=0.002"]
+  assert (a["n"], a["runs"], b["n"], b["runs"]) == (3, 3, 2, 3)
+  # Gains 30, 34, 41 points: mean 35, squared deviations 25 + 1 + 36 = 62 over n - 1 = 2.
+  assert a["gain"] == pytest.approx((35.0, math.sqrt(31.0), 3))
+  assert a["final"] == pytest.approx((60.0, math.sqrt(((50 - 60) ** 2 + 1 + 11 ** 2) / 2), 3))
+  assert a["start"] == pytest.approx((25.0, 5.0, 3))
+  # Reward over the last 50 steps (11..60): reward + 35.5 / 1000; seeds 0.1, 0.2, 0.3.
+  assert a["reward"] == pytest.approx((0.2355, 0.1, 3))
+  assert a["length"] == pytest.approx((55.5, 0.0, 3))
+  assert a["KL"] == pytest.approx((0.0, 0.0, 3))
+  assert a["wall"] == pytest.approx((1.5, 0.5, 3))  # 60, 90, 120 s
+  # The stopped-early seed is not averaged in: gains 20 and 20.
+  assert b["gain"] == pytest.approx((20.0, 0.0, 2))
+  assert b["final"] == pytest.approx((42.5, math.sqrt(12.5), 2))
+
+
+def test_report_md_and_plots(sweep_dir):
+  path = report.write_report(str(sweep_dir))
+  text = open(path).read()
+  assert "| `optim.lr=0.001` | 3 | 25.0 ± 5.0 | 60.0 ± 10.5 | 35.0 ± 5.6 |" in text
+  assert "| `optim.lr=0.002` | 2 of 3 |" in text
+  assert "| `optim.lr=0.002,seed=2` | interrupted |" in text
+  for key in ("reward_total_mean", "eval_accuracy", "completion_mean_length", "entropy"):
+    assert f"(plots/{key}.png)" in text
+    image = mpimg.imread(sweep_dir / "plots" / f"{key}.png")
+    assert image.shape[0] > 100 and image.std() > 0  # a real picture, not blank
+  assert not (sweep_dir / "plots" / "loss_kl.png").exists()  # all zero: plots.panels drops it
+
+
+def test_plot_band_is_mean_pm_std_of_the_smoothed_seeds(sweep_dir, monkeypatch):
+  """What plot_metric draws: for each setting, the mean and std over seeds of each seed's
+  EMA-smoothed series (weight from plots.smoothing_weight of 60 points)."""
+  from grpo_jax import plots
+
+  drawn, real = [], report.mean_std
+
+  def spy(xs):
+    drawn.append(list(xs))
+    return real(xs)
+  monkeypatch.setattr(report, "mean_std", spy)
+  runs = report.load_runs(str(sweep_dir))
+  report.plot_metric(runs, "reward/total/mean", "Reward", False, str(sweep_dir / "r.png"))
+  w = plots.smoothing_weight(STEPS)
+  smoothed = [plots.ema([r + s / 1000 for s in range(1, STEPS + 1)], w) for r in (0.1, 0.2, 0.3)]
+  assert drawn[0] == pytest.approx([s[0] for s in smoothed])        # lr 1e-3, step 1
+  assert drawn[STEPS - 1] == pytest.approx([s[-1] for s in smoothed])  # step 60
+  assert len(drawn) == 2 * STEPS  # then lr 2e-3's two finished seeds

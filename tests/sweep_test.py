@@ -1,0 +1,243 @@
+"""Sweeps: expansion and names, the warm-start allow-list against the optimizer and the config,
+and the runner (skip, resume, a failure, Ctrl-C) on tests/fake_main.py, a stand-in for main that
+writes main's files in milliseconds."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from cli import REPO
+from grpo_jax import sweep, sweep_runner, train_step
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+TINY = "configs/gsm8k.py:tiny"
+
+
+# --- sweeps as data -----------------------------------------------------------------------------
+
+def test_product_zip_seeds():
+  lrs = sweep.sweep_axis("optim.lr", [1e-5, 3e-5])
+  assert sweep.product(lrs, sweep.seeds(2)) == [
+      {"optim.lr": 1e-5, "seed": 0}, {"optim.lr": 1e-5, "seed": 1},
+      {"optim.lr": 3e-5, "seed": 0}, {"optim.lr": 3e-5, "seed": 1}]
+  assert sweep.zip_(lrs, sweep.sweep_axis("optim.b2", [0.9, 0.99])) == [
+      {"optim.lr": 1e-5, "optim.b2": 0.9}, {"optim.lr": 3e-5, "optim.b2": 0.99}]
+  assert sweep.seeds(2, start=5) == [{"seed": 5}, {"seed": 6}]
+  assert sweep.product(sweep.fixed("train.steps", 9), sweep.seeds(1)) == [
+      {"train.steps": 9, "seed": 0}]
+  with pytest.raises(ValueError, match="one length"):
+    sweep.zip_(lrs, sweep.seeds(3))
+  with pytest.raises(ValueError, match="'seed' is set by two axes"):
+    sweep.product(sweep.seeds(2), sweep.seeds(2))
+
+
+def test_run_names_are_sorted_readable_and_filesystem_safe():
+  assert sweep.run_name({"seed": 1, "optim.lr": 3e-5}) == "optim.lr=3e-05,seed=1"
+  assert sweep.run_name({}) == "base"
+  assert sweep.run_name({"rewards.names": ("math_accuracy", "format")}) == (
+      "rewards.names=math_accuracy+format")
+  assert sweep.run_name({"data.source": "../x/y z"}) == "data.source=.._x_y_z"
+  long = sweep.run_name({f"k{i}": "v" * 30 for i in range(10)})
+  assert len(long) == 200 and long != sweep.run_name({f"k{i}": "v" * 31 for i in range(10)})
+  assert sweep.cli_value(3e-5) == "3e-05" and sweep.cli_value(("a", "b")) == "('a', 'b')"
+  with pytest.raises(sweep.SweepError, match="same name"):
+    sweep.plan(sweep.Sweep(TINY, [{"x": "a/b"}, {"x": "a_b"}]))
+
+
+def test_plan_shares_a_warm_start_only_across_post_warm_start_keys():
+  runs = sweep.plan(sweep.load_sweep(os.path.join(REPO, "experiments/tiny_lr.py")))
+  prefixes = [r for r in runs if r.kind == "prefix"]
+  assert [p.name for p in prefixes] == ["seed=0", "seed=1", "seed=2"]
+  assert prefixes[1].args == {"seed": 1, **sweep.PREFIX_OVERRIDES}  # train.steps=200 dropped
+  members = [r for r in runs if r.kind == "run"]
+  assert len(members) == 9 and {r.prefix for r in members} == {"seed=0", "seed=1", "seed=2"}
+  assert members[0].dir == "optim.lr=1e-05,seed=0" and prefixes[0].dir == "prefixes/seed=0"
+  assert members[0].args == {"train.steps": 200, "optim.lr": 1e-5, "seed": 0}
+  # The seed and the warm start's own settings are not shared; a lone run has no prefix.
+  assert all(r.kind == "run" and r.prefix is None for r in sweep.plan(
+      sweep.load_sweep(os.path.join(REPO, "experiments/tiny_seeds.py"))))
+  mixed = sweep.plan(sweep.Sweep(TINY, [{"optim.lr": 1.0}, {"optim.lr": 2.0},
+                                        {"optim.lr": 1.0, "sft.lr": 0.1}]))
+  assert [(r.dir, r.prefix) for r in mixed] == [
+      ("prefixes/base", None), ("optim.lr=1.0", "base"), ("optim.lr=2.0", "base"),
+      ("optim.lr=1.0,sft.lr=0.1", None)]
+  assert all(r.prefix is None for r in sweep.plan(sweep.Sweep(TINY, [{"optim.lr": 1.0},
+                                                                     {"optim.lr": 2.0}]),
+                                                  share_prefix=False))
+
+
+def test_overrides_are_checked_against_the_config():
+  config = sweep.load_config(TINY)
+  for name in ("tiny_lr.py", "tiny_seeds.py"):
+    sweep.check_overrides(config, sweep.plan(sweep.load_sweep(
+        os.path.join(REPO, "experiments", name))))
+  for key in sweep.POST_WARM_START:  # a renamed field would otherwise just never match
+    node = config
+    for part in key.split("."):
+      node = node[part]
+  with pytest.raises(sweep.SweepError, match="optim.lrr=0.1 names no config field"):
+    sweep.check_overrides(config, sweep.plan(sweep.Sweep(TINY, [{"optim.lrr": 0.1}])))
+  with pytest.raises(sweep.SweepError, match="train.steps='many' does not fit"):
+    sweep.check_overrides(config, sweep.plan(sweep.Sweep(TINY, [{"train.steps": "many"}])))
+
+
+def test_step0_optimizer_state_does_not_depend_on_the_shared_optim_keys():
+  """What makes optim.* post-warm-start: a member's step-0 state is the prefix's. Values are
+  changed one key at a time from the tiny preset's; max_grad_norm=0 changes the structure,
+  which is why it is not on the list."""
+  base = sweep.load_config(TINY).optim
+  params = {"w": jnp.ones((3, 2)), "norm": jnp.ones((2,))}
+  init = lambda cfg: jax.tree.flatten(train_step.make_optimizer(cfg).init(params))
+  leaves, treedef = init(base)
+  changes = [{"lr": 1e-2}, {"b1": 0.5}, {"b2": 0.5}, {"weight_decay": 0.1},
+             {"warmup_steps": 7}, {"schedule": "cosine", "total_steps": 100}]
+  assert {f"optim.{k}" for c in changes for k in c} == {
+      k for k in sweep.POST_WARM_START if k.startswith("optim.")}
+  for change in changes:
+    cfg = base.copy_and_resolve_references()
+    cfg.update(change)
+    other, other_def = init(cfg)
+    assert other_def == treedef, change
+    assert all((a == b).all() for a, b in zip(leaves, other)), change
+  cfg = base.copy_and_resolve_references()
+  cfg.max_grad_norm = 0.0
+  assert init(cfg)[1] != treedef
+
+
+# --- the runner on a fake main ------------------------------------------------------------------
+
+@pytest.fixture
+def fake_env(monkeypatch):
+  monkeypatch.setattr(sweep_runner, "POLL_S", 0.02)
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, str(REPO)]))
+  monkeypatch.chdir(REPO)
+  monkeypatch.delenv("FAKE_FAIL", raising=False)
+  monkeypatch.delenv("FAKE_WAIT", raising=False)
+
+
+def _run(workdir, s, parallel=2):
+  runner = sweep_runner.Runner(s, sweep.plan(s), workdir, parallel=parallel,
+                               main_module="fake_main")
+  return runner.run(), runner
+
+
+def _calls(path):
+  p = os.path.join(path, "calls.jsonl")
+  return [json.loads(line) for line in open(p)] if os.path.exists(p) else []
+
+
+LR_SEEDS = sweep.Sweep(TINY, sweep.product(sweep.sweep_axis("optim.lr", [1e-3, 2e-3]),
+                                           sweep.seeds(2)), fixed={"train.steps": 3})
+
+
+def test_sweep_runs_prefixes_then_members_from_their_step0(tmp_path, fake_env):
+  code, runner = _run(tmp_path, LR_SEEDS)
+  assert code == 0
+  index = json.load(open(tmp_path / "sweep.json"))
+  assert [(r["dir"], r["status"]) for r in index["runs"]] == [
+      ("prefixes/seed=0", "done"), ("prefixes/seed=1", "done"),
+      ("optim.lr=0.001,seed=0", "done"), ("optim.lr=0.001,seed=1", "done"),
+      ("optim.lr=0.002,seed=0", "done"), ("optim.lr=0.002,seed=1", "done")]
+  prefix = _calls(tmp_path / "prefixes/seed=1")
+  assert prefix == [{"args": {"seed": "1", "train.steps": "0", "optim.schedule": "constant"},
+                     "resumed_from": None}]
+  member = tmp_path / "optim.lr=0.002,seed=1"
+  assert _calls(member) == [{"args": {"train.steps": "3", "optim.lr": "0.002", "seed": "1"},
+                             "resumed_from": 0}]
+  # Its step 0 is the prefix's: the warm-start state and the step-0 eval line.
+  assert (member / "checkpoints/0/state").read_text() == json.dumps({"seed": "1"})
+  assert json.loads((member / "metrics.jsonl").read_text().splitlines()[0]) == {
+      "step": 0, "eval/accuracy": 0.11}
+  rec = json.load(open(member / "sweep_run.json"))
+  assert rec["status"] == "done" and rec["returncode"] == 0 and rec["prefix"] == "seed=1"
+  assert rec["overrides"] == {"optim.lr": 0.002, "seed": 1} and len(rec["attempts"]) == 1
+  assert "fake_main: {" in (member / "log.txt").read_text()
+  # Run again: everything is finished, nothing is launched.
+  code, _ = _run(tmp_path, LR_SEEDS)
+  assert code == 0 and len(_calls(member)) == 1 and len(_calls(tmp_path / "prefixes/seed=0")) == 1
+
+
+def test_a_failed_run_is_recorded_the_sweep_goes_on_and_a_rerun_redoes_only_it(
+    tmp_path, fake_env, monkeypatch):
+  monkeypatch.setenv("FAKE_FAIL", json.dumps(["optim.lr=0.001,seed=1"]))
+  code, _ = _run(tmp_path, LR_SEEDS, parallel=1)
+  assert code == 1
+  failed = tmp_path / "optim.lr=0.001,seed=1"
+  rec = json.load(open(failed / "sweep_run.json"))
+  assert (rec["status"], rec["returncode"], rec["reason"]) == ("failed", 3, "exit code 3")
+  assert rec["log"] == str(failed / "log.txt") and "fake_main: boom" in (
+      failed / "log.txt").read_text()
+  statuses = {r["dir"]: r["status"] for r in json.load(open(tmp_path / "sweep.json"))["runs"]}
+  assert sum(s == "done" for s in statuses.values()) == 5  # 2 prefixes, 3 runs
+  monkeypatch.delenv("FAKE_FAIL")
+  code, _ = _run(tmp_path, LR_SEEDS)
+  assert code == 0
+  assert [c["resumed_from"] for c in _calls(failed)] == [0, 0]  # from the copied step 0
+  for other in ("optim.lr=0.001,seed=0", "optim.lr=0.002,seed=1", "prefixes/seed=0"):
+    assert len(_calls(tmp_path / other)) == 1, other
+
+
+def test_a_failed_prefix_fails_its_members_only(tmp_path, fake_env, monkeypatch):
+  monkeypatch.setenv("FAKE_FAIL", json.dumps(["seed=0"]))
+  code, _ = _run(tmp_path, LR_SEEDS)
+  assert code == 1
+  statuses = {r["dir"]: r["status"] for r in json.load(open(tmp_path / "sweep.json"))["runs"]}
+  assert statuses == {"prefixes/seed=0": "failed", "prefixes/seed=1": "done",
+                      "optim.lr=0.001,seed=0": "failed", "optim.lr=0.002,seed=0": "failed",
+                      "optim.lr=0.001,seed=1": "done", "optim.lr=0.002,seed=1": "done"}
+  assert not _calls(tmp_path / "optim.lr=0.001,seed=0")
+
+
+def test_unfinished_runs_resume_and_changed_settings_are_refused(tmp_path, fake_env):
+  s = sweep.Sweep(TINY, sweep.seeds(2), fixed={"train.steps": 3})
+  assert _run(tmp_path, s)[0] == 0
+  # Seed 1 as a SIGTERM from elsewhere (a preemption) leaves it: checkpoint 2, no gain.
+  run = tmp_path / "seed=1"
+  (run / "summary.json").write_text(json.dumps({"stopped_early": True, "stopped_at_step": 2,
+                                                "eval_accuracy_start": 0.11}))
+  os.rename(run / "checkpoints/3", run / "checkpoints/2")
+  assert _run(tmp_path, s)[0] == 0
+  assert [c["resumed_from"] for c in _calls(run)] == [None, 2]
+  assert len(_calls(tmp_path / "seed=0")) == 1
+  with pytest.raises(sweep.SweepError, match="seed=0 was run with --config=.* use another"):
+    _run(tmp_path, sweep.Sweep(TINY, sweep.seeds(2), fixed={"train.steps": 4}))
+
+
+def test_ctrl_c_stops_runs_with_sigterm_and_a_rerun_finishes(tmp_path):
+  """The real command: SIGINT to the sweep alone (the runs are in their own process group, as
+  a terminal's Ctrl-C would leave them), SIGTERM to each run, exit 130; then a rerun."""
+  sweep_file = tmp_path / "s.py"
+  sweep_file.write_text(
+      "from grpo_jax import sweep\n"
+      "def get_sweep():\n"
+      "  return sweep.Sweep('configs/gsm8k.py:tiny', sweep.seeds(3), "
+      "fixed={'train.steps': 3})\n")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, str(REPO)]), FAKE_WAIT="1")
+  cmd = [sys.executable, "-m", "grpo_jax.sweep", str(sweep_file), f"--workdir={tmp_path}/w",
+         "--parallel=2", "--main_module=fake_main"]
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  deadline = time.monotonic() + 60
+  while len([d for d in ("seed=0", "seed=1") if _calls(tmp_path / "w" / d)]) < 2:
+    assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGINT)
+  out, _ = proc.communicate(timeout=60)
+  assert proc.returncode == 130, out
+  assert "run the same command to finish" in out
+  for d in ("seed=0", "seed=1"):
+    assert (tmp_path / "w" / d / "got_sigterm").exists(), d
+    assert json.load(open(tmp_path / "w" / d / "sweep_run.json"))["status"] == "interrupted"
+  assert not (tmp_path / "w" / "seed=2").exists()  # never started
+  del env["FAKE_WAIT"]
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert [c["resumed_from"] for c in _calls(tmp_path / "w" / "seed=0")] == [None, 0]
+  assert [c["resumed_from"] for c in _calls(tmp_path / "w" / "seed=2")] == [None]
