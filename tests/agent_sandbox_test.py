@@ -1,7 +1,8 @@
 """The sandbox against the escapes a model's code could try: each is stopped within its limit,
 comes back as an error / killed / timeout result, and leaves the parent and the machine as they
 were. Where a layer can be shown alone, the code runs again without the audit hook
-(audit=False) so the OS layers (rlimits, nobody, network namespace) are seen to hold by themselves.
+(audit=False) so the OS layers (rlimits, nobody, network and mount namespaces) are seen to hold
+by themselves.
 """
 import errno
 import json
@@ -174,6 +175,8 @@ def test_a_10_gb_allocation_fails_at_the_address_space_limit():
     "os.mkdir(P)",
     "os.rename('main.py', P)",
     "os.symlink(P, 'link')",
+    "d = os.open(os.path.dirname(P), os.O_RDONLY)\n"
+    "os.open(os.path.basename(P), os.O_WRONLY | os.O_CREAT, dir_fd=d)",
 ])
 def test_writing_outside_the_directory_is_refused(write):
   for target in (Path("/tmp"), REPO):
@@ -184,12 +187,20 @@ def test_writing_outside_the_directory_is_refused(write):
 
 
 @needs_root
-def test_without_the_hook_the_uid_keeps_the_repo_read_only():
-  # /tmp is world-writable, so there only the hook stands between nobody and a file.
-  path = REPO / f"x_outside_{uuid.uuid4().hex}"
-  r = _run(f"open({str(path)!r}, 'w')", audit=False)
-  assert r.status == "error" and "PermissionError: [Errno 13]" in r.stderr
-  assert not path.exists()
+def test_without_the_hook_the_file_system_is_read_only_but_the_directory():
+  for target in (Path("/tmp"), REPO):  # /tmp is world-writable: nobody alone would not stop it
+    path = target / f"x_outside_{uuid.uuid4().hex}"
+    r = _run(f"open({str(path)!r}, 'w')", audit=False)
+    assert r.status == "error" and "[Errno 30] Read-only file system" in r.stderr, r
+    assert not path.exists()
+  r = _run("""
+      import os
+      os.mkdir('d')
+      with open('d/f', 'w') as f:
+        f.write('written')
+      print(open('d/f').read(), os.getuid())
+  """, audit=False)
+  assert r.stdout.split() == ["written", str(sandbox.NOBODY)]
 
 
 @pytest.mark.parametrize("code", [

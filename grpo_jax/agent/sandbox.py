@@ -17,6 +17,8 @@ Containment, layer by layer (the child's side is sandbox_child.py):
   file size, open files, no core files.
 - network: a new network namespace (nothing but a down loopback) where the OS allows it (root,
   or unprivileged user namespaces); the audit hook refuses every socket event in any case.
+- file system: in a new mount namespace every mount is read-only but the working directory
+  (mount_setattr, Linux 5.12+; where refused, the audit hook alone guards writes to /tmp).
 - user: as root the child drops to nobody (65534) after start-up, since RLIMIT_NPROC does not
   bind root and root may write anywhere; the directory is chowned to it.
 - audit hook: refuses processes (fork, exec, spawn, system, subprocess), signals, sockets,

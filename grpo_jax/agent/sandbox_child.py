@@ -1,14 +1,15 @@
 """The child side of the sandbox: `python -I -u sandbox_child.py CONFIG_JSON` (see sandbox.py).
 
 This file runs first in the child interpreter, before any model-written text is read, in this
-order: a new network namespace, the rlimits, common modules imported while the interpreter is
-still readable, root dropped to nobody, an audit hook, and only then ./main.py is compiled and
-run. The limits are set here rather than in a `preexec_fn`: that runs Python in a fork of a
+order: new network and mount namespaces, the rlimits, common modules imported while the
+interpreter is still readable, root dropped to nobody, an audit hook, and only then ./main.py
+is compiled and run. The limits are set here rather than in a `preexec_fn`: that runs Python in a fork of a
 multi-threaded parent (run_calls' pool, JAX), which CPython documents as deadlock-prone, and the
 interpreter could not start as nobody anyway when it lives under a 0700 /root (as on pyenv).
 Nothing in this file is model text; CONFIG_JSON is written by sandbox.run_python.
 """
 import builtins
+import ctypes
 import json
 import os
 import resource
@@ -21,7 +22,9 @@ PRELOAD = ("math", "cmath", "fractions", "decimal", "statistics", "itertools", "
            "collections", "json", "re", "random", "datetime", "string", "heapq", "bisect",
            "operator", "textwrap", "time")
 
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
+MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
+SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1  # Linux 5.12+
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 # Audit events refused outright: processes, signals, links that could point out of the
@@ -43,16 +46,35 @@ PATH_EVENTS = {
 }
 
 
-def isolate_network() -> None:
-  """A new, empty network namespace (a loopback that is down) where the OS allows it: as root,
-  or through an unprivileged user namespace. Where neither works only the audit hook is left."""
-  import ctypes  # pylint: disable=import-outside-toplevel
+class _MountAttr(ctypes.Structure):
+  _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+              ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def _set_read_only(libc, path: bytes, read_only: bool, recursive: bool) -> bool:
+  attr = _MountAttr(*((MOUNT_ATTR_RDONLY, 0) if read_only else (0, MOUNT_ATTR_RDONLY)), 0, 0)
+  return libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), path,
+                      ctypes.c_uint(AT_RECURSIVE if recursive else 0), ctypes.byref(attr),
+                      ctypes.c_size_t(ctypes.sizeof(attr))) == 0
+
+
+def isolate(workdir: str) -> None:
+  """New network and mount namespaces where the OS allows them (as root, or through an
+  unprivileged user namespace): no network at all (a loopback that is down), and every file
+  system read-only but `workdir`. Where they are refused only the audit hook is left for these.
+  """
   libc = ctypes.CDLL(None, use_errno=True)
-  if libc.unshare(CLONE_NEWNET) != 0:
-    libc.unshare(CLONE_NEWUSER | CLONE_NEWNET)
-  # Gone from sys.modules, so a later `import ctypes` raises the import event the hook refuses.
-  for name in [m for m in sys.modules if m == "_ctypes" or m.split(".")[0] == "ctypes"]:
-    del sys.modules[name]
+  if libc.unshare(CLONE_NEWNET | CLONE_NEWNS) != 0:
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS) != 0:
+      return
+  w = os.fsencode(workdir)
+  # Private first, so nothing done here propagates to the machine's mounts; then the directory
+  # becomes a mount of its own that stays writable when all the others turn read-only.
+  if (libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
+      and libc.mount(w, w, None, MS_BIND, None) == 0
+      and _set_read_only(libc, b"/", True, recursive=True)):
+    _set_read_only(libc, w, False, recursive=False)
+    os.chdir(workdir)  # the cwd still pointed into the mount beneath the bind
 
 
 def set_limits(c: dict) -> None:
@@ -77,9 +99,9 @@ def drop_root(uid: int) -> None:
 def make_hook(root: str, max_write_opens: int):
   """The audit hook: refuses the events above and writes outside `root`.
 
-  A second layer, not the boundary (CPython's docs say audit hooks are no sandbox): it turns
-  the common escapes into a clear PermissionError for the model, and covers what the uid does
-  not (world-writable /tmp, a shared uid's processes).
+  A second layer, not the boundary (CPython's docs say audit hooks are no sandbox, and code can
+  reach the hook's closure through frames or race its checks): it turns the common escapes
+  into a clear PermissionError for the model, and stands in where the OS refuses a namespace.
   """
   root = os.path.realpath(root)
   realpath, fspath, getpid = os.path.realpath, os.fspath, os.getpid
@@ -107,6 +129,8 @@ def make_hook(root: str, max_write_opens: int):
       if writes > max_write_opens:  # with RLIMIT_FSIZE this bounds the disk used
         refuse(f"more than {max_write_opens} files opened for writing")
       return
+    if os.path.isdir(full):  # a directory fd would let dir_fd= paths escape the checks above
+      refuse(f"opening the directory {full!r}")
     parts = full.split("/")
     if len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and int(parts[2]) != getpid():
       refuse("reading another process's /proc entry")
@@ -152,7 +176,10 @@ def run_main() -> None:
 
 def main() -> None:
   config = json.loads(sys.argv[1])
-  isolate_network()
+  isolate(os.getcwd())
+  # Gone from sys.modules, so a later `import ctypes` raises the import event the hook refuses.
+  for name in [m for m in sys.modules if m == "_ctypes" or m.split(".")[0] == "ctypes"]:
+    del sys.modules[name]
   set_limits(config)
   for name in PRELOAD:
     __import__(name)
