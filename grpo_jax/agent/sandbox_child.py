@@ -3,9 +3,10 @@
 This file runs first in the child interpreter, before any model-written text is read, in this
 order: new network and mount namespaces, the rlimits, common modules imported while the
 interpreter is still readable, root dropped to nobody, an audit hook, and only then ./main.py
-is compiled and run. The limits are set here rather than in a `preexec_fn`: that runs Python in a fork of a
-multi-threaded parent (run_calls' pool, JAX), which CPython documents as deadlock-prone, and the
-interpreter could not start as nobody anyway when it lives under a 0700 /root (as on pyenv).
+is compiled and run. The limits are set here rather than in a `preexec_fn`: that runs Python in
+a fork of a multi-threaded parent (run_calls' pool, JAX), which CPython documents as
+deadlock-prone, and the interpreter could not start as nobody anyway when it lives under a 0700
+/root (as on pyenv).
 Nothing in this file is model text; CONFIG_JSON is written by sandbox.run_python.
 """
 import builtins
