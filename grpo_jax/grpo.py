@@ -17,15 +17,26 @@ Which paper defines what:
   * delta, the two-sided cap of the unclipped ratio: INTELLECT-2 (Prime Intellect 2025).
   * importance_sampling_level='sequence': GSPO (Zheng et al. 2025).
   * KL estimators k1, k2, k3: J. Schulman, "Approximating KL Divergence" (2020).
+  * loss_type='flow_grpo' (a multi-turn trajectory is one row; its actions' tokens are
+    averaged per turn, then over turns, then over trajectories): AgentFlow, "In-the-Flow
+    Agentic System Optimization" (2025).
 
 Every loss type is written as one weighted token sum, `sum(weight_BC * per_token_loss_BC)`, whose
 weights use normalisers of the whole optimizer step (or generation batch), so gradient
 accumulation over micro-batches adds up to exactly the full-batch loss:
 
-  grpo     weight = mask / (len_b · B_step)        mean over tokens, then over sequences
-  bnpo     weight = mask / tokens_step             token mean over the optimizer step's batch
-  dr_grpo  weight = mask / (B_step · C)            token sum over batch × max completion length
-  dapo     weight = mask / tokens_generation       token mean over the whole generation batch
+  grpo       weight = mask / (len_b · B_step)         mean over tokens, then over sequences
+  bnpo       weight = mask / tokens_step              token mean over the optimizer step's batch
+  dr_grpo    weight = mask / (B_step · C)             token sum over batch × max completion length
+  dapo       weight = mask / tokens_generation        token mean over the generation batch
+  flow_grpo  weight = mask / (B_step · T_b · |a_t|)   token mean per action turn t, then mean
+                                                      over the row's T_b turns, then over rows
+
+flow_grpo reads turn_ids_BC (0-based turn of each completion token; observation tokens between
+actions have mask 0, so their turn id is never read; they are still attended to). T_b counts the
+turns of row b with a loss token, |a_t| the loss tokens of turn t in row b. With one turn per row
+it is exactly grpo. The advantage is the trajectory's (one row, grpo.group_advantages), the same
+at every one of its action tokens.
 
 TRL's bnpo normalises by the tokens of each micro-batch on each process; here it is the step's
 batch, so that it is invariant to micro-batching. One generation batch is one optimizer step's
@@ -38,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from ml_collections import config_dict
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "flow_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IS_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -241,13 +252,17 @@ def loss_mask(completion_mask_BC, truncated_B=None, mask_truncated_completions=F
   return mask_BC
 
 
-def token_weights(mask_BC, loss_type, *, num_sequences, num_tokens, max_completion_length=None):
+def token_weights(mask_BC, loss_type, *, num_sequences, num_tokens, max_completion_length=None,
+                  turn_ids_BC=None, max_turns=None):
   """Per-token weights that turn a token sum into the loss_type's aggregation.
 
   num_sequences: sequences in the optimizer step's batch (all micro-batches).
   num_tokens: loss tokens in the step's batch (bnpo) or in the whole generation batch (dapo).
   max_completion_length: dr_grpo's constant C (sampling.max_new_tokens), never the padded width
   of a batch; default: the mask's width.
+  turn_ids_BC, max_turns: flow_grpo only (ignored by the others): int turn index in
+  [0, max_turns) of each completion token, and the static bound on turns (see
+  flow_grpo_weights).
   """
   C = mask_BC.shape[-1] if max_completion_length is None else max_completion_length
   if loss_type == "grpo":
@@ -256,7 +271,41 @@ def token_weights(mask_BC, loss_type, *, num_sequences, num_tokens, max_completi
     return mask_BC / jnp.maximum(num_tokens, 1.0)
   if loss_type == "dr_grpo":
     return mask_BC / (num_sequences * C)
+  if loss_type == "flow_grpo":
+    if turn_ids_BC is None or max_turns is None:
+      raise ValueError("loss.loss_type='flow_grpo' needs turn_ids_BC (the turn of each "
+                       f"completion token) and max_turns; got turn_ids_BC="
+                       f"{'None' if turn_ids_BC is None else 'given'}, max_turns={max_turns!r}")
+    return flow_grpo_weights(mask_BC, turn_ids_BC, max_turns, num_sequences)
   raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}")
+
+
+def flow_grpo_weights(mask_BC, turn_ids_BC, max_turns, num_sequences):
+  """mask / (num_sequences · T_b · |a_t|): Flow-GRPO's 1/G Σ_i 1/T_i Σ_t 1/|a_t^i| Σ_j.
+
+  |a_t| (loss tokens of turn t in row b) and T_b (turns of row b with >= 1 loss token) come
+  from a one-hot of the turn ids over a static bound, [B, C, max_turns]: a compare that XLA
+  fuses into the row-local sums (no scatter, nothing across rows, so any batch sharding and any
+  micro-batching give the same weights). A row without loss tokens gets weight 0. A loss token
+  whose turn id is outside [0, max_turns) makes the weights NaN (the step is then skipped),
+  rather than silently merging or dropping turns; train_step.check_batch rejects such a batch
+  on the host first.
+
+  Example: mask [[1, 1, 0, 1]], turn_ids [[0, 0, 0, 1]] (an observation token between two
+  actions), num_sequences 1 → weights [[1/4, 1/4, 0, 1/2]].
+  """
+  if not (isinstance(max_turns, int) and max_turns >= 1):
+    raise ValueError(f"max_turns={max_turns!r} must be an int >= 1")
+  mask_BC = jnp.asarray(mask_BC, jnp.float32)
+  turn_ids_BC = jnp.asarray(turn_ids_BC, jnp.int32)
+  onehot_BCM = (turn_ids_BC[..., None] == jnp.arange(max_turns, dtype=jnp.int32)).astype(
+      jnp.float32)
+  len_BM = jnp.einsum("BC,BCM->BM", mask_BC, onehot_BCM)        # |a_t|: loss tokens per turn
+  turns_B1 = (len_BM > 0).sum(-1, keepdims=True).astype(jnp.float32)  # T_b
+  len_BC = jnp.einsum("BM,BCM->BC", len_BM, onehot_BCM)        # |a_{t(j)}| at each token
+  in_range_BC = (turn_ids_BC >= 0) & (turn_ids_BC < max_turns)
+  weights_BC = mask_BC / (num_sequences * jnp.maximum(turns_B1, 1.0) * jnp.maximum(len_BC, 1.0))
+  return jnp.where((mask_BC > 0) & ~in_range_BC, jnp.nan, weights_BC)
 
 
 def log_importance_ratio(logp_BC, old_logp_BC, mask_BC, level):
@@ -278,6 +327,9 @@ def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights
   Returns (loss scalar, sums) where `sums` holds token-summed quantities the caller divides by
   the step's loss-token count (clip counts, ratio sum, loss-masked token count) and the
   already-normalised 'loss/policy', 'loss/kl'; plus 'ratio/min', 'ratio/max'.
+  The β·KL term is the per-token KL estimate under the same weights_BC as the policy term, so
+  it is aggregated like it (flow_grpo: KL per action token, averaged per turn, over the row's
+  turns, over sequences).
   """
   if old_logp_BC is None:
     old_logp_BC = jax.lax.stop_gradient(logp_BC)
@@ -333,17 +385,19 @@ def finalize_metrics(sums, num_tokens):
 
 
 def grpo_loss(logp_BC, advantages_B, mask_BC, cfg, *, old_logp_BC=None, ref_logp_BC=None,
-              num_tokens=None, max_completion_length=None):
+              num_tokens=None, max_completion_length=None, turn_ids_BC=None, max_turns=None):
   """The whole-batch loss and metrics of one un-accumulated step (convenience for tests/tools).
 
   num_tokens: the dapo normaliser (loss tokens of the generation batch); default: this batch's.
+  turn_ids_BC, max_turns: flow_grpo's turn of each token and bound on turns (token_weights).
   """
   mask_BC = jnp.asarray(mask_BC, jnp.float32)
   step_tokens = mask_BC.sum()
   if num_tokens is None or cfg.loss_type != "dapo":
     num_tokens = step_tokens
   weights_BC = token_weights(mask_BC, cfg.loss_type, num_sequences=mask_BC.shape[0],
-                             num_tokens=num_tokens, max_completion_length=max_completion_length)
+                             num_tokens=num_tokens, max_completion_length=max_completion_length,
+                             turn_ids_BC=turn_ids_BC, max_turns=max_turns)
   loss, sums = loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC,
                           weights_BC, cfg)
   return loss, finalize_metrics(sums, step_tokens)

@@ -2,7 +2,7 @@
 
     step = TrainStep(model_cfg, loss_cfg, optim_cfg, mesh, temperature=1.0,
                      valid_vocab_size=151665, max_completion_length=1024,
-                     group_size=8, reward_weights=(1.0, 1.0))
+                     group_size=8, reward_weights=(1.0, 1.0), max_turns=None)
     state = create_train_state(params, model_cfg, optim_cfg, mesh)
     state, metrics, advantages_B = step(state, rollout, ref_params)
 
@@ -22,6 +22,12 @@ padded prompt and completion widths, S = P + C):
     lengths_B        int32    tokens sampled, the stop token included
     truncated_B      bool     max_new_tokens reached without a stop id
     rewards_BR       float32  reward matrix, NaN = missing (grpo.group_advantages)
+    loss_mask_BC     int32    optional: 1 on completion tokens that enter the loss (a multi-turn
+                              trajectory's action tokens; 0 on the observations between them);
+                              the completion mask is the length mask times this, attn_mask_BS
+                              still covers every token up to lengths_B
+    turn_ids_BC      int32    optional; required by loss.loss_type='flow_grpo': 0-based turn of
+                              each completion token (read only where the loss mask is 1)
   train (the same step with given advantages; tests, the warm start, other rollouts):
     tokens_BS        int32    prompt left-padded to P, then the completion right-padded to C
     attn_mask_BS     int32    1 on real prompt and completion tokens
@@ -31,11 +37,21 @@ padded prompt and completion widths, S = P + C):
     old_logp_BC      float32  optional: log-probs of the behaviour policy (default: the
                               params before the first update)
     ref_logp_BC      float32  optional when β > 0 (default: computed from ref_params)
+    turn_ids_BC      int32    optional; required by flow_grpo (as in the rollout layout)
 
 Example (B=2, P=3, C=4; 0 is the pad id, 9 the EOS):
   tokens_BS          [[0, 5, 6, 7, 8, 9, 0],  [4, 5, 6, 7, 7, 7, 7]]
   attn_mask_BS       [[0, 1, 1, 1, 1, 1, 0],  [1, 1, 1, 1, 1, 1, 1]]
   completion_mask_BC [[1, 1, 0, 0],           [1, 1, 1, 1]]      truncated_B [False, True]
+
+A multi-turn trajectory (agent rollouts, loss.loss_type='flow_grpo') is one row whose completion
+is action_1, observation_1, action_2, …: observation tokens are attended to (attn_mask_BS 1) but
+out of the loss and KL (completion_mask_BC 0). Example (C=6, a 2-token action, a 1-token tool
+result, a 3-token answer ending in EOS):
+  completion_BC  [[7, 8, 5, 6, 4, 9]]  lengths_B [6]
+  loss_mask_BC   [[1, 1, 0, 1, 1, 1]]  turn_ids_BC [[0, 0, 0, 1, 1, 1]]
+  → attn_mask_BS ends [1, 1, 1, 1, 1, 1], completion_mask_BC [[1, 1, 0, 1, 1, 1]]; flow_grpo
+    weights (one row) [[1/4, 1/4, 0, 1/6, 1/6, 1/6]].
 
 `objective="sft"` makes the same step a supervised one (the warm start): the train layout
 without advantages, loss = mean negative log-likelihood of the completion tokens.
@@ -197,7 +213,8 @@ def batch_shardings(batch, mesh):
 ROLLOUT_KEYS = ("prompt_BP", "prompt_mask_BP", "completion_BC", "lengths_B", "rewards_BR")
 TRAIN_KEYS = ("tokens_BS", "attn_mask_BS", "completion_mask_BC", "advantages_B")
 SFT_KEYS = ("tokens_BS", "attn_mask_BS", "completion_mask_BC")
-_OPTIONAL = {"grpo": ("truncated_B", "old_logp_BC", "ref_logp_BC"), "sft": ()}
+_OPTIONAL = {"grpo": ("truncated_B", "old_logp_BC", "ref_logp_BC", "turn_ids_BC"), "sft": ()}
+ROLLOUT_OPTIONAL = ("truncated_B", "loss_mask_BC", "turn_ids_BC")
 
 
 def is_rollout(batch) -> bool:
@@ -205,11 +222,15 @@ def is_rollout(batch) -> bool:
 
 
 def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_params=False,
-                group_size=None, num_rewards=None) -> None:
-  """Host-side checks, before anything is donated: a bad batch raises and the state survives."""
+                group_size=None, num_rewards=None, max_turns=None) -> None:
+  """Host-side checks, before anything is donated: a bad batch raises and the state survives.
+
+  max_turns: flow_grpo's bound on turns; the turn ids of loss tokens must lie in [0, max_turns)
+  (checked when given: a small fetch of the masks and turn ids).
+  """
   rollout = objective == "grpo" and is_rollout(batch)
   required = ROLLOUT_KEYS if rollout else SFT_KEYS if objective == "sft" else TRAIN_KEYS
-  optional = ("truncated_B",) if rollout else _OPTIONAL[objective]
+  optional = ROLLOUT_OPTIONAL if rollout else _OPTIONAL[objective]
   missing = [k for k in required if k not in batch]
   unknown = [k for k in batch if k not in required + optional]
   if missing or unknown:
@@ -219,7 +240,8 @@ def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_p
     C = _shape(batch["completion_BC"])[-1]
     S = P_ + C
     expect = {"prompt_mask_BP": (B, P_), "lengths_B": (B,), "truncated_B": (B,),
-              "rewards_BR": (B, num_rewards or _shape(batch["rewards_BR"])[-1])}
+              "rewards_BR": (B, num_rewards or _shape(batch["rewards_BR"])[-1]),
+              "loss_mask_BC": (B, C), "turn_ids_BC": (B, C)}
     tokens = batch["prompt_BP"]
     if group_size is None or B % group_size:
       raise ValueError(f"a rollout batch of {B} rows needs group_size (G={group_size}) "
@@ -234,7 +256,8 @@ def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_p
     B, S = _shape(batch["tokens_BS"])
     C = _shape(batch["completion_mask_BC"])[-1]
     expect = {"attn_mask_BS": (B, S), "completion_mask_BC": (B, C), "advantages_B": (B,),
-              "old_logp_BC": (B, C), "ref_logp_BC": (B, C), "truncated_B": (B,)}
+              "old_logp_BC": (B, C), "ref_logp_BC": (B, C), "truncated_B": (B,),
+              "turn_ids_BC": (B, C)}
     tokens = batch["tokens_BS"]
     if not C < S:
       raise ValueError(f"completion length C={C} must be shorter than tokens_BS length S={S}")
@@ -244,6 +267,9 @@ def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_p
                        f"(B={B}, S={S}, C={C})")
   if not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"batch token ids must be integer, got {tokens.dtype}")
+  for k in ("turn_ids_BC", "loss_mask_BC"):
+    if k in batch and not jnp.issubdtype(batch[k].dtype, jnp.integer):
+      raise ValueError(f"batch['{k}'] must be integer, got {batch[k].dtype}")
   if objective == "grpo":
     if not grpo.needs_reference(loss_cfg) and "ref_logp_BC" in batch:
       raise ValueError(f"loss.beta={loss_cfg.beta}: batch['ref_logp_BC'] is never used with "
@@ -253,6 +279,12 @@ def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_p
                        "batch['ref_logp_BC'])")
     if loss_cfg.mask_truncated_completions and "truncated_B" not in batch:
       raise ValueError("loss.mask_truncated_completions=True needs batch['truncated_B']")
+    if loss_cfg.loss_type == "flow_grpo":
+      if "turn_ids_BC" not in batch:
+        raise ValueError("loss.loss_type='flow_grpo' needs batch['turn_ids_BC'] (the turn of "
+                         "each completion token)")
+      if max_turns is not None:
+        _check_turn_ids(batch, rollout, max_turns)
   n_batch_dev = int(np.prod([mesh.shape[a] for a in sharding.BATCH_AXES]))
   accum = optim_cfg.grad_accum_steps
   if B % accum or (B // accum) % n_batch_dev:
@@ -260,14 +292,35 @@ def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_p
                      f"micro-batches each divisible by the data×fsdp={n_batch_dev} devices")
 
 
+def _check_turn_ids(batch, rollout, max_turns):
+  """Turn ids of the completion tokens that may enter the loss lie in [0, max_turns)."""
+  turns = np.asarray(batch["turn_ids_BC"])
+  if rollout:
+    C = turns.shape[1]
+    on = np.arange(C)[None, :] < np.asarray(batch["lengths_B"])[:, None]
+    if "loss_mask_BC" in batch:
+      on &= np.asarray(batch["loss_mask_BC"]) > 0
+  else:
+    on = np.asarray(batch["completion_mask_BC"]) > 0
+  bad = on & ((turns < 0) | (turns >= max_turns))
+  if bad.any():
+    b, j = np.argwhere(bad)[0]
+    raise ValueError(f"batch['turn_ids_BC'][{b}, {j}]={turns[b, j]} is outside [0, max_turns="
+                     f"{max_turns}) on a loss token ({int(bad.sum())} such tokens)")
+
+
 def make_batch(rollout, loss_cfg, *, group_size, reward_weights):
   """Rollout layout → train layout, and the advantage statistics. Pure; runs on device.
 
   Example: prompt_BP [[0, 4]], completion_BC [[7, 9, 0]], lengths_B [2] → tokens_BS
-  [[0, 4, 7, 9, 0]], attn_mask_BS [[0, 1, 1, 1, 0]], completion_mask_BC [[1, 1, 0]].
+  [[0, 4, 7, 9, 0]], attn_mask_BS [[0, 1, 1, 1, 0]], completion_mask_BC [[1, 1, 0]]; with
+  loss_mask_BC [[0, 1, 1]] the completion mask is [[0, 1, 0]] and attn_mask_BS is unchanged.
   """
   C = rollout["completion_BC"].shape[1]
   cmask_BC = (jnp.arange(C)[None, :] < rollout["lengths_B"][:, None]).astype(jnp.int32)
+  # Observation tokens are context: attended to, never in the loss.
+  loss_BC = (cmask_BC if "loss_mask_BC" not in rollout
+             else cmask_BC * (rollout["loss_mask_BC"] > 0).astype(jnp.int32))
   adv_B, stats = grpo.group_advantages(
       rollout["rewards_BR"], group_size, weights_R=np.asarray(reward_weights, np.float32),
       scale_rewards=loss_cfg.scale_rewards, aggregation=loss_cfg.reward_aggregation)
@@ -275,11 +328,12 @@ def make_batch(rollout, loss_cfg, *, group_size, reward_weights):
       "tokens_BS": jnp.concatenate([rollout["prompt_BP"], rollout["completion_BC"]], 1),
       "attn_mask_BS": jnp.concatenate([rollout["prompt_mask_BP"].astype(jnp.int32), cmask_BC],
                                       1),
-      "completion_mask_BC": cmask_BC,
+      "completion_mask_BC": loss_BC,
       "advantages_B": adv_B,
   }
-  if "truncated_B" in rollout:
-    batch["truncated_B"] = rollout["truncated_B"]
+  for k in ("truncated_B", "turn_ids_BC"):
+    if k in rollout:
+      batch[k] = rollout[k]
   return batch, stats
 
 
@@ -386,17 +440,25 @@ class TrainStep:
   max_completion_length: dr_grpo's constant C (default: the batch's completion width).
   group_size, reward_weights: for rollout batches (advantages are computed in the step).
   objective: 'grpo' or 'sft' (the warm start: mean NLL of the completion tokens).
+  max_turns: loss.loss_type='flow_grpo''s static bound on the turns of a row (the batch's
+  turn_ids_BC lie in [0, max_turns) on loss tokens); its per-turn token counts are a
+  [B, C, max_turns] one-hot reduction (grpo.flow_grpo_weights). Required by flow_grpo only.
   """
 
   def __init__(self, model_cfg, loss_cfg, optim_cfg, mesh, *, temperature=1.0,
                valid_vocab_size=None, max_completion_length=None, group_size=None,
-               reward_weights=None, objective="grpo"):
+               reward_weights=None, objective="grpo", max_turns=None):
     if objective not in OBJECTIVES:
       raise ValueError(f"objective={objective!r} is not one of {OBJECTIVES}")
     grpo.validate_loss_config(loss_cfg)
     validate_optim_config(optim_cfg)
     if not temperature > 0:
       raise ValueError(f"temperature={temperature!r} must be > 0")
+    if objective == "grpo" and loss_cfg.loss_type == "flow_grpo" and not (
+        isinstance(max_turns, int) and max_turns >= 1):
+      raise ValueError(f"loss.loss_type='flow_grpo' needs max_turns, an int >= 1 (the bound on "
+                       f"a row's turns), got max_turns={max_turns!r}")
+    self.max_turns = max_turns
     self.model_cfg, self.loss_cfg, self.optim_cfg, self.mesh = (model_cfg, loss_cfg, optim_cfg,
                                                                 mesh)
     self.objective, self.group_size = objective, group_size
@@ -430,7 +492,9 @@ class TrainStep:
             self.model, ref_params, mb["tokens_BS"], mb["attn_mask_BS"], C, **kw)[0])
       weights_BC = grpo.token_weights(mask_BC, self.loss_cfg.loss_type,
                                       num_sequences=norm["sequences"], num_tokens=norm["tokens"],
-                                      max_completion_length=norm["max_completion_length"])
+                                      max_completion_length=norm["max_completion_length"],
+                                      turn_ids_BC=mb.get("turn_ids_BC"),
+                                      max_turns=self.max_turns)
       loss, sums = grpo.loss_terms(logp_BC, mb.get("old_logp_BC"), ref_BC, mb["advantages_B"],
                                    mask_BC, weights_BC, self.loss_cfg)
     sums["loss"] = jax.lax.stop_gradient(loss)
@@ -442,7 +506,7 @@ class TrainStep:
     reference log-probs (None unless computed)."""
     accum, mesh = self.optim_cfg.grad_accum_steps, self.mesh
     keys = ("tokens_BS", "attn_mask_BS", "advantages_B", "old_logp_BC", "ref_logp_BC", "mask_BC",
-            "completion_mask_BC")
+            "completion_mask_BC", "turn_ids_BC")
     micro = {k: _split_micro(batch[k], accum, mesh) for k in keys if k in batch}
     grad_fn = jax.grad(lambda p, mb: self._loss(p, ref_params, mb, norm), has_aux=True)
     constrain = lambda g: jax.lax.with_sharding_constraint(g, self.state_sh["params"])
@@ -565,7 +629,8 @@ class TrainStep:
   def __call__(self, state, batch, ref_params=None):
     check_batch(batch, self.loss_cfg, self.optim_cfg, self.mesh, self.objective,
                 has_ref_params=ref_params is not None, group_size=self.group_size,
-                num_rewards=None if self.reward_weights is None else len(self.reward_weights))
+                num_rewards=None if self.reward_weights is None else len(self.reward_weights),
+                max_turns=self.max_turns)
     need_ref = self._needs_ref(batch)
     return self.jitted(batch, need_ref)(state, ref_params if need_ref else None, batch)
 
@@ -573,7 +638,7 @@ class TrainStep:
 def make_grad_fn(model_cfg, loss_cfg, optim_cfg, mesh, batch, **step_kw):
   """Jitted (params, batch) → (loss, grads) of the train step's first update, for tests."""
   step = TrainStep(model_cfg, loss_cfg, optim_cfg, mesh, **step_kw)
-  check_batch(batch, loss_cfg, optim_cfg, mesh)
+  check_batch(batch, loss_cfg, optim_cfg, mesh, max_turns=step.max_turns)
 
   def fn(params, batch):
     mask_BC = grpo.loss_mask(batch["completion_mask_BC"], batch.get("truncated_B"),
