@@ -69,6 +69,7 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
       synthetic_test=500,
       synthetic_digits=2,
       synthetic_operands=2,
+      synthetic_ops=("+",),        # operations drawn from, applied left to right
   ))
 
   c.sampling = config_dict.ConfigDict(dict(
@@ -126,6 +127,21 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
   # on eval_examples training problems, held out of both phases, reaches it; steps is the most.
   c.sft = config_dict.ConfigDict(dict(steps=0, batch_size=32, lr=1e-3, target_accuracy=0.0,
                                       eval_every=50, eval_examples=256))
+
+  # Multi-turn agent rollouts with tools (Flow-GRPO; configs/gsm8k_agent.py). Off: one
+  # completion per sample. See grpo_jax/agent/.
+  c.agent = config_dict.ConfigDict(dict(
+      enabled=False,
+      tools=("calculator",),        # by name: grpo_jax.agent.tools.TOOLS
+      max_turns=4,                  # actions per trajectory, the final answer included
+      action_tokens=32,             # sampled tokens per action (the turn's budget)
+      observation_tokens=32,        # a tool's output is cut to this many tokens
+      tool_workers=8,               # tool calls run in parallel, at most this many at once
+      tool_timeout_s=5.0,           # wall-clock limit of every tool call
+      # The first user turn: the toolset K ({tools}: each tool's description with its call
+      # syntax; {tool_names}: just the names) and the query.
+      user_template="{tools}\n\n{question}",
+  ))
 
   c.mesh = (1, -1, 1)               # (data, fsdp, tensor); -1 takes the remaining devices
 

@@ -23,8 +23,14 @@ def tokenizer(config, workdir, train_rows):
     # BPE merges learnt from the training problems (deterministic), plus the chat roles.
     corpus = [r["question"] for r in train_rows] + [r["answer"] for r in train_rows]
     corpus += ["user assistant system"] * 100
+    tags = ()
+    if config.agent.enabled:  # the toolset's descriptions and the tool-call tags
+      from grpo_jax.agent import env, tools  # pylint: disable=import-outside-toplevel
+      names = tuple(config.agent.tools)
+      corpus += [env.toolset_text(tools.select(names)) + " " + ", ".join(names)] * 100
+      tags = ("<tool>", "</tool>")
     name = tokenizer_lib.build_tiny_tokenizer(os.path.join(workdir, "tokenizer"), corpus,
-                                              config.model.tiny.vocab_size)
+                                              config.model.tiny.vocab_size, extra_tags=tags)
   field = "config.model.tokenizer" if config.model.tokenizer else "config.model.checkpoint"
   tok = tokenizer_lib.load_tokenizer(name, field)
   return tok, tokenizer_lib.stop_ids(tok, name)
@@ -33,7 +39,8 @@ def tokenizer(config, workdir, train_rows):
 def datasets(config, workdir):
   d = config.data
   if d.source == "synthetic":
-    spec = synthetic.ProblemSpec(num_operands=d.synthetic_operands, digits=d.synthetic_digits)
+    spec = synthetic.ProblemSpec(num_operands=d.synthetic_operands, digits=d.synthetic_digits,
+                                 ops=tuple(d.synthetic_ops))
     source = synthetic.write_splits(os.path.join(workdir, "data"), d.synthetic_train,
                                     d.synthetic_test, seed=config.seed, spec=spec)
   else:

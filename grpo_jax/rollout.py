@@ -47,7 +47,9 @@ def encode(config, tokenizer, rows) -> Prompts:
 @dataclasses.dataclass
 class Rollouts:
   """G sampled completions per prompt and their rewards, group-major (rows [p·G, (p+1)·G) are
-  prompt p's). `pool` concatenates rounds; `take` keeps whole groups, in the order given."""
+  prompt p's). `pool` concatenates rounds; `take` keeps whole groups, in the order given.
+  Multi-turn rollouts (grpo_jax.agent) add a loss mask (actions 1, observations 0), each
+  token's turn, and each trajectory's text."""
   rows: list[dict]                # per prompt: the dataset row
   prompts: list[str]              # per prompt: chat-templated text
   prompt_ids: list[list[int]]     # per prompt: token ids, unpadded
@@ -56,19 +58,30 @@ class Rollouts:
   truncated_B: np.ndarray
   texts: list[str]
   reward_BR: np.ndarray
+  loss_mask_BC: np.ndarray | None = None
+  turn_ids_BC: np.ndarray | None = None
+  trajectories: list[str] | None = None
+
+  PER_PROMPT = ("rows", "prompts", "prompt_ids")
 
   @staticmethod
   def pool(parts: list[Rollouts]) -> Rollouts:
-    return Rollouts(*[sum((getattr(p, f.name) for p in parts), []) if isinstance(
-        getattr(parts[0], f.name), list) else np.concatenate([getattr(p, f.name) for p in parts])
+    def join(values):
+      if values[0] is None:
+        return None
+      return sum(values, []) if isinstance(values[0], list) else np.concatenate(values)
+    return Rollouts(*[join([getattr(p, f.name) for p in parts])
                       for f in dataclasses.fields(Rollouts)])
 
   def take(self, groups, g: int) -> Rollouts:
     rows_B = [p * g + j for p in groups for j in range(g)]
-    return Rollouts([self.rows[p] for p in groups], [self.prompts[p] for p in groups],
-                    [self.prompt_ids[p] for p in groups], self.completion_ids_BC[rows_B],
-                    self.lengths_B[rows_B], self.truncated_B[rows_B],
-                    [self.texts[i] for i in rows_B], self.reward_BR[rows_B])
+
+    def pick(name):
+      value, index = getattr(self, name), groups if name in self.PER_PROMPT else rows_B
+      if value is None:
+        return None
+      return [value[i] for i in index] if isinstance(value, list) else value[index]
+    return Rollouts(*[pick(f.name) for f in dataclasses.fields(Rollouts)])
 
   def device_batch(self, pad_id: int, *, buckets, multiple: int,
                    with_truncated: bool) -> dict[str, np.ndarray]:
@@ -87,6 +100,9 @@ class Rollouts:
     }
     if with_truncated:
       batch["truncated_B"] = self.truncated_B.astype(bool)
+    if self.loss_mask_BC is not None:
+      batch["loss_mask_BC"] = np.ascontiguousarray(self.loss_mask_BC[:, :c], np.int32)
+      batch["turn_ids_BC"] = np.ascontiguousarray(self.turn_ids_BC[:, :c], np.int32)
     return batch
 
 
@@ -108,8 +124,9 @@ def sample_and_score(config, sampler, tokenizer, params, rows, rewards, key):
   return part, reward_metrics, out.metrics, (t1 - t0, time.perf_counter() - t1)
 
 
-def collect(config, sampler, tokenizer, params, next_rows, rewards, key):
-  """Rollouts for one GRPO step; next_rows() gives train.prompts_per_step dataset rows.
+def collect(config, sample_fn, next_rows, key):
+  """Rollouts for one GRPO step; next_rows() gives train.prompts_per_step dataset rows and
+  sample_fn(rows, key) samples and scores them (sample_and_score, or the agent's).
 
   With train.dynamic_sampling (DAPO), groups whose G rewards are all equal (zero advantage:
   they teach nothing) are set aside and further prompts sampled, up to
@@ -125,9 +142,8 @@ def collect(config, sampler, tokenizer, params, next_rows, rewards, key):
   m = {"time/sample_s": 0.0, "time/reward_s": 0.0}
   parts, informative = [], []
   for r in range(rounds):
-    part, part_metrics, sampler_metrics, (t_sample, t_reward) = sample_and_score(
-        cfg, sampler, tokenizer, params, next_rows(), rewards,
-        key if r == 0 else jax.random.fold_in(key, r))
+    part, part_metrics, sampler_metrics, (t_sample, t_reward) = sample_fn(
+        next_rows(), key if r == 0 else jax.random.fold_in(key, r))
     m["time/sample_s"] += t_sample
     m["time/reward_s"] += t_reward
     if r == 0:

@@ -29,19 +29,31 @@ def reference_completion(answer_text: str) -> str:
 
 
 def sft_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-              pad_id: int, *, buckets: Sequence[int], multiple: int, max_completion: int):
+              pad_id: int, *, buckets: Sequence[int], multiple: int, max_completion: int,
+              loss_masks: Sequence[Sequence[int]] | None = None):
   """The train step's layout: prompts left-padded to a bucket, completions right-padded to the
-  longest rounded up to `multiple`; completion_mask_BC marks the tokens trained on."""
+  longest rounded up to `multiple`; completion_mask_BC marks the tokens trained on: every
+  completion token, or where `loss_masks` (one 0/1 list per completion) says so."""
   prompt_BP, pmask_BP = data.pad_to_bucket(prompt_ids, buckets, pad_id)
   longest = max(len(c) for c in completion_ids)
   if longest > max_completion:
-    raise ValueError(f"a reference completion has {longest} tokens, more than "
-                     f"sampling.max_new_tokens={max_completion}")
-  completion_BC, cmask_BC = data.pad_right(
-      completion_ids, data.padded_width(longest, multiple, max_completion), pad_id)
+    raise ValueError(f"a reference completion has {longest} tokens, more than the completion "
+                     f"budget {max_completion} (sampling.max_new_tokens, or an agent's turns)")
+  width = data.padded_width(longest, multiple, max_completion)
+  completion_BC, cmask_BC = data.pad_right(completion_ids, width, pad_id)
+  loss_BC = cmask_BC if loss_masks is None else data.pad_right(loss_masks, width, 0)[0]
   return {"tokens_BS": np.concatenate([prompt_BP, completion_BC], 1),
           "attn_mask_BS": np.concatenate([pmask_BP.astype(np.int32), cmask_BC], 1),
-          "completion_mask_BC": cmask_BC}
+          "completion_mask_BC": loss_BC}
+
+
+def examples(config, tok, rows):
+  """(prompt ids, completion ids, None): the reference solutions, every token trained on."""
+  prompts = data.encode_prompts(tok, rollout.prompt_texts(config, tok, rows))
+  stop = tok.convert_tokens_to_ids(tok.eos_token)
+  completions = [tok(reference_completion(r["answer"]), add_special_tokens=False).input_ids
+                 + [stop] for r in rows]
+  return prompts, completions, None
 
 
 def sft_optim_config(config):
@@ -61,22 +73,20 @@ def run_sft(config, trainer, params, rows, eval_rows=()):
   find any reward (experiments/tiny_seeds.md). Returns the params.
   """
   s, tok = config.sft, trainer.tokenizer
+  max_completion = trainer.agent.room if trainer.agent else config.sampling.max_new_tokens
   optim = sft_optim_config(config)
   step = train_step.TrainStep(trainer.cfg, config.loss, optim, trainer.mesh, objective="sft")
   state = train_step.create_train_state(params, trainer.cfg, optim, trainer.mesh)
   order = data.PromptIterator(len(rows), s.batch_size, config.seed + 1)
-  stop = tok.convert_tokens_to_ids(tok.eos_token)
   target = s.target_accuracy if eval_rows else 0.0
   bar = tqdm(range(s.steps), desc="sft warm start", dynamic_ncols=True, mininterval=2.0)
   acc = None
   for i in bar:
     batch_rows = [rows[j] for j in order.next_indices()]
-    prompts = data.encode_prompts(tok, rollout.prompt_texts(config, tok, batch_rows))
-    completions = [tok(reference_completion(r["answer"]), add_special_tokens=False).input_ids
-                   + [stop] for r in batch_rows]
+    prompts, completions, masks = trainer.sft_examples(batch_rows)
     batch = sft_batch(prompts, completions, tok.pad_token_id, buckets=config.data.prompt_buckets,
-                      multiple=config.train.pad_multiple,
-                      max_completion=config.sampling.max_new_tokens)
+                      multiple=config.train.pad_multiple, max_completion=max_completion,
+                      loss_masks=masks)
     state, metrics, _ = step(state, batch)
     if i % 10 == 0:  # reading the loss waits for the device; not every step
       bar.set_postfix(loss=f"{float(metrics['loss']):.3f}",

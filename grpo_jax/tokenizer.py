@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from huggingface_hub import errors as hf_errors
 import huggingface_hub
@@ -97,7 +97,7 @@ def valid_vocab_size(tokenizer) -> int:
 
 
 def build_tiny_tokenizer(out_dir: str, corpus: Iterable[str] | None = None,
-                         vocab_size: int = 512) -> str:
+                         vocab_size: int = 512, extra_tags: Sequence[str] = ()) -> str:
   """Builds a small tokenizer with Qwen's special tokens and a ChatML template into out_dir.
 
   Without a corpus: byte-level with no merges (263 ids, token id b is byte b). With a corpus:
@@ -125,7 +125,8 @@ def build_tiny_tokenizer(out_dir: str, corpus: Iterable[str] | None = None,
   tok.decoder = decoders.ByteLevel()
   tok.add_special_tokens(
       [tokenizers.AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS])
-  tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+  tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False)
+                  for t in TAG_TOKENS + tuple(extra_tags)])
 
   fast = transformers.PreTrainedTokenizerFast(
       tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",

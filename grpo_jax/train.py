@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from grpo_jax import (checkpoint, data, grpo, inputs, logging_io, plots, rollout,
                       sampler as sampler_lib, sft, sharding, tokenizer as tokenizer_lib,
                       train_step, validate)
+from grpo_jax.agent import rollout as agent_rollout, traces as agent_traces
 from grpo_jax.errors import UserError
 from grpo_jax.models import qwen, weights
 from grpo_jax.rewards import Interrupted, MissingRewardsError, RewardHealth, build_rewards, probe
@@ -192,10 +193,6 @@ class Trainer:
       optim.total_steps = config.train.steps * config.loss.num_iterations
     self.optim = optim
     s, valid = config.sampling, tokenizer_lib.valid_vocab_size(tokenizer)
-    self.step_fn = train_step.TrainStep(
-        cfg, config.loss, optim, mesh, temperature=s.temperature, valid_vocab_size=valid,
-        max_completion_length=s.max_new_tokens, group_size=s.num_generations,
-        reward_weights=config.rewards.weights)
     model = qwen.Qwen(cfg, dtype=jnp.dtype(optim.compute_dtype),
                       param_dtype=jnp.dtype(optim.param_dtype))
     self.sampler = sampler_lib.Sampler(
@@ -203,6 +200,14 @@ class Trainer:
         max_new_tokens=s.max_new_tokens, stop_ids=stop_ids,
         buckets=tuple(config.data.prompt_buckets), valid_vocab_size=valid,
         pad_id=tokenizer.pad_token_id, mesh=mesh)
+    # Multi-turn runs (config.agent.enabled): trajectories with tools instead of completions.
+    self.agent = agent_rollout.Agent(config, tokenizer, self.sampler) if (
+        config.agent.enabled) else None
+    self.step_fn = train_step.TrainStep(
+        cfg, config.loss, optim, mesh, temperature=s.temperature, valid_vocab_size=valid,
+        max_completion_length=self.agent.room if self.agent else s.max_new_tokens,
+        group_size=s.num_generations, reward_weights=config.rewards.weights,
+        max_turns=config.agent.max_turns if self.agent else None)
     self.accuracy = rollout.accuracy_reward(config)
     self.base_key = jax.random.key(config.seed)
 
@@ -216,8 +221,17 @@ class Trainer:
     return abstract
 
   def evaluate(self, params, rows) -> float:
+    if self.agent:
+      return self.agent.evaluate(params, rows, self.accuracy)
     return rollout.evaluate(self.config, self.sampler, self.tokenizer, params, rows,
                             self.accuracy)
+
+  def sft_examples(self, rows):
+    """The warm start's (prompt ids, completion ids, loss masks): reference solutions, or for
+    an agent, traces that call its tools (grpo_jax.agent.traces)."""
+    if self.agent:
+      return agent_traces.examples(self.agent, rows)
+    return sft.examples(self.config, self.tokenizer, rows)
 
   def grpo_step(self, state, ref_params, next_rows, rewards, step):
     """One GRPO step: rollouts (host), then one compiled program on the device: advantages,
@@ -226,8 +240,13 @@ class Trainer:
     cfg = self.config
     g = cfg.sampling.num_generations
     key = jax.random.fold_in(self.base_key, step)
-    batch_r, m = rollout.collect(cfg, self.sampler, self.tokenizer, state["params"],
-                                 next_rows, rewards, key)
+    params = state["params"]
+    if self.agent:
+      sample_fn = lambda rows, k: self.agent.sample_and_score(params, rows, rewards, k)
+    else:
+      sample_fn = lambda rows, k: rollout.sample_and_score(cfg, self.sampler, self.tokenizer,
+                                                           params, rows, rewards, k)
+    batch_r, m = rollout.collect(cfg, sample_fn, next_rows, key)
     t0 = time.perf_counter()
     host = batch_r.device_batch(self.tokenizer.pad_token_id, buckets=cfg.data.prompt_buckets,
                                 multiple=cfg.train.pad_multiple,
@@ -239,7 +258,8 @@ class Trainer:
     m.update({k: float(v) for k, v in train_m.items()})
     m["time/train_s"] = time.perf_counter() - t0
     k = min(cfg.train.samples_per_step, len(batch_r.rows))
-    samples = [{"prompt": batch_r.prompts[p], "completion": batch_r.texts[p * g],
+    texts = batch_r.trajectories or batch_r.texts
+    samples = [{"prompt": batch_r.prompts[p], "completion": texts[p * g],
                 "rewards": {r.name: float(batch_r.reward_BR[p * g, j])
                             for j, r in enumerate(rewards)},
                 "advantage": float(adv_B[p * g]),

@@ -108,3 +108,17 @@ def validate(config, num_devices: int) -> None:
     _check(bool(config.model.checkpoint), "model.checkpoint",
            "set a local directory or hub id (or model.random_init=True)")
   _check(len(config.data.prompt_buckets) >= 1, "data.prompt_buckets", "needs at least one length")
+  a = config.agent
+  if a.enabled:
+    from grpo_jax.agent import tools  # pylint: disable=import-outside-toplevel
+    unknown = [name for name in a.tools if name not in tools.TOOLS]
+    _check(not unknown and len(a.tools) >= 1, "agent.tools",
+           f"unknown tools {unknown}; known tools: {list(tools.TOOLS)}")
+    for name in ("max_turns", "action_tokens", "observation_tokens", "tool_workers"):
+      _check(isinstance(a[name], int) and a[name] >= 1, f"agent.{name}",
+             f"must be an int >= 1, got {a[name]!r}")
+    _check(a.tool_timeout_s > 0, "agent.tool_timeout_s", f"must be > 0, got {a.tool_timeout_s}")
+    _check("{question}" in a.user_template, "agent.user_template",
+           "must contain {question} (and usually {tools})")
+  _check(lc.loss_type != "flow_grpo" or a.enabled, "loss.loss_type",
+         "'flow_grpo' normalises over an agent's turns: it needs agent.enabled=True")

@@ -58,3 +58,56 @@ def test_carried_cache_equals_reprefilling_the_conversation(params):
     for h, o in zip(history, obs):
       h.extend(o)
   assert early >= 2, "no row stopped early: the test would not exercise the cache's holes"
+
+
+@pytest.fixture(scope="module")
+def tiny_agent(tmp_path_factory):
+  """The tiny agent preset's pieces: data, tokenizer, a random model and its Agent."""
+  from configs import gsm8k_agent
+  from grpo_jax import inputs
+  from grpo_jax.agent import rollout as agent_rollout
+
+  config = gsm8k_agent.get_config("tiny")
+  config.agent.max_turns = 3
+  workdir = str(tmp_path_factory.mktemp("agent"))
+  config.data.synthetic_train, config.data.synthetic_test = 200, 20
+  train_rows, _ = inputs.datasets(config, workdir)
+  tok, stop_ids = inputs.tokenizer(config, workdir, train_rows)
+  cfg, _ = inputs.model_config(config, tok)
+  params = qwen.init_params(cfg, jax.random.key(0), jnp.float32)
+  s = sampler_lib.Sampler(qwen.Qwen(cfg), max_new_tokens=8, stop_ids=stop_ids,
+                          buckets=config.data.prompt_buckets, pad_id=tok.pad_token_id,
+                          valid_vocab_size=len(tok))
+  return config, cfg, params, train_rows, agent_rollout.Agent(config, tok, s)
+
+
+def test_trajectory_rows_give_the_sampler_logprobs_to_the_train_step(tiny_agent):
+  """The compacted trajectory row (no holes, observations in between) is what the sampler saw:
+  the train step's log-probs of its action tokens equal the sampler's, turn by turn."""
+  from grpo_jax import sharding, train_step
+
+  config, cfg, params, rows, agent = tiny_agent
+  g = 2
+  prompts, records, _, _ = agent.run(params, rows[:4], g, jax.random.key(7))
+  part = agent.rollouts(prompts, rows[:4], records, np.zeros((len(records), 1), np.float32))
+  batch = part.device_batch(agent.tokenizer.pad_token_id, buckets=config.data.prompt_buckets,
+                            multiple=16, with_truncated=False)
+  c = batch["completion_BC"].shape[1]
+  tokens = np.concatenate([batch["prompt_BP"], batch["completion_BC"]], 1)
+  attn = np.concatenate([batch["prompt_mask_BP"],
+                         (np.arange(c)[None] < batch["lengths_B"][:, None]).astype(np.int32)], 1)
+  optim = train_step.default_optim_config()
+  optim.compute_dtype, optim.remat = "float32", False
+  fn = train_step.make_logprob_fn(cfg, optim, sharding.make_mesh((1, 1, 1)),
+                                  valid_vocab_size=len(agent.tokenizer))
+  logp = np.asarray(fn(params, tokens, attn, c))
+  for r, rec in enumerate(records):
+    mask, turns = batch["loss_mask_BC"][r].astype(bool), batch["turn_ids_BC"][r]
+    assert mask.sum() == sum(len(x) for x in rec["logp"])
+    for t, sampled in enumerate(rec["logp"]):
+      np.testing.assert_allclose(logp[r][mask & (turns == t)], sampled, atol=5e-5, rtol=0,
+                                 err_msg=f"row {r} turn {t}")
+    # The observations between the actions are exactly the tokens the sampler was fed.
+    pieces = [ids for ids, is_action, _ in rec["pieces"] if not is_action]
+    fed = batch["completion_BC"][r][~mask[:c] & (np.arange(c) < batch["lengths_B"][r])]
+    np.testing.assert_array_equal(fed, np.concatenate(pieces) if pieces else fed[:0])

@@ -24,8 +24,14 @@ def test_batch_layout():
   np.testing.assert_array_equal(batch["attn_mask_BS"],
                                 [[0, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 0]])
   np.testing.assert_array_equal(batch["completion_mask_BC"], [[1, 1, 0, 0], [1, 1, 1, 0]])
-  with pytest.raises(ValueError, match="max_new_tokens=2"):
+  with pytest.raises(ValueError, match="completion budget 2"):
     sft.sft_batch([[5]], [[8, 9, 1]], pad_id=0, buckets=(3,), multiple=2, max_completion=2)
+  # An agent's traces train on their actions only: the observations' tokens are masked out.
+  batch = sft.sft_batch([[5, 6], [7]], [[8, 9], [3, 4, 2]], pad_id=0, buckets=(3, 4), multiple=2,
+                        max_completion=8, loss_masks=[[1, 0], [1, 0, 1]])
+  np.testing.assert_array_equal(batch["completion_mask_BC"], [[1, 0, 0, 0], [1, 0, 1, 0]])
+  np.testing.assert_array_equal(batch["attn_mask_BS"],
+                                [[0, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 0]])
 
 
 def test_sft_loss_equals_transformers_cross_entropy(tmp_path):

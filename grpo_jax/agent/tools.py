@@ -21,6 +21,7 @@ import math
 import operator
 import re
 import time
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
@@ -104,7 +105,9 @@ def evaluate(expression: str) -> Fraction | float:
   if len(expression) > MAX_EXPRESSION_CHARS:
     raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
   try:
-    tree = ast.parse(expression.strip(), mode="eval")
+    with warnings.catch_warnings():  # '4x' warns on stderr before it fails: noise in the logs
+      warnings.simplefilter("ignore", SyntaxWarning)
+      tree = ast.parse(expression.strip(), mode="eval")
   except SyntaxError as e:
     raise ValueError(f"not an expression ({e.msg})") from None
   return _evaluate(tree)

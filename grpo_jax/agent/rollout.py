@@ -1,0 +1,225 @@
+"""Batched multi-turn rollouts: all B·G trajectories advance turn by turn in batched sampler calls.
+
+    agent = Agent(config, tokenizer, sampler)
+    part, reward_m, agent_m, (t_sample, t_reward) = agent.sample_and_score(params, rows, rewards,
+                                                                          key)
+    part.device_batch(...)   # the train step's rollout layout, with loss_mask_BC and turn_ids_BC
+
+One turn: `Sampler.extend` samples every live row's action (at most agent.action_tokens) from
+where its conversation stands; the host decodes the actions and steps each row's environment
+(tool calls in a bounded thread pool); `Sampler.append` feeds every row that goes on its
+observation as the next user turn (at most agent.observation_tokens, plus the chat template's
+turn separators). The KV cache stays on the device between turns: nothing is prefilled twice
+(benchmarks/agent_cache.py measures what that saves against re-prefilling each turn).
+
+A trajectory becomes one row of the train batch: the prompt, then its completion = action 1,
+observation 1, action 2, ..., the answer, without the cache's holes. loss_mask_BC is 1 on action
+tokens only (observations are context: no loss, no KL) and turn_ids_BC numbers the actions, for
+loss_type 'flow_grpo'. The outcome reward scores the final action (the one holding
+<answer>...</answer>) with the run's reward stack; a trajectory that ran out of turns has no
+answer and scores "" (0 for math_accuracy).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import numpy as np
+
+from grpo_jax import data, rollout
+from grpo_jax.agent import env as env_lib
+from grpo_jax.agent import tools as tools_lib
+from grpo_jax.rewards import score
+
+_SENTINEL = ("\x01A\x01", "\x01O\x01")
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnFormat:
+  """How an observation becomes the next user turn, in the tokenizer's own chat template:
+  `before` closes the assistant turn and opens a user turn, `after` closes it and opens the next
+  assistant turn. Found once by rendering a conversation with sentinel contents."""
+  before: str
+  after: str
+  stop_text: str  # the assistant turn's closing token, which the action itself ends with
+
+  @staticmethod
+  def of(tokenizer) -> TurnFormat:
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _SENTINEL[0]},
+            {"role": "user", "content": _SENTINEL[1]}]
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    a, o = text.index(_SENTINEL[0]) + len(_SENTINEL[0]), text.index(_SENTINEL[1])
+    return TurnFormat(text[a:o], text[o + len(_SENTINEL[1]):], tokenizer.eos_token or "")
+
+  def observation_ids(self, tokenizer, observation: str, stopped: bool, budget: int):
+    """Token ids appended after an action: the separators around the observation, whose own
+    tokens are cut to `budget`. An action that ended with the stop token has already closed
+    its turn; one cut by its token budget gets the closing token here."""
+    before = self.before
+    if stopped and self.stop_text and before.startswith(self.stop_text):
+      before = before[len(self.stop_text):]
+    enc = lambda s: tokenizer(s, add_special_tokens=False).input_ids if s else []
+    return enc(before) + enc(observation)[:budget] + enc(self.after)
+
+  def width(self, tokenizer, budget: int) -> int:
+    enc = lambda s: len(tokenizer(s, add_special_tokens=False).input_ids) if s else 0
+    return enc(self.before) + budget + enc(self.after)
+
+
+def trajectory_text(record) -> str:
+  """A trajectory as samples.md shows it: action, observation, ..., one block per turn."""
+  lines = []
+  for t, (action, observation) in enumerate(record["turns"]):
+    lines.append(f"[action {t + 1}] {action}")
+    if observation is not None:
+      lines.append(f"[observation {t + 1}] {observation}")
+  return "\n".join(lines)
+
+
+class Agent:
+  """The multi-turn rollout of a run (config.agent): prompts, turns, trajectories, metrics."""
+
+  def __init__(self, config, tokenizer, sampler):
+    a = config.agent
+    self.config, self.tokenizer, self.sampler = config, tokenizer, sampler
+    self.tools = tools_lib.select(tuple(a.tools), timeout_s=a.tool_timeout_s)
+    self.format = TurnFormat.of(tokenizer)
+    self.obs_width = self.format.width(tokenizer, a.observation_tokens)
+    # Room after the prompt: every action at its budget, an observation after all but the last.
+    self.room = a.max_turns * a.action_tokens + (a.max_turns - 1) * self.obs_width
+    self.stop_ids = set(sampler.stop_ids)
+
+  def new_env(self) -> env_lib.ToolEnv:
+    return env_lib.ToolEnv(self.tools, self.config.agent.max_turns,
+                           self.config.agent.user_template)
+
+  def prompts(self, rows) -> rollout.Prompts:
+    """The first turn: K and the query in the user turn, through the chat template."""
+    d = self.config.data
+    texts = [data.build_prompt(self.tokenizer, self.new_env().reset(r), d.system_prompt)
+             for r in rows]
+    return rollout.Prompts(texts, data.encode_prompts(self.tokenizer, texts))
+
+  def run(self, params, rows, g: int, key, *, greedy: bool = False):
+    """G trajectories per row. Returns (Prompts, per-trajectory records, sampler seconds)."""
+    a, tok = self.config.agent, self.tokenizer
+    prompts = self.prompts(rows)
+    n = len(rows) * g
+    envs = [self.new_env() for _ in range(n)]
+    for i, e in enumerate(envs):
+      e.reset(rows[i // g])
+    records = [{"turns": [], "pieces": [], "info": [], "answer": None, "logp": []}
+               for _ in range(n)]
+    active = np.ones(n, bool)
+    sample_s = time.perf_counter()
+    conv = self.sampler.begin(params, prompts.ids, num_samples=g, room=self.room)
+    settings = {"greedy": True} if greedy else {}
+    pool = ThreadPoolExecutor(max_workers=a.tool_workers)
+    env_s = 0.0
+    try:
+      for t in range(a.max_turns):
+        out, conv = self.sampler.extend(params, conv, jax.random.fold_in(key, t),
+                                        max_tokens=a.action_tokens, active=active, **settings)
+        ids, lengths, logp = (np.asarray(out["tokens"]), np.asarray(out["lengths"]),
+                              np.asarray(out["logprobs"]))
+        live = np.flatnonzero(active)
+        actions = tok.batch_decode([ids[i, :lengths[i]] for i in live], skip_special_tokens=True)
+        t0 = time.perf_counter()
+        steps = list(pool.map(lambda ia: envs[ia[0]].step(ia[1]), zip(live, actions)))
+        env_s += time.perf_counter() - t0
+        obs_ids = [[] for _ in range(n)]
+        for i, action, (observation, done, info) in zip(live, actions, steps):
+          rec = records[i]
+          rec["pieces"].append((ids[i, :lengths[i]], True, t))
+          rec["logp"].append(logp[i, :lengths[i]])
+          rec["info"].append(info)
+          if info["kind"] == "answer":
+            rec["answer"] = action
+          if done:
+            active[i] = False
+            rec["turns"].append((action, None))
+            continue
+          stopped = lengths[i] > 0 and int(ids[i, lengths[i] - 1]) in self.stop_ids
+          obs_ids[i] = self.format.observation_ids(tok, observation, stopped,
+                                                   a.observation_tokens)
+          rec["pieces"].append((np.asarray(obs_ids[i], np.int32), False, t))
+          rec["turns"].append((action, observation))
+        if not active.any():
+          break
+        conv = self.sampler.append(params, conv, obs_ids, self.obs_width)
+    finally:
+      pool.shutdown(wait=False, cancel_futures=True)
+    seconds = time.perf_counter() - sample_s
+    return prompts, records, seconds, env_s
+
+  def rollouts(self, prompts, rows, records, rewards_BR) -> rollout.Rollouts:
+    """Trajectories as rollout.Rollouts rows: completions compacted to one fixed width."""
+    n, width = len(records), self.room
+    comp = np.full((n, width), self.tokenizer.pad_token_id, np.int32)
+    loss_mask = np.zeros((n, width), np.int32)
+    turn_ids = np.zeros((n, width), np.int32)
+    lengths = np.zeros(n, np.int32)
+    for i, rec in enumerate(records):
+      at = 0
+      for ids, is_action, t in rec["pieces"]:
+        comp[i, at:at + len(ids)] = ids
+        loss_mask[i, at:at + len(ids)] = int(is_action)
+        turn_ids[i, at:at + len(ids)] = t
+        at += len(ids)
+      lengths[i] = at
+    texts = [rec["answer"] or "" for rec in records]
+    return rollout.Rollouts(list(rows), prompts.texts, prompts.ids, comp, lengths,
+                            np.array([rec["answer"] is None for rec in records]), texts,
+                            rewards_BR, loss_mask_BC=loss_mask, turn_ids_BC=turn_ids,
+                            trajectories=[trajectory_text(r) for r in records])
+
+  def sample_and_score(self, params, rows, rewards, key, g=None):
+    """rollout.sample_and_score for trajectories: (Rollouts, reward metrics, agent metrics,
+    (seconds sampling and stepping environments, seconds scoring))."""
+    g = g or self.config.sampling.num_generations
+    prompts, records, sample_s, env_s = self.run(params, rows, g, key)
+    t1 = time.perf_counter()
+    texts = [rec["answer"] or "" for rec in records]
+    prompt_texts_B = [p for p in prompts.texts for _ in range(g)]
+    reward_BR, reward_m = score(rewards, prompt_texts_B, texts, g,
+                                rollout.reward_columns(rows, g))
+    part = self.rollouts(prompts, rows, records, reward_BR)
+    m = self.metrics(records)
+    m["time/tool_s"] = env_s
+    return part, reward_m, m, (sample_s, time.perf_counter() - t1)
+
+  def metrics(self, records) -> dict[str, float]:
+    """agent/turns/mean, agent/tool_calls/mean, agent/answered_frac, and per tool its calls,
+    errors, timeouts and sandbox kills (per trajectory, summed over the batch for counts)."""
+    n = len(records)
+    calls = collections.Counter()
+    status = collections.Counter()
+    for rec in records:
+      for info in rec["info"]:
+        if info["kind"] == "tool":
+          calls[info["tool"]] += 1
+          status[(info["tool"], info["status"])] += 1
+    m = {"agent/turns/mean": float(np.mean([len(r["info"]) for r in records])),
+         "agent/tool_calls/mean": sum(calls.values()) / n,
+         "agent/answered_frac": float(np.mean([r["answer"] is not None for r in records])),
+         "agent/invalid_actions/mean": sum(i["kind"] == "invalid" for r in records
+                                           for i in r["info"]) / n}
+    for name in self.tools:
+      m[f"agent/tool/{name}/calls"] = calls[name]
+      for s in ("error", "timeout", "killed"):
+        m[f"agent/tool/{name}/{s}"] = status[(name, s)]
+    return m
+
+  def evaluate(self, params, rows, reward) -> float:
+    """Greedy pass@1 on `rows` with the tools: the answer scored by `reward` (math_accuracy)."""
+    bs, correct = self.config.train.eval_batch_size, 0
+    for i in range(0, len(rows), bs):
+      chunk = rows[i:i + bs]
+      prompts, records, _, _ = self.run(params, chunk, 1, jax.random.key(0), greedy=True)
+      texts = [rec["answer"] or "" for rec in records]
+      scores = reward.fn(prompts.texts, texts, group_size=1, **rollout.reward_columns(chunk, 1))
+      correct += sum(s == 1.0 for s in scores)
+    return correct / max(len(rows), 1)

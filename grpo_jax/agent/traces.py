@@ -1,0 +1,73 @@
+"""Warm-start traces that call the tools, from GSM8K-schema answers.
+
+A GSM8K answer marks each calculation as <<expr=result>>; each becomes one tool call, and the
+final answer one last action:
+
+    calls("47 + 31 = <<47+31=78>>78\\n78 - 5 = <<78-5=73>>73\\n#### 73") -> ["47+31", "78-5"]
+    turns: <tool>calculator: 47+31</tool> | 78 | <tool>calculator: 78-5</tool> | 73
+           | <answer>73</answer>
+
+The observations are what the tool itself returns for the call (the same text a rollout would
+show), and only the action tokens are trained on, as in Flow-GRPO.
+"""
+from __future__ import annotations
+
+import re
+
+from grpo_jax import data
+
+_ANNOTATION = re.compile(r"<<([^<>=]{1,200})=([^<>]{0,200})>>")
+
+
+def calls(answer_text: str) -> list[str]:
+  return [m.group(1).strip() for m in _ANNOTATION.finditer(answer_text)]
+
+
+def tool_argument(tool: str, expression: str) -> str:
+  """The argument of one calculation's call: the expression, or for python, code printing it."""
+  return expression if tool == "calculator" else f"print({expression})"
+
+
+def turns(agent, row) -> list[tuple[str, str | None]] | None:
+  """[(action, observation), ..., (answer action, None)], or None when the trace would need
+  more than agent.max_turns actions."""
+  exprs = calls(row["answer"])
+  if len(exprs) + 1 > agent.config.agent.max_turns:
+    return None
+  tool = next(t for t in ("calculator", "python") if t in agent.tools)
+  out = []
+  for expr in exprs:
+    argument = tool_argument(tool, expr)
+    out.append((f"<tool>{tool}: {argument}</tool>", agent.tools[tool](argument).text))
+  out.append((f"<answer>{data.gold_answer(row['answer'])}</answer>", None))
+  return out
+
+
+def examples(agent, rows):
+  """(prompt ids, completion ids, loss masks) for sft.sft_batch; rows whose trace needs more
+  turns than agent.max_turns, or an action longer than agent.action_tokens, are left out."""
+  tok, a = agent.tokenizer, agent.config.agent
+  stop = tok.convert_tokens_to_ids(tok.eos_token)
+  kept, completions, masks = [], [], []
+  for row in rows:
+    trace = turns(agent, row)
+    if trace is None:
+      continue
+    ids, mask = [], []
+    for action, observation in trace:
+      action_ids = tok(action, add_special_tokens=False).input_ids + [stop]
+      if len(action_ids) > a.action_tokens:
+        break
+      ids += action_ids
+      mask += [1] * len(action_ids)
+      if observation is not None:
+        obs = agent.format.observation_ids(tok, observation, True, a.observation_tokens)
+        ids += obs
+        mask += [0] * len(obs)
+    else:
+      kept.append(row)
+      completions.append(ids)
+      masks.append(mask)
+  if not kept:
+    raise ValueError("no warm-start trace fits agent.max_turns and agent.action_tokens")
+  return agent.prompts(kept).ids, completions, masks
