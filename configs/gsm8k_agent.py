@@ -79,3 +79,5 @@ def _tiny(c) -> None:
   # every prompt token costs at every turn.
   c.agent.user_template = "Tools: {tool_names}\n{question}"
   c.sampling.max_new_tokens = 20
+  c.train.steps = 200
+  c.train.eval_every = 50

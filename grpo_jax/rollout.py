@@ -1,8 +1,9 @@
 """Rollouts: prompts → G sampled completions each → rewards, and the batch the train step takes.
 
-    prompts = encode(config, tokenizer, rows)
-    part = sample_and_score(sampler, params, prompts, rows, rewards, g, key, tokenizer)
-    rollout_batch = part.device_batch(pad_id, multiple=16, max_new_tokens=20, buckets=(48, 64))
+    part, reward_m, sampler_m, (t_sample, t_reward) = sample_and_score(
+        config, sampler, tokenizer, params, rows, rewards, key)
+    rollout_batch = part.device_batch(pad_id, buckets=(48, 64), multiple=16,
+                                      with_truncated=False)
 
 Host side only: strings (templating, decoding, reward parsing) live here; the device sees the
 padded integer arrays of `Rollouts.device_batch`, uploaded once.
