@@ -480,7 +480,6 @@ def run_group(configs, workdirs) -> list[dict]:
   stop = {"requested": False}
   previous = signal.signal(signal.SIGTERM, lambda *_: (
       stop.update(requested=True), [m.interrupt.set() for m in members]))
-  g = cfg0.sampling.num_generations
   done = start
 
   def save_all(step):
