@@ -110,10 +110,18 @@ class Rollouts:
 def sample_and_score(config, sampler, tokenizer, params, rows, rewards, key):
   """Samples G completions for each row and scores them. Returns (Rollouts, reward metrics,
   sampler metrics, (seconds sampling, seconds scoring))."""
-  g = config.sampling.num_generations
   t0 = time.perf_counter()
   prompts = encode(config, tokenizer, rows)
-  out = sampler.generate(params, prompts.ids, num_samples=g, key=key)
+  out = sampler.generate(params, prompts.ids, num_samples=config.sampling.num_generations,
+                         key=key)
+  return score_samples(config, tokenizer, rows, prompts, out, rewards, t0)
+
+
+def score_samples(config, tokenizer, rows, prompts, out, rewards, t0):
+  """sample_and_score's second half: the sampler's output (anything with tokens, lengths,
+  truncated, metrics; grpo_jax.vmapped hands in one member's share) decoded and scored; t0 is
+  when sampling began."""
+  g = config.sampling.num_generations
   completion_ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
   t1 = time.perf_counter()
   texts = tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids, lengths)],
@@ -136,40 +144,64 @@ def collect(config, sample_fn, next_rows, key):
   Returns (Rollouts of the batch, metrics): reward and completion metrics describe the first
   round, an unbiased sample of the policy.
   """
-  cfg = config
-  g, n = cfg.sampling.num_generations, cfg.train.prompts_per_step
-  weights_R = np.asarray(cfg.rewards.weights, np.float32)
-  rounds = cfg.train.max_sampling_rounds if cfg.train.dynamic_sampling else 1
-  m = {"time/sample_s": 0.0, "time/reward_s": 0.0}
-  parts, informative = [], []
-  for r in range(rounds):
-    part, part_metrics, sampler_metrics, (t_sample, t_reward) = sample_fn(
-        next_rows(), key if r == 0 else jax.random.fold_in(key, r))
+  c = Collection(config)
+  while c.wants_round():
+    c.add(*sample_fn(next_rows(), c.round_key(key)))
+  return c.result()
+
+
+class Collection:
+  """collect's rounds as a state machine, so that a caller can drive several at once
+  (grpo_jax.vmapped samples a round for every member of a sweep that wants one)."""
+
+  def __init__(self, config):
+    cfg = self.config = config
+    self.g, self.n = cfg.sampling.num_generations, cfg.train.prompts_per_step
+    self.weights_R = np.asarray(cfg.rewards.weights, np.float32)
+    self.rounds = cfg.train.max_sampling_rounds if cfg.train.dynamic_sampling else 1
+    self.m = {"time/sample_s": 0.0, "time/reward_s": 0.0}
+    self.parts, self.informative, self.done = [], [], False
+
+  def wants_round(self) -> bool:
+    return not self.done
+
+  def round_key(self, key):
+    """The key of the next round: the step's key, then fold_in(key, r)."""
+    r = len(self.parts)
+    return key if r == 0 else jax.random.fold_in(key, r)
+
+  def add(self, part, part_metrics, sampler_metrics, times):
+    cfg, m = self.config, self.m
+    t_sample, t_reward = times
     m["time/sample_s"] += t_sample
     m["time/reward_s"] += t_reward
-    if r == 0:
+    if not self.parts:
       m.update(part_metrics)
       m.update(sampler_metrics)
-    parts.append(part)
-    informative.append(np.asarray(grpo.informative_groups(
-        part.reward_BR, g, weights_R, cfg.loss.reward_aggregation)))
-    if not cfg.train.dynamic_sampling or np.concatenate(informative).sum() >= n:
-      break
-  first, pool, informative = parts[0], Rollouts.pool(parts), np.concatenate(informative)
-  if cfg.train.dynamic_sampling:
-    m["sampling/rounds"] = len(parts)
-    m["sampling/informative_frac_first_round"] = float(informative[:n].mean())
-    m["sampling/filled_groups"] = int(max(0, n - informative.sum()))
-    order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])
-    pool = pool.take(order[:n], g)
-  total = np.nansum(first.reward_BR * weights_R, axis=1)
-  m.update({
-      "reward/total/mean": float(total.mean()), "reward/total/std": float(total.std()),
-      "completion/mean_length": float(first.lengths_B.mean()),
-      "completion/max_length": int(first.lengths_B.max()),
-      "completion/truncated_frac": float(first.truncated_B.mean()),
-  })
-  return pool, m
+    self.parts.append(part)
+    self.informative.append(np.asarray(grpo.informative_groups(
+        part.reward_BR, self.g, self.weights_R, cfg.loss.reward_aggregation)))
+    self.done = (not cfg.train.dynamic_sampling or len(self.parts) >= self.rounds
+                 or np.concatenate(self.informative).sum() >= self.n)
+
+  def result(self):
+    cfg, m, g, n = self.config, self.m, self.g, self.n
+    first, pool = self.parts[0], Rollouts.pool(self.parts)
+    informative = np.concatenate(self.informative)
+    if cfg.train.dynamic_sampling:
+      m["sampling/rounds"] = len(self.parts)
+      m["sampling/informative_frac_first_round"] = float(informative[:n].mean())
+      m["sampling/filled_groups"] = int(max(0, n - informative.sum()))
+      order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])
+      pool = pool.take(order[:n], g)
+    total = np.nansum(first.reward_BR * self.weights_R, axis=1)
+    m.update({
+        "reward/total/mean": float(total.mean()), "reward/total/std": float(total.std()),
+        "completion/mean_length": float(first.lengths_B.mean()),
+        "completion/max_length": int(first.lengths_B.max()),
+        "completion/truncated_frac": float(first.truncated_B.mean()),
+    })
+    return pool, m
 
 
 def accuracy_reward(config):

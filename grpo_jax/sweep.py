@@ -17,6 +17,8 @@ built with the helpers below (big_vision's get_hyper style):
 Each run is `python -m grpo_jax.main` in its own process and directory, named after its
 overrides (`optim.lr=1e-05,seed=0`); `fixed` applies to every run and is left out of names.
 Running the command again skips finished runs and resumes the others (sweep_runner.py).
+With --vmap, runs that differ only in grpo_jax.vmapped.VARIABLE run as one process, one vmapped
+program (sweep_runner.Group); each still writes its own directory.
 
 Shared warm start: runs that differ only in keys of POST_WARM_START (GRPO-phase settings) start
 from the same policy, so a `prefix` run (under <workdir>/prefixes/) computes that warm start
@@ -72,6 +74,10 @@ POST_WARM_START = frozenset({
     "sampling.num_generations", "sampling.top_k", "sampling.top_p", "sampling.min_p",
     "rewards.names", "rewards.weights",
 })
+# What may differ between the members of one vmapped program (grpo_jax.vmapped; here so the
+# runner groups runs without importing jax): the rest shapes the program or the host's loop.
+VMAP_VARIABLE = ("seed", "optim.lr", "loss.beta", "loss.epsilon", "loss.epsilon_high",
+                 "rewards.weights")
 # What a prefix run adds: stop after the step-0 checkpoint. A constant schedule because cosine
 # needs steps > 0 to validate; the schedule is post-warm-start, so the checkpoint is the same.
 PREFIX_OVERRIDES = {"train.steps": 0, "optim.schedule": "constant"}
@@ -208,6 +214,19 @@ def plan(sweep: Sweep, share_prefix: bool = True, min_shared: int = 2) -> list[R
   return prefixes + runs
 
 
+def vmap_groups(runs: Sequence[Run], base) -> list[list[Run]]:
+  """Runs (kind 'run') that may share one vmapped program: equal but for VMAP_VARIABLE keys,
+  β zero or not alike (β > 0 adds a reference forward). Multi-turn runs stay alone."""
+  groups: dict[str, list[Run]] = {}
+  for r in runs:
+    key = {k: v for k, v in r.args.items() if k not in VMAP_VARIABLE}
+    key["loss.beta != 0"] = r.args.get("loss.beta", base.loss.beta) != 0
+    alone = r.args.get("agent.enabled", base.agent.enabled)
+    key = r.name if alone else json.dumps(key, sort_keys=True, default=str)
+    groups.setdefault(key, []).append(r)
+  return list(groups.values())
+
+
 # --- loading and checking -----------------------------------------------------------------------
 
 def load_sweep(path: str) -> Sweep:
@@ -237,20 +256,26 @@ def load_config(spec: str):
   return module.get_config(preset) if preset else module.get_config()
 
 
+def apply_overrides(config, args: dict) -> None:
+  """Sets flat dotted keys on a ConfigDict as main's --config.a.b=v would; KeyError names no
+  field, TypeError does not fit its type."""
+  for key, value in args.items():
+    *parents, leaf = key.split(".")
+    node = config
+    for part in parents:
+      node = node[part]
+    if leaf not in node:
+      raise KeyError(key)
+    node[leaf] = tuple(value) if isinstance(value, list) else value
+
+
 def check_overrides(config, runs: Sequence[Run]) -> None:
   """Every run's overrides name a config field and fit its type: a typo stops the sweep before
   anything runs, not in each run's log."""
   for r in runs:
-    c = config.copy_and_resolve_references()
     for key, value in r.args.items():
-      *parents, leaf = key.split(".")
-      node = c
       try:
-        for part in parents:
-          node = node[part]
-        if leaf not in node:
-          raise KeyError(leaf)
-        node[leaf] = tuple(value) if isinstance(value, list) else value
+        apply_overrides(config.copy_and_resolve_references(), {key: value})
       except (KeyError, TypeError, AttributeError) as e:
         kind = "names no config field" if isinstance(e, (KeyError, AttributeError)) else (
             f"does not fit the field's type ({e})")
@@ -268,6 +293,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="runs at once (default 1; each run uses every core or accelerator)")
   parser.add_argument("--no_share_prefix", action="store_true",
                       help="every run computes its own warm start")
+  parser.add_argument("--vmap", action="store_true",
+                      help="run each group of runs that differ only in grpo_jax.vmapped.VARIABLE "
+                           "(seed, lr, beta, epsilon, reward weights) as one vmapped program")
   parser.add_argument("--dry_run", action="store_true", help="print the runs and commands only")
   parser.add_argument("--main_module", default="grpo_jax.main",
                       help="module each run executes with -m (a wrapper with main's flags)")
@@ -278,10 +306,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   try:
     sweep = load_sweep(args.sweep_file)
-    runs = plan(sweep, share_prefix=not args.no_share_prefix)
-    check_overrides(load_config(sweep.config), runs)
+    if args.vmap and args.no_share_prefix:
+      parser.error("--vmap starts every group from its members' prefixes; drop --no_share_prefix")
+    # --vmap: every run gets a prefix, so a group's process runs GRPO phases only.
+    runs = plan(sweep, share_prefix=not args.no_share_prefix, min_shared=1 if args.vmap else 2)
+    base = load_config(sweep.config)
+    check_overrides(base, runs)
+    groups = vmap_groups([r for r in runs if r.kind == "run"], base) if args.vmap else None
     runner = sweep_runner.Runner(sweep, runs, args.workdir, parallel=args.parallel,
-                                 main_module=args.main_module, sweep_file=args.sweep_file)
+                                 main_module=args.main_module, sweep_file=args.sweep_file,
+                                 vmap_groups=groups)
     if args.dry_run:
       runner.print_plan()
       return 0

@@ -6,6 +6,8 @@ out-of-memory kill takes down that run only), up to `parallel` at once.
     <workdir>/<run>/log.txt           its stdout and stderr, appended to by each attempt
     <workdir>/<run>/sweep_run.json    its overrides, status and attempts
     <workdir>/prefixes/<name>/        a shared warm start (sweep.py), the same files
+    <workdir>/vmapped/<group>/        --vmap: a group's spec.json and log.txt (its members'
+                                      log.txt point there)
 
 A run is finished when its last attempt exited 0 and its summary.json has the gain (a run
 stopped by SIGTERM writes one with stopped_early). Running the sweep again skips finished runs
@@ -20,6 +22,8 @@ SIGTERM they handle, not a SIGINT that would lose their progress since the last 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import shlex
@@ -36,6 +40,7 @@ from grpo_jax import sweep as sweep_lib
 SWEEP_FILE = "sweep.json"
 RUN_FILE = "sweep_run.json"
 LOG_FILE = "log.txt"
+GROUP_DIR = "vmapped"          # <workdir>/vmapped/<group>/{spec.json,log.txt}: a vmapped group
 SUMMARY_FILE = "summary.json"  # logging_io.SUMMARY_FILE; not imported: it would load numpy
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"    # checkpoint.SUBDIR; not imported: it would load jax and orbax
@@ -123,12 +128,24 @@ def _last_line(path: str) -> str:
   return lines[-1][:200] if lines else ""
 
 
+@dataclasses.dataclass
+class Group:
+  """--vmap: runs that share one process and one vmapped program (grpo_jax.vmapped)."""
+  members: list
+
+  @property
+  def dir(self) -> str:
+    names = ",".join(r.name for r in self.members)
+    return os.path.join(GROUP_DIR, hashlib.sha256(names.encode()).hexdigest()[:12])
+
+
 class Runner:
   """Launches, watches and records the runs of a plan (sweep.plan)."""
 
   def __init__(self, sweep, runs, workdir, *, parallel=1, main_module="grpo_jax.main",
-               sweep_file=None, python=sys.executable):
+               sweep_file=None, python=sys.executable, vmap_groups=None):
     self.sweep, self.runs, self.parallel = sweep, list(runs), parallel
+    self.vmap_groups = vmap_groups  # lists of runs that may share a vmapped program
     self.workdir = os.path.abspath(workdir)
     self.main_module, self.sweep_file, self.python = main_module, sweep_file, python
     self.by_name = {r.name: r for r in self.runs if r.kind == "prefix"}
@@ -160,6 +177,9 @@ class Runner:
           "use another --workdir, or delete that run's directory to redo it")
 
   def command(self, r) -> list[str]:
+    if isinstance(r, Group):
+      return [self.python, "-m", "grpo_jax.vmapped",
+              f"--spec={os.path.join(self.workdir, r.dir, 'spec.json')}"]
     return ([self.python, "-m", self.main_module, f"--config={self.sweep.config}",
              f"--workdir={self.run_dir(r)}"]
             + [f"--config.{k}={sweep_lib.cli_value(v)}" for k, v in r.args.items()])
@@ -186,15 +206,71 @@ class Runner:
     for r in self.runs:
       start = f" (starts from prefixes/{r.prefix})" if r.prefix else ""
       print(f"[{self.status[r.dir]}] {r.dir}{start}\n  {shlex.join(self.command(r))}")
+    for x in self._units([r for r in self.runs if self.status[r.dir] != "done"]):
+      if isinstance(x, Group):
+        print(f"vmapped: {x.dir}: {', '.join(r.name for r in x.members)}\n  "
+              f"{shlex.join(self.command(x))}")
+
+  def _units(self, todo):
+    """What to launch: runs, and with --vmap each group of 2+ unfinished runs as one Group
+    (finished members are left out, so a rerun of a finished group skips it)."""
+    if not self.vmap_groups:
+      return list(todo)
+    pending = {r.dir for r in todo}
+    units = [r for r in todo if r.kind == "prefix"]
+    for members in self.vmap_groups:
+      members = [r for r in members if r.dir in pending]
+      units += [Group(members)] if len(members) > 1 else members
+    return units
+
+  def _members(self, x):
+    return x.members if isinstance(x, Group) else [x]
 
   def _ready(self, r) -> bool | None:
     """True: can start; False: waits for its prefix; None: its prefix failed."""
+    if isinstance(r, Group):
+      states = [self._ready(m) for m in r.members]
+      return None if None in states else all(states)
     if r.prefix is None:
       return True
     s = self.status[os.path.join(sweep_lib.PREFIX_DIR, r.prefix)]
     return True if s == "done" else None if s == "failed" else False
 
+  def _start_group(self, group):
+    d = os.path.join(self.workdir, group.dir)
+    os.makedirs(d, exist_ok=True)
+    for r in group.members:
+      os.makedirs(self.run_dir(r), exist_ok=True)
+      if r.prefix is not None:
+        start_from_prefix(self.run_dir(self.by_name[r.prefix]), self.run_dir(r))
+    _write_json(os.path.join(d, "spec.json"), {
+        "config": self.sweep.config,
+        "members": [{"workdir": self.run_dir(r), "args": r.args} for r in group.members]})
+    argv = self.command(group)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if self.parallel > 1:
+      env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    stamp = f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(argv)}\n"
+    for r in group.members:
+      with open(os.path.join(self.run_dir(r), LOG_FILE), "a") as f:
+        f.write(stamp + f"vmapped with {len(group.members) - 1} other run(s); log: "
+                f"{os.path.join(d, LOG_FILE)}\n")
+    log = open(os.path.join(d, LOG_FILE), "a")
+    log.write(stamp)
+    log.flush()
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True)
+    log.close()
+    self.procs[group.dir] = (group, proc, time.monotonic())
+    for r in group.members:
+      self.status[r.dir] = "running"
+      self.records[r.dir]["attempts"].append({"started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                              "vmapped": group.dir})
+      self._save(r)
+
   def _start(self, r):
+    if isinstance(r, Group):
+      return self._start_group(r)
     d = self.run_dir(r)
     os.makedirs(d, exist_ok=True)
     if r.prefix is not None:
@@ -256,6 +332,7 @@ class Runner:
     runs = [r for r in self.runs if r.kind == "run"]
     todo = [r for r in self.runs if self.status[r.dir] != "done"]
     skipped = len(runs) - sum(r.kind == "run" for r in todo)
+    todo = self._units(todo)
     if skipped:
       print(f"grpo_jax.sweep: {skipped} of {len(runs)} runs already finished", flush=True)
     previous = {s: signal.signal(s, self._signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -268,35 +345,41 @@ class Runner:
           ready = self._ready(r)
           if ready is None:
             todo.remove(r)
-            self.status[r.dir] = "failed"
-            self.records[r.dir].update(reason=f"its prefix prefixes/{r.prefix} failed")
-            os.makedirs(self.run_dir(r), exist_ok=True)
-            self._save(r)
-            bar.update(1)
+            for m in self._members(r):
+              if self._ready(m) is None:
+                self.status[m.dir] = "failed"
+                self.records[m.dir].update(reason=f"its prefix prefixes/{m.prefix} failed")
+                os.makedirs(self.run_dir(m), exist_ok=True)
+                self._save(m)
+                bar.update(1)
+              else:  # a group member whose own prefix is fine runs alone
+                todo.append(m)
           elif ready:
             todo.remove(r)
             try:
               self._start(r)
             except OSError as e:  # the prefix's files went missing, a full disk: this run only
-              self.status[r.dir] = "failed"
-              self.records[r.dir].update(reason=f"could not start: {e}")
-              self._save(r)
-              bar.update(1)
+              for m in self._members(r):
+                self.status[m.dir] = "failed"
+                self.records[m.dir].update(reason=f"could not start: {e}")
+                self._save(m)
+                bar.update(1)
         for key, (r, proc, started) in list(self.procs.items()):
           code = proc.poll()
           if code is None:
             continue
           del self.procs[key]
-          status, reason = self._finish(r, code, started)
-          minutes = (time.monotonic() - started) / 60
-          if status == "failed":
-            tqdm.write(f"grpo_jax.sweep: FAILED {r.dir} ({reason}, {minutes:.1f} min): "
-                       f"{_last_line(os.path.join(self.run_dir(r), LOG_FILE))!r}; log "
-                       f"{os.path.join(self.run_dir(r), LOG_FILE)}", file=sys.stderr)
-          else:
-            tqdm.write(f"grpo_jax.sweep: {status} {r.dir} ({minutes:.1f} min)")
-          if r.kind == "run" and status != "interrupted":
-            bar.update(1)
+          log = os.path.join(self.workdir, key, LOG_FILE)
+          for m in self._members(r):
+            status, reason = self._finish(m, code, started)
+            minutes = (time.monotonic() - started) / 60
+            if status == "failed":
+              tqdm.write(f"grpo_jax.sweep: FAILED {m.dir} ({reason}, {minutes:.1f} min): "
+                         f"{_last_line(log)!r}; log {log}", file=sys.stderr)
+            else:
+              tqdm.write(f"grpo_jax.sweep: {status} {m.dir} ({minutes:.1f} min)")
+            if m.kind == "run" and status != "interrupted":
+              bar.update(1)
         counts = {s: list(self.status[r.dir] for r in runs).count(s)
                   for s in ("running", "failed")}
         bar.set_postfix(counts, refresh=False)

@@ -322,7 +322,9 @@ def make_batch(rollout, loss_cfg, *, group_size, reward_weights):
   loss_BC = (cmask_BC if "loss_mask_BC" not in rollout
              else cmask_BC * (rollout["loss_mask_BC"] > 0).astype(jnp.int32))
   adv_B, stats = grpo.group_advantages(
-      rollout["rewards_BR"], group_size, weights_R=np.asarray(reward_weights, np.float32),
+      rollout["rewards_BR"], group_size,
+      # jnp: a vmapped sweep's weights are traced (grpo_jax.vmapped); the same float32 values.
+      weights_R=jnp.asarray(reward_weights, jnp.float32),
       scale_rewards=loss_cfg.scale_rewards, aggregation=loss_cfg.reward_aggregation)
   batch = {
       "tokens_BS": jnp.concatenate([rollout["prompt_BP"], rollout["completion_BC"]], 1),

@@ -1,0 +1,115 @@
+"""K = 8 tiny-preset GRPO runs: vmapped in one process against 8 separate runs, one after another.
+
+    python3 benchmarks/sweep.py [--steps=4] [--k=8] [--workdir=/tmp/grpo_jax_sweep_bench]
+
+The runs are an lr sweep (8 rates, seed 0) sharing one warm start, as `python -m grpo_jax.sweep
+--vmap` runs it: the warm start is computed once (a prefix run, not timed) and each run starts
+from a copy of its step-0 checkpoint. Timed: the 8 separate `python -m grpo_jax.main` processes
+one after another, then the one `python -m grpo_jax.vmapped` process running all 8; each arm
+includes its process start, compiles, sampling, rewards, updates, evals, checkpoints and the
+exported models. The separate runs pay the compiles 8 times; the vmapped one once, and batches
+the members' small matmuls.
+
+Prints `vmapped_sweep_speedup=<separate wall time / vmapped wall time>` and the largest
+difference between a member's metrics and the matching separate run's (timings aside; see
+tests/vmapped_test.py for why they are not bitwise).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, REPO)
+
+from grpo_jax import sweep, sweep_runner  # noqa: E402  (no jax: the runs are subprocesses)
+
+TIMING = ("time/sample_s", "time/reward_s", "time/train_s", "sampler/tokens_per_s",
+          "sampler/seconds", "sampler/prefill_seconds")  # vmapped.TIMING_METRICS
+
+
+def _main_cmd(workdir, args):
+  return ([sys.executable, "-m", "grpo_jax.main", "--config=configs/gsm8k.py:tiny",
+           f"--workdir={workdir}"] + [f"--config.{k}={sweep.cli_value(v)}" for k, v in args.items()])
+
+
+def _run(cmd, log):
+  with open(log, "a") as f:
+    subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True,
+                   env=dict(os.environ, PYTHONPATH=REPO))
+
+
+def _metrics(d):
+  with open(os.path.join(d, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--steps", type=int, default=4, help="GRPO steps per run")
+  parser.add_argument("--k", type=int, default=8, help="runs")
+  parser.add_argument("--workdir", default="/tmp/grpo_jax_sweep_bench")
+  a = parser.parse_args()
+  shutil.rmtree(a.workdir, ignore_errors=True)
+  os.makedirs(a.workdir)
+  log = os.path.join(a.workdir, "log.txt")
+  fixed = {"sft.steps": 20, "sft.target_accuracy": 0.0, "train.steps": a.steps,
+           "train.eval_examples": 32, "train.tensorboard": False}
+  lrs = [1e-5 * 1.5 ** i for i in range(a.k)]
+  members = [{**fixed, "optim.lr": lr} for lr in lrs]
+  load = os.getloadavg()[0]
+
+  prefix = os.path.join(a.workdir, "prefix")
+  t0 = time.perf_counter()
+  _run(_main_cmd(prefix, {**fixed, **sweep.PREFIX_OVERRIDES}), log)
+  print(f"warm start (shared, not timed): {time.perf_counter() - t0:.1f} s", flush=True)
+
+  def dirs(arm):
+    out = [os.path.join(a.workdir, arm, f"lr{i}") for i in range(a.k)]
+    for d in out:
+      os.makedirs(d)
+      sweep_runner.start_from_prefix(prefix, d)
+    return out
+
+  sep_dirs = dirs("separate")
+  t0 = time.perf_counter()
+  for d, args in zip(sep_dirs, members):
+    _run(_main_cmd(d, args), log)
+  t_sep = time.perf_counter() - t0
+  print(f"{a.k} separate runs: {t_sep:.1f} s", flush=True)
+
+  v_dirs = dirs("vmapped")
+  spec = os.path.join(a.workdir, "spec.json")
+  with open(spec, "w") as f:
+    json.dump({"config": "configs/gsm8k.py:tiny",
+               "members": [{"workdir": d, "args": args} for d, args in zip(v_dirs, members)]}, f)
+  t0 = time.perf_counter()
+  _run([sys.executable, "-m", "grpo_jax.vmapped", f"--spec={spec}"], log)
+  t_v = time.perf_counter() - t0
+  print(f"{a.k} runs vmapped in one process: {t_v:.1f} s", flush=True)
+
+  worst_abs, worst_rel, where = 0.0, 0.0, None
+  for ds, dv in zip(sep_dirs, v_dirs):
+    for ws, wv in zip(_metrics(ds), _metrics(dv)):
+      for key, x in ws.items():
+        if key in TIMING or not isinstance(x, (int, float)):
+          continue
+        diff = abs(x - wv[key])
+        rel = diff / max(abs(x), 1e-12)
+        if diff > worst_abs:
+          worst_abs, where = diff, (os.path.basename(ds), ws["step"], key)
+        worst_rel = max(worst_rel, rel if diff > 1e-6 else 0.0)
+  print(f"load average at start {load:.1f} on {os.cpu_count()} cores; {a.steps} GRPO steps each")
+  print(f"largest member-vs-separate metric difference: {worst_abs:.3g} absolute (at {where}); "
+        f"largest relative where the absolute exceeds 1e-6: {worst_rel:.3g}")
+  print(f"vmapped_sweep_speedup={t_sep / t_v:.2f}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,96 @@
+"""A vmapped sweep's member k equals the separate run with its settings (grpo_jax.vmapped).
+
+The separate run is train.run (what `python -m grpo_jax.main` runs) on the tiny preset, cut to
+a 20-step warm start and 3 GRPO steps with β > 0; the group of two members starts from its
+step-0 checkpoint (the sweep's prefix mechanism). One member has the separate run's settings,
+the other another lr, β, ε, ε_high and reward weight. About 90-120 s on a shared 2-core CPU.
+
+Not bitwise, on CPU: XLA emits other kernels for a matmul or reduction with the leading K axis,
+and for a completion width padded to the widest member's; the train step's float32 results move
+by an ulp or so (the sampler's do not: its output at equal params is bitwise, which is why the
+samples below are equal). Adam turns such a difference in a near-zero gradient into up to lr per
+element and update, so the tolerances are: metrics within 1e-6 + 2e-3·|x| (the largest seen:
+5e-4 relative, on the grad norm of a step whose gradients mostly cancel), params within
+2·lr·steps.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from grpo_jax import logging_io, sweep, sweep_runner, train, vmapped
+
+FIXED = {"sft.steps": 20, "sft.target_accuracy": 0.0, "train.steps": 3,
+         "train.eval_examples": 16, "train.eval_every": 2, "train.checkpoint_every": 2,
+         "train.tensorboard": False, "loss.beta": 0.04}
+SEPARATE = {**FIXED, "optim.lr": 1e-4, "loss.epsilon_high": 0.28}
+OTHER = {**FIXED, "optim.lr": 1e-5, "loss.beta": 0.1, "loss.epsilon": 0.1,
+         "rewards.weights": (2.0,)}
+RTOL, ATOL = 2e-3, 1e-6
+
+
+def _config(args):
+  c = sweep.load_config("configs/gsm8k.py:tiny")
+  sweep.apply_overrides(c, args)
+  return c
+
+
+def test_member_equals_its_separate_run(tmp_path):
+  sep, a, b = (str(tmp_path / n) for n in ("separate", "other", "member"))
+  train.run(_config(SEPARATE), sep)
+  for d in (a, b):
+    os.makedirs(d)
+    sweep_runner.start_from_prefix(sep, d)  # as `sweep --vmap` hands each member its prefix
+  vmapped.run_group([_config(OTHER), _config(SEPARATE)], [a, b])
+
+  want, got = (logging_io.read_jsonl(os.path.join(d, "metrics.jsonl")) for d in (sep, b))
+  assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
+  for w, g in zip(want, got):
+    assert set(w) == set(g)
+    for k in set(w) - set(vmapped.TIMING_METRICS):
+      assert g[k] == pytest.approx(w[k], rel=RTOL, abs=ATOL), (w["step"], k)
+  assert "eval/accuracy" in got[2] and "eval/accuracy" in got[3]
+  read = lambda d, f: open(os.path.join(d, f)).read()
+  assert read(b, "samples.md") == read(sep, "samples.md")
+  assert read(b, "summary.json") == read(sep, "summary.json")
+  p_sep, p_b = (load_file(os.path.join(d, "final_model", "model.safetensors")) for d in (sep, b))
+  assert max(float(np.abs(p_sep[k] - p_b[k]).max()) for k in p_sep) <= 2 * 1e-4 * 3
+  assert sorted(os.listdir(os.path.join(b, "checkpoints"))) == ["0", "2", "3"]
+
+  # The other member ran its own settings in the same program.
+  other = logging_io.read_jsonl(os.path.join(a, "metrics.jsonl"))
+  assert other[1]["lr"] == pytest.approx(1e-5) and got[1]["lr"] == pytest.approx(1e-4)
+  assert other[2]["loss/kl"] != got[2]["loss/kl"]
+
+
+def test_settings_that_change_the_program_are_rejected():
+  base = _config(FIXED)
+  with pytest.raises(vmapped.VmapError, match=r"config\.sampling\.temperature differs"):
+    vmapped.check_vmappable([base, _config({**FIXED, "sampling.temperature": 0.7})])
+  with pytest.raises(vmapped.VmapError, match=r"config\.train\.prompts_per_step differs"):
+    vmapped.check_vmappable([base, _config({**FIXED, "train.prompts_per_step": 8})])
+  with pytest.raises(vmapped.VmapError, match=r"config\.loss\.beta is 0 for some"):
+    vmapped.check_vmappable([base, _config({**FIXED, "loss.beta": 0.0})])
+  vmapped.check_vmappable([base, _config(OTHER), _config({**FIXED, "seed": 3})])
+  # A comparison inside the program that members answer differently is refused, not guessed.
+  lr = vmapped.PerMember("optim.lr", [1e-5, 0.0], 0)
+  with pytest.raises(vmapped.VmapError, match=r"config\.optim\.lr: the members"):
+    bool(lr > 0)
+  assert (1.0 - vmapped.PerMember("loss.epsilon", [0.2, 0.1], 0)).values == [0.8, 0.9]
+
+
+def test_the_runner_groups_what_one_program_can_run():
+  runs = sweep.plan(sweep.Sweep(
+      config="configs/gsm8k.py:tiny", fixed={"train.steps": 3},
+      runs=sweep.product(sweep.sweep_axis("optim.lr", [1e-5, 1e-4]), sweep.seeds(2))
+      + [{"sampling.temperature": 0.7}, {"loss.beta": 0.04}, {"loss.beta": 0.1}]),
+      min_shared=1)
+  groups = sweep.vmap_groups([r for r in runs if r.kind == "run"],
+                             sweep.load_config("configs/gsm8k.py:tiny"))
+  names = sorted(sorted(r.name for r in g) for g in groups)
+  assert names == [["loss.beta=0.04", "loss.beta=0.1"],
+                   ["optim.lr=0.0001,seed=0", "optim.lr=0.0001,seed=1", "optim.lr=1e-05,seed=0",
+                    "optim.lr=1e-05,seed=1"],
+                   ["sampling.temperature=0.7"]]
