@@ -12,11 +12,13 @@ Files in the workdir: see README ("What a run writes").
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +40,28 @@ class TooManyBadSteps(UserError):
 
 # --- the program -------------------------------------------------------------------------------
 
-def run(config, workdir: str) -> dict:
+@dataclasses.dataclass
+class Setup:
+  """A run's inputs, checked: data, tokenizer, rewards (probed), the model's config."""
+  workdir: str
+  train_rows: list
+  eval_rows: list
+  sft_eval_rows: list
+  tokenizer: Any
+  stop_ids: list
+  rewards: list
+  interrupt: threading.Event  # set on SIGTERM: a reward waiting on its scorer gives up
+  cfg: qwen.QwenConfig
+  generation_config: dict | None
+
+
+def setup(config, workdir: str) -> Setup:
+  """Validates the config, writes config.json, loads data and tokenizer, builds and probes the
+  rewards, reads the model config (no weights). Shared by run and grpo_jax.vmapped."""
   workdir = os.path.abspath(os.path.expanduser(workdir))
   os.makedirs(workdir, exist_ok=True)
   validate.validate(config, jax.device_count())
   (open(os.path.join(workdir, "config.json"), "w")).write(config.to_json_best_effort(indent=2))
-
-  mesh = sharding.make_mesh(tuple(config.mesh))
   train_rows, eval_rows = inputs.datasets(config, workdir)
   tokenizer, stop_ids = inputs.tokenizer(config, workdir, train_rows)
   if config.train.eval_examples:
@@ -59,13 +76,24 @@ def run(config, workdir: str) -> dict:
           f"of the {len(train_rows)} training problems to train on")
     train_rows, sft_eval_rows = (train_rows[:-config.sft.eval_examples],
                                  train_rows[-config.sft.eval_examples:])
-  interrupt = threading.Event()  # set on SIGTERM: a reward waiting on its scorer gives up
+  interrupt = threading.Event()
   rewards = build_rewards(config.rewards, interrupt=interrupt)
   probe_rows = train_rows[:2]  # real questions and gold answers: a working judge grades them
   probe(rewards, rollout.prompt_texts(config, tokenizer, probe_rows),
         [r["answer"] for r in probe_rows], rollout.reward_columns(probe_rows, 1),
         allow_missing=config.rewards.allow_missing)
   cfg, generation_config = inputs.model_config(config, tokenizer)
+  return Setup(workdir, train_rows, eval_rows, sft_eval_rows, tokenizer, stop_ids, rewards,
+               interrupt, cfg, generation_config)
+
+
+def run(config, workdir: str) -> dict:
+  s = setup(config, workdir)
+  workdir, train_rows, eval_rows, sft_eval_rows = (s.workdir, s.train_rows, s.eval_rows,
+                                                   s.sft_eval_rows)
+  tokenizer, stop_ids, rewards, interrupt = s.tokenizer, s.stop_ids, s.rewards, s.interrupt
+  cfg, generation_config = s.cfg, s.generation_config
+  mesh = sharding.make_mesh(tuple(config.mesh))
   trainer = Trainer(config, cfg, mesh, tokenizer, stop_ids)
   num_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
   print(f"grpo_jax: {cfg.model_type} {cfg.num_layers}x{cfg.hidden_size}, "

@@ -35,7 +35,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from typing import Any, NamedTuple
 
@@ -45,10 +44,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from grpo_jax import (checkpoint, data, grpo, inputs, logging_io, plots, rollout, sft, sharding,
-                      sweep, train, train_step, validate)
+                      sweep, train, train_step)
 from grpo_jax.errors import UserError
 from grpo_jax.models import weights
-from grpo_jax.rewards import Interrupted, MissingRewardsError, RewardHealth, build_rewards, probe
+from grpo_jax.rewards import Interrupted, MissingRewardsError, RewardHealth
 
 VARIABLE = sweep.VMAP_VARIABLE  # the settings members may differ in (flat, dotted config keys)
 # Metrics that measure the machine, not the run: they differ between any two runs.
@@ -315,20 +314,11 @@ def unstack(tree, k):
 # --- the host side: one member ------------------------------------------------------------------
 
 @dataclasses.dataclass
-class Member:
-  """What train.run keeps for one run, minus the compiled pieces (shared by the group)."""
-  config: Any
-  workdir: str
-  train_rows: list
-  eval_rows: list
-  sft_eval_rows: list
-  tokenizer: Any
-  stop_ids: list
-  rewards: list
-  accuracy: Any
-  cfg: Any
-  generation_config: Any
-  interrupt: threading.Event
+class Member(train.Setup):
+  """What train.run keeps for one run (its Setup), minus the compiled pieces (shared by the
+  group)."""
+  config: Any = None
+  accuracy: Any = None
   it: data.PromptIterator | None = None
   state: Any = None
   ref: Any = None
@@ -341,31 +331,9 @@ class Member:
   @staticmethod
   def build(config, workdir):
     """train.run's setup, up to the model config."""
-    workdir = os.path.abspath(os.path.expanduser(workdir))
-    os.makedirs(workdir, exist_ok=True)
-    validate.validate(config, jax.device_count())
-    open(os.path.join(workdir, "config.json"), "w").write(config.to_json_best_effort(indent=2))
-    train_rows, eval_rows = inputs.datasets(config, workdir)
-    tok, stop_ids = inputs.tokenizer(config, workdir, train_rows)
-    if config.train.eval_examples:
-      eval_rows = eval_rows[:config.train.eval_examples]
-    sft_eval_rows = []
-    if config.sft.steps and config.sft.target_accuracy:
-      if config.sft.eval_examples >= len(train_rows):
-        raise validate.ConfigError(
-            f"config.sft.eval_examples: {config.sft.eval_examples} validation problems leave "
-            f"none of the {len(train_rows)} training problems to train on")
-      train_rows, sft_eval_rows = (train_rows[:-config.sft.eval_examples],
-                                   train_rows[-config.sft.eval_examples:])
-    interrupt = threading.Event()
-    rewards = build_rewards(config.rewards, interrupt=interrupt)
-    probe_rows = train_rows[:2]
-    probe(rewards, rollout.prompt_texts(config, tok, probe_rows),
-          [r["answer"] for r in probe_rows], rollout.reward_columns(probe_rows, 1),
-          allow_missing=config.rewards.allow_missing)
-    cfg, generation_config = inputs.model_config(config, tok)
-    return Member(config, workdir, train_rows, eval_rows, sft_eval_rows, tok, stop_ids, rewards,
-                  rollout.accuracy_reward(config), cfg, generation_config, interrupt)
+    s = train.setup(config, workdir)
+    return Member(**{f.name: getattr(s, f.name) for f in dataclasses.fields(s)}, config=config,
+                  accuracy=rollout.accuracy_reward(config))
 
   def save(self, step):
     ckpt_state = {"train": self.state}

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from grpo_test import finite_diff_grad
 from grpo_jax import grpo, sharding, train_step
 from grpo_jax.models import qwen
 
@@ -97,16 +98,6 @@ def np_flow_loss(logp, old, ref, rewards, rows, group, beta=BETA, eps=EPS, eps_h
     policy += j_q / n_queries
     kl += kl_q / n_queries
   return -policy + beta * kl, -policy, kl
-
-
-def finite_diff_grad(f, x, h=1e-6):
-  g = np.zeros_like(x)
-  for idx in np.ndindex(x.shape):
-    xp, xm = x.copy(), x.copy()
-    xp[idx] += h
-    xm[idx] -= h
-    g[idx] = (f(xp) - f(xm)) / (2 * h)
-  return g
 
 
 def flow_config(**kw):
