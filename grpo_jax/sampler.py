@@ -151,6 +151,7 @@ class Sampler:
     # The cache (argument 1) is donated: the decode loop updates the prefill's buffer in place.
     self._decode = jax.jit(self._decode_impl, static_argnums=(6, 7), donate_argnums=(1,))
     self._append = jax.jit(self._append_impl, donate_argnums=(1,))
+    self._next_logprobs = jax.jit(self._next_logprobs_impl)
 
   # --- device side -------------------------------------------------------------------------
 
@@ -263,6 +264,13 @@ class Sampler:
     return cache, {"hidden": jnp.where(n_R[:, None] > 0, last_RD, state["hidden"]),
                    "mask": mask_RS, "pos": state["pos"] + n_R, "slot": p + tokens_RO.shape[1]}
 
+  def _next_logprobs_impl(self, params, hidden_RD, ids_K):
+    """log_softmax at temperature 1 over the valid vocabulary, at ids_K: [R, K]. One position
+    per row, so the [R, V] logits are one decode step's worth."""
+    logits_RV = self.model.apply({"params": params}, hidden_RD[:, None],
+                                 method=qwen.Qwen.logits)[:, 0, :self.valid]
+    return jax.nn.log_softmax(logits_RV.astype(jnp.float32), axis=-1)[:, ids_K]
+
   # --- host side ---------------------------------------------------------------------------
 
   def _as_token_lists(self, prompts, mask) -> list[np.ndarray]:
@@ -369,6 +377,23 @@ class Sampler:
     cache, state = self._append(params, conv.cache, conv.state, self._put(tokens_RO),
                                 self._put(mask_RO.astype(np.int32)))
     return conv._replace(cache=cache, state=state)
+
+  def next_logprobs(self, params, conv: Conversation, ids) -> np.ndarray:
+    """[R, len(ids)] log-probs of each row's next token being ids[k] (temperature 1, over the
+    valid vocabulary), read where each conversation stands: a score, nothing is sampled."""
+    out = self._next_logprobs(params, conv.state["hidden"], jnp.asarray(list(ids), jnp.int32))
+    return np.asarray(out)[:conv.rows]
+
+  def peek(self, params, conv: Conversation, token_lists, width: int,
+           ids) -> tuple[np.ndarray, Conversation]:
+    """next_logprobs after feeding `token_lists` (e.g. a yes/no question), leaving the
+    conversation where it stood: the question is not kept. Its keys and values are written to
+    the slots the next append or extend writes first (no copy of the donated cache); until then
+    the causal rule hides them, and the old state's mask is 1 on every slot from `slot` on.
+    The cache needs `width` free slots for it."""
+    asked = self.append(params, conv, token_lists, width)
+    logp = self.next_logprobs(params, asked, ids)
+    return logp, conv._replace(cache=asked.cache)
 
   def generate(self, params, prompts, mask=None, *, num_samples: int = 1, key=None,
                prompt_ids=None, **settings) -> SampleOutput:
