@@ -32,6 +32,7 @@ from ml_collections import config_dict
 
 from grpo_jax import grpo, train_step
 from grpo_jax.rewards import default_rewards_config
+from grpo_jax.rewards.options import HttpOptions, to_config
 
 
 def get_config(preset: str = "default") -> config_dict.ConfigDict:
@@ -141,6 +142,20 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
       # The first user turn: the toolset K ({tools}: each tool's description with its call
       # syntax; {tool_names}: just the names) and the query.
       user_template="{tools}\n\n{question}",
+      # Frozen roles beside the planner (grpo_jax/agent/roles.py; never trained, loss mask 0):
+      # 'policy' (generator only: the planner's own <answer> action, trained), 'frozen_policy'
+      # (the policy's params under stop-gradient, on the carried cache), 'reference' (the
+      # reference params; needs loss.beta > 0), 'server' (an OpenAI-compatible endpoint,
+      # agent.server); 'none' (verifier only: the planner alone decides when to stop).
+      generator="policy",           # writes the scored final answer when a trajectory ends
+      verifier="none",              # after each tool observation: is the memory enough? Yes ends it
+      generator_prompt="Give the final answer as <answer>NUMBER</answer>.",
+      generator_tokens=32,          # the generator's answer budget
+      verifier_prompt=("Is the information above enough to answer the question? "
+                       "Answer Yes or No."),
+      verifier_yes="Yes",           # P(first token of each) at one position; 'server': the
+      verifier_no="No",             # reply starting with verifier_yes means Yes
+      server=to_config(HttpOptions(max_tokens=256)),  # the 'server' roles' endpoint
   ))
 
   c.mesh = (1, -1, 1)               # (data, fsdp, tensor); -1 takes the remaining devices

@@ -94,7 +94,7 @@ def run(config, workdir: str) -> dict:
   tokenizer, stop_ids, rewards, interrupt = s.tokenizer, s.stop_ids, s.rewards, s.interrupt
   cfg, generation_config = s.cfg, s.generation_config
   mesh = sharding.make_mesh(tuple(config.mesh))
-  trainer = Trainer(config, cfg, mesh, tokenizer, stop_ids)
+  trainer = Trainer(config, cfg, mesh, tokenizer, stop_ids, interrupt=interrupt)
   num_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
   print(f"grpo_jax: {cfg.model_type} {cfg.num_layers}x{cfg.hidden_size}, "
         f"{num_params / 1e6:.2f}M params, "
@@ -139,7 +139,7 @@ def run(config, workdir: str) -> dict:
   done = start
   try:
     if restored is None:
-      acc = trainer.evaluate(state["params"], eval_rows)
+      acc = trainer.evaluate(state["params"], eval_rows, ref_params)
       metrics_writer.write(0, {"eval/accuracy": acc})
       print(f"grpo_jax: held-out greedy accuracy at GRPO step 0: {acc:.1%}", flush=True)
       save(0)
@@ -171,7 +171,7 @@ def run(config, workdir: str) -> dict:
       done = step + 1
       if config.train.eval_every and done % config.train.eval_every == 0 or done == (
           config.train.steps):
-        m["eval/accuracy"] = trainer.evaluate(state["params"], eval_rows)
+        m["eval/accuracy"] = trainer.evaluate(state["params"], eval_rows, ref_params)
       metrics_writer.write(done, m)
       samples_writer.write(done, samples)
       postfix = {"reward": f"{m['reward/total/mean']:.3f}"}
@@ -213,7 +213,7 @@ def run(config, workdir: str) -> dict:
 class Trainer:
   """The compiled pieces of a run (sampler, train step) and one GRPO step."""
 
-  def __init__(self, config, cfg: qwen.QwenConfig, mesh, tokenizer, stop_ids):
+  def __init__(self, config, cfg: qwen.QwenConfig, mesh, tokenizer, stop_ids, interrupt=None):
     self.config, self.cfg, self.mesh, self.tokenizer = config, cfg, mesh, tokenizer
     optim = config.optim.copy_and_resolve_references()
     if optim.schedule == "cosine" and not optim.total_steps:
@@ -229,7 +229,8 @@ class Trainer:
         buckets=tuple(config.data.prompt_buckets), valid_vocab_size=valid,
         pad_id=tokenizer.pad_token_id, mesh=mesh)
     # Multi-turn runs (config.agent.enabled): trajectories with tools instead of completions.
-    self.agent = agent_rollout.Agent(config, tokenizer, self.sampler) if (
+    # `interrupt` (SIGTERM) stops a wait on an agent role's server.
+    self.agent = agent_rollout.Agent(config, tokenizer, self.sampler, interrupt) if (
         config.agent.enabled) else None
     self.step_fn = train_step.TrainStep(
         cfg, config.loss, optim, mesh, temperature=s.temperature, valid_vocab_size=valid,
@@ -248,9 +249,9 @@ class Trainer:
       abstract["ref"] = abstract["train"]["params"]
     return abstract
 
-  def evaluate(self, params, rows) -> float:
-    if self.agent:
-      return self.agent.evaluate(params, rows, self.accuracy)
+  def evaluate(self, params, rows, ref_params=None) -> float:
+    if self.agent:  # ref_params: for an agent's 'reference' role
+      return self.agent.evaluate(params, rows, self.accuracy, ref_params)
     return rollout.evaluate(self.config, self.sampler, self.tokenizer, params, rows,
                             self.accuracy)
 
@@ -270,7 +271,8 @@ class Trainer:
     key = jax.random.fold_in(self.base_key, step)
     params = state["params"]
     if self.agent:
-      sample_fn = lambda rows, k: self.agent.sample_and_score(params, rows, rewards, k)
+      sample_fn = lambda rows, k: self.agent.sample_and_score(params, rows, rewards, k,
+                                                              ref_params=ref_params)
     else:
       sample_fn = lambda rows, k: rollout.sample_and_score(cfg, self.sampler, self.tokenizer,
                                                            params, rows, rewards, k)

@@ -120,5 +120,37 @@ def validate(config, num_devices: int) -> None:
     _check(a.tool_timeout_s > 0, "agent.tool_timeout_s", f"must be > 0, got {a.tool_timeout_s}")
     _check("{question}" in a.user_template, "agent.user_template",
            "must contain {question} (and usually {tools})")
+    _validate_roles(config)
   _check(lc.loss_type != "flow_grpo" or a.enabled, "loss.loss_type",
          "'flow_grpo' normalises over an agent's turns: it needs agent.enabled=True")
+
+
+def _validate_roles(config) -> None:
+  """agent.generator / agent.verifier (grpo_jax/agent/roles.py) and what each needs."""
+  from grpo_jax.agent import roles  # pylint: disable=import-outside-toplevel
+  a = config.agent
+  _check(a.generator in roles.GENERATORS, "agent.generator",
+         f"unknown generator {a.generator!r}; one of {list(roles.GENERATORS)}")
+  _check(a.verifier in roles.VERIFIERS, "agent.verifier",
+         f"unknown verifier {a.verifier!r}; one of {list(roles.VERIFIERS)}")
+  for role in ("generator", "verifier"):
+    _check(a[role] != "reference" or grpo.needs_reference(config.loss), f"agent.{role}",
+           f"'reference' needs the reference params, which exist only when loss.beta > 0 (got "
+           f"{config.loss.beta}); set loss.beta > 0, or use 'frozen_policy' (the policy under "
+           f"stop-gradient) or 'server'")
+  _check(a.verifier == "none" or a.generator != "policy", "agent.verifier",
+         f"{a.verifier!r} ends trajectories so that a frozen generator answers; with "
+         "agent.generator='policy' no one would: set agent.generator to 'frozen_policy', "
+         "'reference' or 'server'")
+  _check(isinstance(a.generator_tokens, int) and a.generator_tokens >= 1, "agent.generator_tokens",
+         f"must be an int >= 1, got {a.generator_tokens!r}")
+  _check(bool(a.generator_prompt.strip()), "agent.generator_prompt", "must not be empty")
+  _check(bool(a.verifier_prompt.strip()), "agent.verifier_prompt", "must not be empty")
+  _check(bool(a.verifier_yes) and bool(a.verifier_no) and a.verifier_yes != a.verifier_no,
+         "agent.verifier_yes", f"verifier_yes={a.verifier_yes!r} and verifier_no="
+         f"{a.verifier_no!r} must be two different non-empty words")
+  if "server" in (a.generator, a.verifier):
+    try:
+      roles.server_options(a)
+    except ValueError as e:
+      raise ConfigError(f"config.{e}") from None

@@ -17,7 +17,10 @@ observation 1, action 2, ..., the answer, without the cache's holes. loss_mask_B
 tokens only (observations are context: no loss, no KL) and turn_ids_BC numbers the actions, for
 loss_type 'flow_grpo'. The outcome reward scores the final action (the one holding
 <answer>...</answer>) with the run's reward stack; a trajectory that ran out of turns has no
-answer and scores "" (0 for math_accuracy).
+answer and scores "" (0 for math_accuracy). With a frozen generator or verifier
+(config.agent.generator / verifier, grpo_jax.agent.roles) a verifier's Yes after a tool
+observation also ends a trajectory, and the generator's answer, written after the last turn
+and kept out of the loss mask, is what is scored.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import numpy as np
 
 from grpo_jax import data, rollout
 from grpo_jax.agent import env as env_lib
+from grpo_jax.agent import roles as roles_lib
 from grpo_jax.agent import tools as tools_lib
 from grpo_jax.rewards import score
 
@@ -54,15 +58,17 @@ class TurnFormat:
     a, o = text.index(_SENTINEL[0]) + len(_SENTINEL[0]), text.index(_SENTINEL[1])
     return TurnFormat(text[a:o], text[o + len(_SENTINEL[1]):], tokenizer.eos_token or "")
 
-  def observation_ids(self, tokenizer, observation: str, stopped: bool, budget: int):
+  def observation_ids(self, tokenizer, observation: str, stopped: bool, budget: int,
+                      suffix: str = ""):
     """Token ids appended after an action: the separators around the observation, whose own
-    tokens are cut to `budget`. An action that ended with the stop token has already closed
-    its turn; one cut by its token budget gets the closing token here."""
+    tokens are cut to `budget` (then `suffix`: a frozen role's prompt, grpo_jax.agent.roles).
+    An action that ended with the stop token has already closed its turn; one cut by its
+    token budget gets the closing token here."""
     before = self.before
     if stopped and self.stop_text and before.startswith(self.stop_text):
       before = before[len(self.stop_text):]
     enc = lambda s: tokenizer(s, add_special_tokens=False).input_ids if s else []
-    return enc(before) + enc(observation)[:budget] + enc(self.after)
+    return enc(before) + enc(observation)[:budget] + enc(suffix) + enc(self.after)
 
   def width(self, tokenizer, budget: int) -> int:
     enc = lambda s: len(tokenizer(s, add_special_tokens=False).input_ids) if s else 0
@@ -76,20 +82,28 @@ def trajectory_text(record) -> str:
     lines.append(f"[action {t + 1}] {action}")
     if observation is not None:
       lines.append(f"[observation {t + 1}] {observation}")
+  if record.get("end") == "verifier":
+    lines.append("[verifier] Yes")
+  if record.get("generator") is not None:
+    lines.append(f"[generator] {record['generator']}")
   return "\n".join(lines)
 
 
 class Agent:
   """The multi-turn rollout of a run (config.agent): prompts, turns, trajectories, metrics."""
 
-  def __init__(self, config, tokenizer, sampler):
+  def __init__(self, config, tokenizer, sampler, interrupt=None):
     a = config.agent
     self.config, self.tokenizer, self.sampler = config, tokenizer, sampler
     self.tools = tools_lib.select(tuple(a.tools), timeout_s=a.tool_timeout_s)
     self.format = TurnFormat.of(tokenizer)
     self.obs_width = self.format.width(tokenizer, a.observation_tokens)
     # Room after the prompt: every action at its budget, an observation after all but the last.
-    self.room = a.max_turns * a.action_tokens + (a.max_turns - 1) * self.obs_width
+    room = a.max_turns * a.action_tokens + (a.max_turns - 1) * self.obs_width
+    self.roles = roles_lib.Roles(config, tokenizer, sampler, self.format, room, interrupt)
+    # The row also holds a frozen generator's turn; the cache also a peek at the verifier's.
+    self.room = room + self.roles.row_room
+    self.cache_room = self.room + self.roles.peek_room
     self.stop_ids = set(sampler.stop_ids)
 
   def new_env(self) -> env_lib.ToolEnv:
@@ -103,19 +117,23 @@ class Agent:
              for r in rows]
     return rollout.Prompts(texts, data.encode_prompts(self.tokenizer, texts))
 
-  def run(self, params, rows, g: int, key, *, greedy: bool = False):
-    """G trajectories per row. Returns (Prompts, per-trajectory records, sampler seconds)."""
+  def run(self, params, rows, g: int, key, *, greedy: bool = False, ref_params=None):
+    """G trajectories per row. Returns (Prompts, per-trajectory records, sampler seconds).
+    ref_params: the reference params, for a 'reference' generator or verifier."""
     a, tok = self.config.agent, self.tokenizer
     prompts = self.prompts(rows)
     n = len(rows) * g
     envs = [self.new_env() for _ in range(n)]
-    for i, e in enumerate(envs):
-      e.reset(rows[i // g])
-    records = [{"turns": [], "pieces": [], "info": [], "answer": None, "logp": []}
-               for _ in range(n)]
+    # end: 'answer' (the planner's), 'verifier' (its Yes) or 'turns' (out of turns).
+    records = [{"turns": [], "pieces": [], "info": [], "answer": None, "logp": [],
+                "user": e.reset(rows[i // g]), "end": "turns", "verifier": []}
+               for i, e in enumerate(envs)]
+    prompt_ids = [prompts.ids[i // g] for i in range(n)]
+    frozen_generator = self.roles.generator != "policy"
+    self.roles.reset()
     active = np.ones(n, bool)
     sample_s = time.perf_counter()
-    conv = self.sampler.begin(params, prompts.ids, num_samples=g, room=self.room)
+    conv = self.sampler.begin(params, prompts.ids, num_samples=g, room=self.cache_room)
     settings = {"greedy": True} if greedy else {}
     pool = ThreadPoolExecutor(max_workers=a.tool_workers)
     env_s = 0.0
@@ -130,26 +148,34 @@ class Agent:
         t0 = time.perf_counter()
         steps = list(pool.map(lambda ia: envs[ia[0]].step(ia[1]), zip(live, actions)))
         env_s += time.perf_counter() - t0
-        obs_ids = [[] for _ in range(n)]
         for i, action, (observation, done, info) in zip(live, actions, steps):
           rec = records[i]
           rec["pieces"].append((ids[i, :lengths[i]], True, t))
           rec["logp"].append(logp[i, :lengths[i]])
           rec["info"].append(info)
+          rec["stopped"] = lengths[i] > 0 and int(ids[i, lengths[i] - 1]) in self.stop_ids
           if info["kind"] == "answer":
-            rec["answer"] = action
+            rec["answer"], rec["end"] = action, "answer"
           if done:
             active[i] = False
-            rec["turns"].append((action, None))
-            continue
-          stopped = lengths[i] > 0 and int(ids[i, lengths[i] - 1]) in self.stop_ids
-          obs_ids[i] = self.format.observation_ids(tok, observation, stopped,
-                                                   a.observation_tokens)
-          rec["pieces"].append((np.asarray(obs_ids[i], np.int32), False, t))
-          rec["turns"].append((action, observation))
+          # An ended trajectory's last observation is shown only to a frozen generator.
+          shown = not done or (frozen_generator and info["kind"] != "answer")
+          rec["turns"].append((action, observation if shown else None))
+        if self.roles.verifier != "none":
+          asked = [i for i in live if active[i] and records[i]["info"][-1]["kind"] == "tool"]
+          conv = self.roles.verify(params, ref_params, conv, asked, records, prompt_ids, active)
+        obs_ids = [[] for _ in range(n)]
+        for i in live:
+          if active[i]:
+            rec = records[i]
+            obs_ids[i] = self.format.observation_ids(tok, rec["turns"][-1][1], rec["stopped"],
+                                                     a.observation_tokens)
+            rec["pieces"].append((np.asarray(obs_ids[i], np.int32), False, t))
         if not active.any():
           break
         conv = self.sampler.append(params, conv, obs_ids, self.obs_width)
+      if frozen_generator:
+        self.roles.generate(params, ref_params, conv, records, prompt_ids)
     finally:
       pool.shutdown(wait=False, cancel_futures=True)
     seconds = time.perf_counter() - sample_s
@@ -176,11 +202,11 @@ class Agent:
                             rewards_BR, loss_mask_BC=loss_mask, turn_ids_BC=turn_ids,
                             trajectories=[trajectory_text(r) for r in records])
 
-  def sample_and_score(self, params, rows, rewards, key, g=None):
+  def sample_and_score(self, params, rows, rewards, key, g=None, ref_params=None):
     """rollout.sample_and_score for trajectories: (Rollouts, reward metrics, agent metrics,
     (seconds sampling and stepping environments, seconds scoring))."""
     g = g or self.config.sampling.num_generations
-    prompts, records, sample_s, env_s = self.run(params, rows, g, key)
+    prompts, records, sample_s, env_s = self.run(params, rows, g, key, ref_params=ref_params)
     t1 = time.perf_counter()
     texts = [rec["answer"] or "" for rec in records]
     prompt_texts_B = [p for p in prompts.texts for _ in range(g)]
@@ -188,6 +214,7 @@ class Agent:
                                 rollout.reward_columns(rows, g))
     part = self.rollouts(prompts, rows, records, reward_BR)
     m = self.metrics(records)
+    m.update(self.roles.metrics(records))
     m["time/tool_s"] = env_s
     return part, reward_m, m, (sample_s, time.perf_counter() - t1)
 
@@ -213,12 +240,17 @@ class Agent:
         m[f"agent/tool/{name}/{s}"] = status[(name, s)]
     return m
 
-  def evaluate(self, params, rows, reward) -> float:
-    """Greedy pass@1 on `rows` with the tools: the answer scored by `reward` (math_accuracy)."""
+  def evaluate(self, params, rows, reward, ref_params=None) -> float:
+    """Greedy pass@1 on `rows` with the tools: the answer scored by `reward` (math_accuracy).
+    A 'reference' role without ref_params (the warm start, before there is a reference) uses
+    `params`: the reference is what the warm start ends with."""
     bs, correct = self.config.train.eval_batch_size, 0
+    if ref_params is None and roles_lib.needs_reference(self.config.agent):
+      ref_params = params
     for i in range(0, len(rows), bs):
       chunk = rows[i:i + bs]
-      prompts, records, _, _ = self.run(params, chunk, 1, jax.random.key(0), greedy=True)
+      prompts, records, _, _ = self.run(params, chunk, 1, jax.random.key(0), greedy=True,
+                                        ref_params=ref_params)
       texts = [rec["answer"] or "" for rec in records]
       scores = reward.fn(prompts.texts, texts, group_size=1, **rollout.reward_columns(chunk, 1))
       correct += sum(s == 1.0 for s in scores)

@@ -1,0 +1,220 @@
+"""AgentFlow's frozen roles beside the planner: the generator and the verifier (config.agent).
+
+The planner is the policy, the only trained role. When a trajectory ends (the planner's
+<answer> action, the verifier's Yes, or out of turns) a frozen generator writes the final
+answer, which the outcome reward scores; after every tool observation a verifier is asked
+whether the memory suffices to answer, and Yes ends the trajectory. Each role is one of:
+
+  frozen_policy  the policy's params under stop-gradient: no extra memory, and it runs on the
+                 planner's carried KV cache, so nothing is prefilled again.
+  reference      the frozen reference params (they exist only when loss.beta > 0). No cache of
+                 the conversation exists for them: the compacted conversation is prefilled
+                 afresh each time (a second Sampler whose buckets hold a whole trajectory).
+  server         an OpenAI-compatible chat endpoint (agent.server, chat_http.ChatClient) given
+                 the transcript as chat messages.
+
+Local roles are deterministic: the generator decodes greedily, and the verifier samples nothing:
+Yes when P(Yes) > P(No) at the position after its question (the first tokens of
+agent.verifier_yes / verifier_no), as the verifier reward reads its judge. A server's reply is
+Yes when it starts with verifier_yes; a missing reply counts as No (go on) and is counted.
+
+The generator's user turn (the last observation, if any, then agent.generator_prompt) and its
+answer are in the trajectory row as context with loss mask 0: coming last, they change no
+trained token's log-prob. The verifier's question is in neither the row nor the cache
+(Sampler.peek). With a frozen generator the planner's own <answer> action is its stop action:
+it ends the trajectory, its tokens are trained (the choice of when to stop), but the answer
+scored is the generator's, written after it.
+
+    roles = Roles(config, tokenizer, sampler, turn_format, loop_room)
+    conv = roles.verify(params, ref_params, conv, asked_rows, records, prompt_ids, active)
+    conv = roles.generate(params, ref_params, conv, records, prompt_ids)
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from grpo_jax import sampler as sampler_lib
+from grpo_jax.rewards import options
+from grpo_jax.rewards.chat_http import ChatClient
+
+GENERATORS = ("policy", "frozen_policy", "reference", "server")
+VERIFIERS = ("none", "frozen_policy", "reference", "server")
+_REF_BUCKET = 128  # the reference's conversation buckets: each one used compiles once
+
+
+def server_options(a) -> options.HttpOptions:
+  return options.from_config(options.HttpOptions, a.server, "agent.server")
+
+
+def needs_reference(a) -> bool:
+  return "reference" in (a.generator, a.verifier)
+
+
+def _tokens(rec) -> list[int]:
+  """A trajectory's compacted tokens so far (after the prompt), as its train row holds them."""
+  return [int(x) for ids, _, _ in rec["pieces"] for x in ids]
+
+
+class Roles:
+  """The frozen generator and verifier of an Agent, and what they cost (self.last: per run)."""
+
+  def __init__(self, config, tokenizer, sampler, turn_format, loop_room: int, interrupt=None):
+    a = config.agent
+    self.config, self.tokenizer, self.sampler, self.format = config, tokenizer, sampler, turn_format
+    self.generator, self.verifier = a.generator, a.verifier
+    enc = lambda s: tokenizer(s, add_special_tokens=False).input_ids
+    width = turn_format.width(tokenizer, a.observation_tokens)
+    # A role's user turn: the latest observation cut to its budget, then the role's prompt.
+    self.gen_width = width + len(enc("\n\n" + a.generator_prompt))
+    self.ver_width = width + len(enc("\n\n" + a.verifier_prompt))
+    # Slots the row (and the carried cache) needs beyond the planner's turns, and the slots a
+    # peek at the verifier's question needs in the cache only.
+    self.row_room = 0 if a.generator == "policy" else self.gen_width + a.generator_tokens
+    self.peek_room = self.ver_width if a.verifier == "frozen_policy" else 0
+    yes, no = enc(a.verifier_yes), enc(a.verifier_no)
+    if a.verifier in ("frozen_policy", "reference") and (not yes or not no or yes[0] == no[0]):
+      raise ValueError(f"agent.verifier_yes={a.verifier_yes!r} and verifier_no="
+                       f"{a.verifier_no!r} must start with different tokens")
+    self.yes_no = (yes[0], no[0]) if yes and no else (0, 0)
+    self.client = (ChatClient(server_options(a), interrupt=interrupt)
+                   if "server" in (a.generator, a.verifier) else None)
+    self.ref_sampler = None
+    if needs_reference(a):
+      # Every conversation fits: a prompt bucket, the planner's turns, one role's turn.
+      longest = max(config.data.prompt_buckets) + loop_room + max(self.gen_width, self.ver_width)
+      buckets = range(_REF_BUCKET, longest + _REF_BUCKET, _REF_BUCKET)
+      self.ref_sampler = sampler_lib.Sampler(
+          sampler.model, max_new_tokens=a.generator_tokens, stop_ids=sampler.stop_ids,
+          buckets=tuple(buckets), valid_vocab_size=sampler.valid, pad_id=sampler.pad_id,
+          mesh=sampler.mesh)
+    self.last = {}
+
+  def reset(self) -> None:
+    self.last = {"verifier_s": 0.0, "generator_s": 0.0, "verifier_missing": 0,
+                 "generator_missing": 0}
+
+  # --- what a role is shown -------------------------------------------------------------------
+
+  def turn_ids(self, rec, prompt: str) -> list[int]:
+    """A role's user turn after the trajectory so far, in the chat template: the latest
+    observation (if the last action had one) cut to its budget, then `prompt`; it ends with
+    the assistant turn opened."""
+    obs = rec["turns"][-1][1] or ""
+    return self.format.observation_ids(self.tokenizer, obs, rec["stopped"],
+                                       self.config.agent.observation_tokens,
+                                       suffix=("\n\n" if obs else "") + prompt)
+
+  def messages(self, rec, prompt: str) -> list[dict]:
+    """The trajectory as chat messages for a server, ending with the user turn of turn_ids."""
+    system = self.config.data.system_prompt
+    msgs = [{"role": "system", "content": system}] if system is not None else []
+    msgs.append({"role": "user", "content": rec["user"]})
+    for action, obs in rec["turns"][:-1]:
+      msgs += [{"role": "assistant", "content": action}, {"role": "user", "content": obs or ""}]
+    action, obs = rec["turns"][-1]
+    msgs += [{"role": "assistant", "content": action},
+             {"role": "user", "content": "\n\n".join(x for x in (obs, prompt) if x)}]
+    return msgs
+
+  def _conversations(self, records, rows, prompt_ids, turns) -> list[list[int]]:
+    """Each row's whole conversation for a fresh prefill (a one-token stand-in elsewhere)."""
+    convs = [[self.sampler.pad_id] for _ in records]
+    for i in rows:
+      convs[i] = list(prompt_ids[i]) + _tokens(records[i]) + list(turns[i])
+    return convs
+
+  def _require(self, ref_params):
+    if ref_params is None:
+      raise ValueError("a 'reference' agent role needs ref_params (loss.beta > 0)")
+
+  # --- the roles ------------------------------------------------------------------------------
+
+  def verify(self, params, ref_params, conv, asked, records, prompt_ids, active):
+    """Asks the verifier about each row in `asked` (its last action was a tool call and it
+    goes on); a Yes sets active[i] = False and records[i]['end'] = 'verifier'. Returns the
+    conversation (its cache, when the policy peeked, moved to the new buffer)."""
+    if not asked:
+      return conv
+    a, t0 = self.config.agent, time.perf_counter()
+    if self.verifier == "server":
+      replies, _ = self.client.complete([self.messages(records[i], a.verifier_prompt)
+                                         for i in asked])
+      self.last["verifier_missing"] += sum(r is None for r in replies)
+      p_yes = np.array([float(r is not None and r.strip().lower().startswith(
+          a.verifier_yes.lower())) for r in replies])
+    else:
+      question = [[] for _ in records]
+      for i in asked:
+        question[i] = self.turn_ids(records[i], a.verifier_prompt)
+      if self.verifier == "frozen_policy":
+        logp, conv = self.sampler.peek(params, conv, question, self.ver_width, self.yes_no)
+      else:
+        self._require(ref_params)
+        c = self.ref_sampler.begin(
+            ref_params, self._conversations(records, asked, prompt_ids, question), room=0)
+        logp = self.ref_sampler.next_logprobs(ref_params, c, self.yes_no)
+      logp = logp[np.asarray(asked)].astype(np.float64)
+      p_yes = 1.0 / (1.0 + np.exp(logp[:, 1] - logp[:, 0]))  # P(Yes) / (P(Yes) + P(No))
+    for i, p in zip(asked, p_yes):
+      records[i]["verifier"].append(float(p))
+      if p > 0.5:
+        active[i] = False
+        records[i]["end"] = "verifier"
+    self.last["verifier_s"] += time.perf_counter() - t0
+    return conv
+
+  def generate(self, params, ref_params, conv, records, prompt_ids):
+    """The generator's answer for every trajectory (all have ended): records[i]['answer'] and
+    ['generator'] get its text, and its turn and answer join the row with loss mask 0."""
+    a, tok, t0 = self.config.agent, self.tokenizer, time.perf_counter()
+    n = len(records)
+    turns = [self.turn_ids(rec, a.generator_prompt) for rec in records]
+    if self.generator == "server":
+      replies, _ = self.client.complete([self.messages(rec, a.generator_prompt)
+                                         for rec in records])
+      self.last["generator_missing"] += sum(r is None for r in replies)
+      texts = [r or "" for r in replies]
+      answers = [tok(t, add_special_tokens=False).input_ids[:a.generator_tokens] for t in texts]
+    else:
+      if self.generator == "frozen_policy":
+        conv = self.sampler.append(params, conv, turns, self.gen_width)
+        out, conv = self.sampler.extend(params, conv, None, max_tokens=a.generator_tokens,
+                                        greedy=True)
+      else:
+        self._require(ref_params)
+        c = self.ref_sampler.begin(
+            ref_params, self._conversations(records, range(n), prompt_ids, turns),
+            room=a.generator_tokens)
+        out, _ = self.ref_sampler.extend(ref_params, c, None, max_tokens=a.generator_tokens,
+                                         greedy=True)
+      ids, lengths = np.asarray(out["tokens"]), np.asarray(out["lengths"])
+      answers = [ids[i, :lengths[i]] for i in range(n)]
+      texts = tok.batch_decode(answers, skip_special_tokens=True)
+    for rec, turn, answer, text in zip(records, turns, answers, texts):
+      t = rec["pieces"][-1][2]
+      rec["pieces"] += [(np.asarray(turn, np.int32), False, t),
+                        (np.asarray(answer, np.int32), False, t)]
+      rec["answer"] = rec["generator"] = text
+    self.last["generator_s"] += time.perf_counter() - t0
+    return conv
+
+  def metrics(self, records) -> dict[str, float]:
+    """How trajectories ended and what the roles cost (per trajectory unless a count)."""
+    n = len(records)
+    m = {f"agent/end/{e}_frac": sum(r["end"] == e for r in records) / n
+         for e in ("answer", "verifier", "turns")}
+    if self.verifier != "none":
+      p = [x for r in records for x in r["verifier"]]
+      m.update({"agent/verifier/calls/mean": len(p) / n,
+                "agent/verifier/stops/mean": sum(r["end"] == "verifier" for r in records) / n,
+                "agent/verifier/p_yes/mean": float(np.mean(p)) if p else 0.0,
+                "agent/verifier/missing": self.last["verifier_missing"],
+                "time/verifier_s": self.last["verifier_s"]})
+    if self.generator != "policy":
+      m.update({"agent/generator/answer_tokens/mean": float(np.mean(
+                    [len(r["pieces"][-1][0]) for r in records])),
+                "agent/generator/missing": self.last["generator_missing"],
+                "time/generator_s": self.last["generator_s"]})
+    return m
