@@ -3,6 +3,7 @@
 The behaviour for a request is chosen by markers in its last user message, so a test states
 what each item should suffer:
   [score=a,g,i,c]   reply with that JSON grade (default: 3,3,3,3)
+  [reply=TEXT]      reply with TEXT itself (up to the next ']'): an agent role's answer
   [slow=S]          sleep S seconds before replying (peak_in_flight counts concurrent sleepers)
   [500]             always answer HTTP 500
   [flaky=N]         answer HTTP 500 to the first N requests for this prompt, then normally
@@ -29,6 +30,7 @@ import time
 _SCORE_RE = re.compile(r"\[score=(\d),(\d),(\d),(\d)\]")
 _SLOW_RE = re.compile(r"\[slow=([\d.]+)\]")
 _FLAKY_RE = re.compile(r"\[flaky=(\d+)\]")
+_REPLY_RE = re.compile(r"\[reply=([^\]]*)\]")
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -111,6 +113,8 @@ class FakeChatServer:
           return self._send(200, b'{"object": "chat.completion"}')
         if "[prose]" in prompt:
           content = "This response is quite good, I would say four out of five."
+        elif _REPLY_RE.search(prompt):
+          content = _REPLY_RE.search(prompt).group(1)
         else:
           m = _SCORE_RE.search(prompt)
           a, g, i, c = (int(x) for x in m.groups()) if m else (3, 3, 3, 3)
