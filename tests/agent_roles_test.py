@@ -198,3 +198,24 @@ def test_role_config_errors(change, field):
     c.agent.server.update(change["server"])
   with pytest.raises(validate.ConfigError, match=field.replace("(", r"\(")):
     validate.validate(c, 8)
+
+
+def test_warm_start_traces_teach_a_local_generator_its_turn(tiny):
+  """With a frozen_policy (or reference) generator, each warm-start trace goes on after the
+  planner's answer action with the generator's turn (context) and the answer (trained)."""
+  from grpo_jax.agent import traces
+  config, _, _, rows, tok, _, _ = tiny
+  budgets = dict(action_tokens=24, generator_tokens=12)
+  plain = traces.examples(_agent(tiny, **budgets), rows)
+  agent = _agent(tiny, generator="frozen_policy", **budgets)
+  prompts, completions, masks = traces.examples(agent, rows)
+  assert prompts == plain[0]
+  for before, before_mask, ids, mask in zip(plain[1], plain[2], completions, masks):
+    assert ids[:len(before)] == before and mask[:len(before)] == before_mask
+    turn = agent.roles.turn_ids({"turns": [("", None)], "stopped": True},
+                                config.agent.generator_prompt)
+    tail, tail_mask = ids[len(before):], mask[len(before):]
+    assert tail[:len(turn)] == turn and tail_mask == [0] * len(turn) + [1] * (len(tail) - len(turn))
+    # The generator's answer is the planner's answer action again, stop token included.
+    n = len(tail) - len(turn)
+    assert tail[len(turn):] == before[-n:] and before_mask[-n:] == [1] * n

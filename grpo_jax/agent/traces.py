@@ -8,7 +8,11 @@ final answer one last action:
            | <answer>73</answer>
 
 The observations are what the tool itself returns for the call (the same text a rollout would
-show), and only the action tokens are trained on, as in Flow-GRPO.
+show), and only the action tokens are trained on, as in Flow-GRPO. With a local frozen
+generator (agent.generator 'frozen_policy' or 'reference': the policy's weights, or the
+reference the warm start becomes), the answer action is followed by the generator's turn, as a
+rollout adds it, and the generator's answer is trained on too: the warm start teaches the
+weights every role they play; GRPO later trains only the planner.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ def examples(agent, rows):
   turns than agent.max_turns, or an action longer than agent.action_tokens, are left out."""
   tok, a = agent.tokenizer, agent.config.agent
   stop = tok.convert_tokens_to_ids(tok.eos_token)
+  generator = a.generator in ("frozen_policy", "reference")
   kept, completions, masks = [], [], []
   for row in rows:
     trace = turns(agent, row)
@@ -65,6 +70,13 @@ def examples(agent, rows):
         ids += obs
         mask += [0] * len(obs)
     else:
+      if generator:
+        turn = agent.roles.turn_ids({"turns": [(action, None)], "stopped": True},
+                                    a.generator_prompt)
+        if len(action_ids) > a.generator_tokens:
+          continue
+        ids += turn + action_ids
+        mask += [0] * len(turn) + [1] * len(action_ids)
       kept.append(row)
       completions.append(ids)
       masks.append(mask)
