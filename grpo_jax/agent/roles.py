@@ -25,6 +25,9 @@ trained token's log-prob. The verifier's question is in neither the row nor the 
 it ends the trajectory, its tokens are trained (the choice of when to stop), but the answer
 scored is the generator's, written after it.
 
+AgentFlow's third frozen role, the executor (a sub-goal turned into the concrete call), is not
+here: the planner writes the concrete tool call itself.
+
     roles = Roles(config, tokenizer, sampler, turn_format, loop_room)
     conv = roles.verify(params, ref_params, conv, asked_rows, records, prompt_ids, active)
     conv = roles.generate(params, ref_params, conv, records, prompt_ids)
