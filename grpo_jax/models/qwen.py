@@ -287,8 +287,10 @@ def attend(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, attn_mask_BS: Array,
     visible_BTS = visible_BTS & (jnp.arange(s)[None, :] <= q_slot[:, None])[None]
   scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSH.dtype)
-  out = jnp.einsum("BKGTS,BKSH->BTKGH", probs, v_BKSH)
-  return out.reshape(b, t, n, h)
+  # Heads-major output, transposed after: asking einsum for BTKGH directly makes XLA:CPU pick
+  # a dot ~13x slower at decode shapes (B 64, K 2, S 352: 2.5 ms against 0.19 ms per layer).
+  out_BKGTH = jnp.einsum("BKGTS,BKSH->BKGTH", probs, v_BKSH)
+  return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 class MLP(nn.Module):
