@@ -287,8 +287,54 @@ def attend(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, attn_mask_BS: Array,
     visible_BTS = visible_BTS & (jnp.arange(s)[None, :] <= q_slot[:, None])[None]
   scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSH.dtype)
-  out = jnp.einsum("BKGTS,BKSH->BTKGH", probs, v_BKSH)
-  return out.reshape(b, t, n, h)
+  # Heads-major output, transposed after: asking einsum for BTKGH directly makes XLA:CPU pick
+  # a dot ~13x slower at decode shapes (B 64, K 2, S 352: 2.5 ms against 0.19 ms per layer).
+  out_BKGTH = jnp.einsum("BKGTS,BKSH->BKGTH", probs, v_BKSH)
+  return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+class _Kernel(nn.Module):
+  """A Linear's kernel alone (the MLP multiplies by it itself): keeps the params' names."""
+  shape: tuple[int, ...]
+  axes: tuple[str, ...]
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self):
+    return _param(self, "kernel", self.shape, self.axes, _dense_init(), self.param_dtype)
+
+
+@jax.custom_vjp
+def gated_mlp(x_BTD: Array, wg_DI: Array, wu_DI: Array, wd_ID: Array) -> Array:
+  """down(silu(x @ wg) * (x @ wu)), with a hand-written backward.
+
+  Why: for the autodiff backward XLA:CPU fuses a transpose of the [B·T, I] gate gradient into
+  the elementwise fusion that computes it (strided writes): 2.1x slower than this backward,
+  whose weight-gradient einsums take the gradients in the layout they are made in.
+  """
+  return _gated_mlp_fwd(x_BTD, wg_DI, wu_DI, wd_ID)[0]
+
+
+def _gated_mlp_fwd(x_BTD, wg_DI, wu_DI, wd_ID):
+  g = jnp.einsum("BTD,DI->BTI", x_BTD, wg_DI)
+  u = jnp.einsum("BTD,DI->BTI", x_BTD, wu_DI)
+  y = jnp.einsum("BTI,ID->BTD", jax.nn.silu(g) * u, wd_ID)
+  return y, (x_BTD, g, u, wg_DI, wu_DI, wd_ID)
+
+
+def _gated_mlp_bwd(res, dy_BTD):
+  x, g, u, wg, wu, wd = res
+  sig = jax.nn.sigmoid(g)
+  act = g * sig  # silu(g)
+  dh = jnp.einsum("BTD,ID->BTI", dy_BTD, wd)
+  dg = dh * u * (sig * (1 + g * (1 - sig)))  # silu'(g) = sig (1 + g (1 - sig))
+  du = dh * act
+  return (jnp.einsum("BTI,DI->BTD", dg, wg) + jnp.einsum("BTI,DI->BTD", du, wu),
+          jnp.einsum("BTD,BTI->DI", x, dg), jnp.einsum("BTD,BTI->DI", x, du),
+          jnp.einsum("BTI,BTD->ID", act * u, dy_BTD))
+
+
+gated_mlp.defvjp(_gated_mlp_fwd, _gated_mlp_bwd)
 
 
 class MLP(nn.Module):
@@ -299,13 +345,11 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x_BTD):
     d, i = self.cfg.hidden_size, self.cfg.intermediate_size
-
-    def linear(name, spec, shape, axes):
-      return Linear(spec, shape, axes, 0, self.dtype, self.param_dtype, name=name)
-
-    g = linear("gate_proj", "BTD,DI->BTI", (d, i), ("embed", "mlp"))(x_BTD)
-    u = linear("up_proj", "BTD,DI->BTI", (d, i), ("embed", "mlp"))(x_BTD)
-    return linear("down_proj", "BTI,ID->BTD", (i, d), ("mlp", "embed"))(jax.nn.silu(g) * u)
+    kernel = lambda name, shape, axes: _Kernel(shape, axes, self.param_dtype, name=name)(
+        ).astype(self.dtype)
+    return gated_mlp(x_BTD, kernel("gate_proj", (d, i), ("embed", "mlp")),
+                     kernel("up_proj", (d, i), ("embed", "mlp")),
+                     kernel("down_proj", (i, d), ("mlp", "embed")))
 
 
 def _constrain(x: Array, sharding) -> Array:
