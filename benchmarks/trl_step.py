@@ -272,10 +272,10 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   trainer.step_fn = spies["step_fn"]
   state = jax.block_until_ready(trainer.init_state(params))
   ref_params = params
+  unit, group = spies["step_fn"].fn.micro_layout(NUM_PROMPTS * G)  # as the step runs it
   logprob_fn = train_step.make_logprob_fn(
       cfg, trainer.optim, mesh, temperature=c.sampling.temperature,
-      valid_vocab_size=tokenizer_lib.valid_vocab_size(tokenizer),
-      group=trainer.step_fn._prompt_sharing(NUM_PROMPTS * G))  # as the step runs it
+      valid_vocab_size=tokenizer_lib.valid_vocab_size(tokenizer), group=group, unit=unit)
   out["setup_s"] = time.perf_counter() - out["t_start"]
 
   def reference_inputs(batch):

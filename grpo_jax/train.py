@@ -110,7 +110,8 @@ def run(config, workdir: str) -> dict:
     if config.sft.steps:
       params = sft.run_sft(config, trainer, params, train_rows, sft_eval_rows)
     state = trainer.init_state(params)
-    ref_params = params if grpo.needs_reference(config.loss) else None
+    ref_params = trainer.reference(params) if grpo.needs_reference(config.loss) else None
+    del params  # the state and the reference are copies; the loaded params would only hold memory
     start = 0
     it = data.PromptIterator(len(train_rows), config.train.prompts_per_step, config.seed)
   else:
@@ -243,10 +244,14 @@ class Trainer:
   def init_state(self, params):
     return train_step.create_train_state(params, self.cfg, self.optim, self.mesh)
 
+  def reference(self, params):
+    """The frozen reference (loss.beta > 0): params in train_step.reference_dtype."""
+    return train_step.reference_params(params, self.cfg, self.optim, self.mesh)
+
   def abstract_checkpoint(self):
     abstract = {"train": train_step.abstract_state(self.cfg, self.optim, self.mesh)}
     if grpo.needs_reference(self.config.loss):
-      abstract["ref"] = abstract["train"]["params"]
+      abstract["ref"] = train_step.abstract_reference(self.cfg, self.optim, self.mesh)
     return abstract
 
   def evaluate(self, params, rows, ref_params=None) -> float:

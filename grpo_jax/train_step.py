@@ -172,6 +172,33 @@ def abstract_state(model_cfg, optim_cfg, mesh=None):
                       state_shardings(model_cfg, optim_cfg, mesh))
 
 
+def reference_dtype(optim_cfg):
+  """The dtype the frozen reference params are stored in: compute_dtype where it is narrower
+  than param_dtype, else param_dtype. The forward casts every parameter to compute_dtype before
+  using it (qwen.Linear, RMSNorm, Embed, the head), so a reference stored in compute_dtype gives
+  the same log-probs bit for bit, in half the memory with fp32 params and bf16 compute."""
+  param, compute = jnp.dtype(optim_cfg.param_dtype), jnp.dtype(optim_cfg.compute_dtype)
+  return compute if compute.itemsize < param.itemsize else param
+
+
+def abstract_reference(model_cfg, optim_cfg, mesh=None):
+  """ShapeDtypeStructs of the frozen reference params as the run stores them (reference_dtype,
+  placed like the policy's params)."""
+  dtype = reference_dtype(optim_cfg)
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=getattr(x, "sharding", None)),
+      abstract_state(model_cfg, optim_cfg, mesh)["params"])
+
+
+def reference_params(params, model_cfg, optim_cfg, mesh):
+  """The frozen reference policy: a fresh copy of params in reference_dtype, placed like the
+  state's params (the caller's params may be dropped afterwards)."""
+  sh = state_shardings(model_cfg, optim_cfg, mesh)["params"]
+  dtype = reference_dtype(optim_cfg)
+  return jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p),
+                 out_shardings=sh)(jax.device_put(params, sh))
+
+
 def state_shardings(model_cfg, optim_cfg, mesh):
   """NamedShardings of the state: params by the logical-axis rules, optimizer moments alike."""
   params = qwen.abstract_params(model_cfg, jnp.dtype(optim_cfg.param_dtype))
@@ -387,23 +414,28 @@ def completion_logprobs(model, params, tokens_BS, attn_mask_BS, C, *, temperatur
                                  temperature=temperature, block_bytes=block_bytes)
 
 
-def _split_micro(x, accum, mesh):
-  """[B, ...] → [accum, B/accum, ...], micro-batch a = rows a, a + accum, …: each micro-batch
-  keeps rows on every device of the contiguous batch split, so no resharding is needed."""
-  x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+def _split_micro(x, accum, mesh, unit=1):
+  """[B, ...] → [accum, B/accum, ...] in runs of `unit` consecutive rows: micro-batch a holds
+  runs a, a + accum, … (unit = G keeps a GRPO group whole). When each micro-batch's runs split
+  evenly over the devices, every device keeps its own rows of the contiguous batch split, so no
+  resharding is needed."""
+  x = x.reshape(x.shape[0] // (accum * unit), accum, unit, *x.shape[1:]).swapaxes(0, 1)
+  x = x.reshape(accum, -1, *x.shape[3:])
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, sharding.BATCH_AXES)))
 
 
-def _join_micro(x):
+def _join_micro(x, unit=1):
   """Inverse of _split_micro."""
-  return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+  x = x.reshape(x.shape[0], -1, unit, *x.shape[2:]).swapaxes(0, 1)
+  return x.reshape(-1, *x.shape[3:])
 
 
 def make_logprob_fn(model_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_size=None,
-                    group=1):
+                    group=1, unit=1):
   """Jitted (params, tokens_BS, attn_mask_BS, C) → logp_BC, forward only, in grad_accum_steps
-  micro-batches (group: rows per micro-batch sharing a prompt, see completion_logprobs). For
-  tests and benchmarks: the train step computes its own."""
+  micro-batches of runs of `unit` rows (_split_micro; group: rows per micro-batch sharing a
+  prompt, see completion_logprobs; TrainStep.micro_layout gives the step's pair). For tests and
+  benchmarks: the train step computes its own."""
   validate_optim_config(optim_cfg)
   model = _model(model_cfg, optim_cfg, mesh)
   accum = optim_cfg.grad_accum_steps
@@ -413,9 +445,10 @@ def make_logprob_fn(model_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_
             block_bytes=optim_cfg.logprob_block_bytes, group=group)
 
   def fn(params, tokens_BS, attn_mask_BS, C):
-    micro = (_split_micro(tokens_BS, accum, mesh), _split_micro(attn_mask_BS, accum, mesh))
+    micro = (_split_micro(tokens_BS, accum, mesh, unit),
+             _split_micro(attn_mask_BS, accum, mesh, unit))
     logp_ABC = jax.lax.map(lambda xs: completion_logprobs(model, params, *xs, C, **kw)[0], micro)
-    return _join_micro(logp_ABC)
+    return _join_micro(logp_ABC, unit)
 
   return jax.jit(fn, in_shardings=(param_sh, row_sh, row_sh), out_shardings=row_sh,
                  static_argnums=3)
@@ -509,7 +542,8 @@ class TrainStep:
     accum, mesh = self.optim_cfg.grad_accum_steps, self.mesh
     keys = ("tokens_BS", "attn_mask_BS", "advantages_B", "old_logp_BC", "ref_logp_BC", "mask_BC",
             "completion_mask_BC", "turn_ids_BC")
-    micro = {k: _split_micro(batch[k], accum, mesh) for k in keys if k in batch}
+    unit = norm["unit"]
+    micro = {k: _split_micro(batch[k], accum, mesh, unit) for k in keys if k in batch}
     grad_fn = jax.grad(lambda p, mb: self._loss(p, ref_params, mb, norm), has_aux=True)
     constrain = lambda g: jax.lax.with_sharding_constraint(g, self.state_sh["params"])
     if accum == 1:
@@ -526,20 +560,23 @@ class TrainStep:
       g, (s, logp, ref) = grad_fn(params, mb)
       return (constrain(jax.tree.map(jnp.add, g_acc, g)), _metric_merge(s_acc, s)), (logp, ref)
     (grads, sums), (logp, ref) = jax.lax.scan(body, (grads0, sums0), micro)
-    return grads, sums, _join_micro(logp), None if ref is None else _join_micro(ref)
+    return grads, sums, _join_micro(logp, unit), None if ref is None else _join_micro(ref, unit)
 
   def _update(self, state, ref_params, batch, norm):
     """One optimizer update; skipped (state unchanged) if the loss or gradient is not finite."""
     params = state["params"]
     grads, sums, logp, ref = self._grads(params, ref_params, batch, norm)
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = self.optimizer.update(grads, state["opt_state"], params)
-    new_params = optax.apply_updates(params, updates)
     ok = jnp.isfinite(grad_norm) & jnp.isfinite(sums["loss"])
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-    new_state = {"step": state["step"] + ok.astype(jnp.int32),
-                 "params": keep(new_params, params),
-                 "opt_state": keep(opt_state, state["opt_state"])}
+
+    def apply(st):
+      updates, opt_state = self.optimizer.update(grads, st["opt_state"], st["params"])
+      return {"params": optax.apply_updates(st["params"], updates), "opt_state": opt_state}
+    # A cond, not where(ok, new, old) per leaf: with the select, XLA copied the donated
+    # optimizer moments to keep the old ones beside the new (their size again in temporaries).
+    new_state = jax.lax.cond(ok, apply, lambda st: st,
+                             {"params": params, "opt_state": state["opt_state"]})
+    new_state["step"] = state["step"] + ok.astype(jnp.int32)
     tokens = norm["tokens"]
     metrics = {} if self.objective == "sft" else grpo.finalize_metrics(sums, tokens)
     metrics.update({
@@ -553,19 +590,19 @@ class TrainStep:
 
   def _program(self, state, ref_params, batch):
     self.num_traces += 1
-    metrics, group = {}, 1
+    metrics, layout = {}, (1, 1)
     if is_rollout(batch):
       batch, stats = make_batch(batch, self.loss_cfg, group_size=self.group_size,
                                 reward_weights=self.reward_weights)
       metrics.update({f"advantages/{k}": v for k, v in stats.items()})
-      group = self._prompt_sharing(batch["tokens_BS"].shape[0])
+      layout = self.micro_layout(batch["tokens_BS"].shape[0])
     lc = self.loss_cfg
     mask_BC = (grpo.loss_mask(batch["completion_mask_BC"], batch.get("truncated_B"),
                               lc.mask_truncated_completions) if self.objective == "grpo"
                else batch["completion_mask_BC"].astype(jnp.float32))
     batch = dict(batch, mask_BC=mask_BC)
     B = mask_BC.shape[0]
-    norm = self._normalisers(mask_BC, group)
+    norm = self._normalisers(mask_BC, *layout)
     state, m, logp_BC, ref_BC = self._update(state, ref_params, batch, norm)
     if self.objective == "grpo" and lc.num_iterations > 1:
       # Updates 2..μ: old log-probs are the first update's (the params before any update).
@@ -588,21 +625,36 @@ class TrainStep:
                       "advantages/min": adv_B.min(), "advantages/max": adv_B.max()})
     return state, metrics, adv_B
 
-  def _normalisers(self, mask_BC, group=1):
-    """What the loss divides by, over the whole batch (so micro-batching never changes it)."""
+  def _normalisers(self, mask_BC, unit=1, group=1):
+    """What the loss divides by, over the whole batch (so micro-batching never changes it), and
+    the micro-batch layout (micro_layout)."""
     return {"tokens": mask_BC.sum(), "sequences": mask_BC.shape[0],
             "max_completion_length": self.max_completion_length or mask_BC.shape[1],
-            "group": group}
+            "unit": unit, "group": group}
 
-  def _prompt_sharing(self, rows: int) -> int:
-    """Rows per micro-batch that share a prompt (1: none). A rollout batch is group-major, and
-    micro-batch a holds rows a, a + accum, ... (_split_micro): when accum divides G, each holds
-    G / accum rows of every group, consecutive. Its prompts must also split over the devices."""
+  def micro_layout(self, rows: int) -> tuple[int, int]:
+    """(unit, group) for a group-major rollout batch of `rows` rows: micro-batches take runs of
+    `unit` rows (_split_micro), and every `group` consecutive rows of one share a prompt, which
+    then runs once for them (completion_logprobs; 1: none).
+
+    Whole groups (G, G) where each micro-batch's prompts split evenly over the data × fsdp
+    devices: the prompt runs once per group whatever grad_accum_steps is. Else rows a, a +
+    accum, … (1, G / accum) where accum divides G with at least 2 rows left; else (1, 1).
+    Example: 96 prompts × G = 8 on 8 devices: accum 4 → (8, 8) (3 prompts per device and
+    micro-batch); accum 8 → (1, 1) (96 prompts do not split into 8 × 8).
+    """
     g, accum = self.group_size or 1, self.optim_cfg.grad_accum_steps
     n_dev = int(np.prod([self.mesh.shape[a] for a in sharding.BATCH_AXES]))
-    if g % accum or g // accum < 2 or (rows // g) % n_dev:
-      return 1
-    return g // accum
+    prompts = rows // g
+    if g > 1 and prompts % (accum * n_dev) == 0:
+      return g, g
+    if g % accum or g // accum < 2 or prompts % n_dev:
+      return 1, 1
+    return 1, g // accum
+
+  def _prompt_sharing(self, rows: int) -> int:
+    """Rows per micro-batch that share a prompt (micro_layout's group)."""
+    return self.micro_layout(rows)[1]
 
   # --- host side -------------------------------------------------------------------------------
 

@@ -554,11 +554,13 @@ def test_cosine_schedule_counts_every_update_of_mu(params, data):
   assert int(state["step"]) == steps * mu and float(m["lr"]) > 0
 
 
-@pytest.mark.parametrize("accum,shape", [(1, (1, 1, 1)), (2, (1, 1, 1)), (2, (2, 2, 2)),
-                                         (4, (1, 1, 1))])
-def test_prompt_run_once_per_group_equals_running_every_row(params, data, accum, shape):
-  """The shared-prompt forward (G / accum rows of a group per micro-batch) gives the step of the
-  full forward over every row; accum = 4 = G leaves one row per group: the full forward."""
+@pytest.mark.parametrize("accum,shape,layout", [
+    (1, (1, 1, 1), (G, G)), (2, (2, 2, 2), (G, G)), (4, (1, 1, 1), (G, G)),  # whole groups
+    (2, (1, 8, 1), (1, G // 2)),  # 8 prompts do not split into 2 × 8: G / accum rows per group
+    (4, (2, 2, 2), (1, 1))])      # ... and accum = G leaves one: the full forward
+def test_prompt_run_once_per_group_equals_running_every_row(params, data, accum, shape, layout):
+  """The shared-prompt forward (whole groups per micro-batch, or G / accum rows of each) gives
+  the step of the full forward over every row."""
   batch = _shared_prompts(data[0])
   rewards = np.random.default_rng(4).normal(size=(B, 1)).astype(np.float32)
   optim = optim_config(grad_accum_steps=accum)
@@ -566,7 +568,7 @@ def test_prompt_run_once_per_group_equals_running_every_row(params, data, accum,
   p = jax.device_put(params, train_step.state_shardings(MODEL, optim, mesh)["params"])
   step = train_step.make_train_step(MODEL, loss_config(), optim, mesh, group_size=G,
                                     reward_weights=(1.0,))
-  assert step._prompt_sharing(B) == (G // accum if G // accum > 1 else 1)
+  assert step.micro_layout(B) == layout
   ref = jax.tree.map(lambda x: x * 0.9, p)
   got, got_m, adv = step(train_step.create_train_state(p, MODEL, optim, mesh),
                          _rollout_from(batch, rewards), ref)
@@ -577,3 +579,31 @@ def test_prompt_run_once_per_group_equals_running_every_row(params, data, accum,
     np.testing.assert_allclose(float(got_m[k]), float(want_m[k]), rtol=1e-5, err_msg=k)
   assert_same_step(host(got), host(got_m), host(want), host(want_m))
 
+
+
+def test_reference_in_compute_dtype_gives_the_same_step_bit_for_bit(params, data):
+  """With fp32 params and bf16 compute the reference is stored in bf16 (half the memory): every
+  use casts a parameter to the compute dtype first, so its log-probs, the KL and the whole
+  update are exactly those of an fp32 reference."""
+  batch, _ = data
+  optim = optim_config(compute_dtype="bfloat16", grad_accum_steps=2)
+  assert train_step.reference_dtype(optim) == jnp.bfloat16
+  assert train_step.reference_dtype(optim_config()) == jnp.float32  # fp32 compute: kept
+  mesh = sharding.make_mesh((1, 2, 1))
+  sh = train_step.state_shardings(MODEL, optim, mesh)["params"]
+  p = jax.device_put(params, sh)
+  ref32 = jax.tree.map(lambda x: x * 0.9, p)  # a reference other than the policy
+  ref16 = train_step.reference_params(ref32, MODEL, optim, mesh)
+  assert {x.dtype for x in jax.tree.leaves(ref16)} == {jnp.dtype(jnp.bfloat16)}
+  assert jax.tree.map(lambda x: x.sharding, ref16) == sh
+  want_abstract = train_step.abstract_reference(MODEL, optim, mesh)
+  assert jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), want_abstract) == jax.tree.map(
+      lambda x: (x.shape, x.dtype, x.sharding), ref16)
+  step = train_step.make_train_step(MODEL, loss_config(), optim, mesh)
+  without = {k: v for k, v in batch.items() if k != "ref_logp_BC"}
+  got, got_m, _ = step(train_step.create_train_state(p, MODEL, optim, mesh), without, ref16)
+  want, want_m, _ = step(train_step.create_train_state(p, MODEL, optim, mesh), without, ref32)
+  assert float(got_m["loss/kl"]) > 0
+  assert {k: float(v) for k, v in got_m.items()} == {k: float(v) for k, v in want_m.items()}
+  for x, y in zip(jax.tree.leaves(host(got)), jax.tree.leaves(host(want))):
+    np.testing.assert_array_equal(x, y)
