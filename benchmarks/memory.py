@@ -1,20 +1,44 @@
-"""Peak device memory of the GRPO train step for Qwen2.5-1.5B, from the compiler, no weights.
+"""Does a preset fit its hardware? Peak device memory of its train step and sampler, from the
+compiler, without weights.
 
-AOT-compiles the GRPO step (`jax.jit(...).lower(abstract state, reference params, rollout
-batch).compile()`: advantages, the reference pass, μ = 2 updates) on a simulated mesh of fake
-CPU devices and prints `memory_analysis()` per device: arguments (params, optimizer state,
-reference params, batch) + outputs − donated aliases + temporaries.
+    python3 benchmarks/memory.py --config=configs/gsm8k.py            # default: v5e-8
+    python3 benchmarks/memory.py --config=configs/gsm8k.py:0.5b       # one 16 GB device
+    python3 benchmarks/memory.py --config=configs/gsm8k.py:0.5b --config.optim.grad_accum_steps=8
 
-    python3 benchmarks/memory.py                       # fsdp=8, batch 64 × (256 + 1024) tokens
-    python3 benchmarks/memory.py --grad_accum_steps=4 --prompt_len=512
+Builds what `grpo_jax.train.Trainer` builds for the preset (the same TrainStep and Sampler, its
+optimizer, dtypes, remat, loss and mesh) and AOT-compiles them on abstract inputs
+(`jax.ShapeDtypeStruct` with the run's shardings: nothing is allocated) over the preset's
+`hardware.devices` fake CPU devices:
 
-The last line is `train_step_peak_gb_per_device=<x>`. Target: under 16 GB, one TPU v5e chip.
-The CPU compiler's buffer assignment stands in for the TPU's, so treat the numbers as
-estimates.
+  train step  TrainStep.jitted for the rollout layout at its largest shapes:
+              B = train.prompts_per_step × G rows, prompts at the largest of data.prompt_buckets
+              (--prompt_len to pick another), completions at sampling.max_new_tokens; the
+              reference params too when loss.beta > 0, in the dtype the run stores them in
+              (train_step.reference_dtype).
+  sampler     Sampler prefill + decode for B = train.prompts_per_step prompts × G at the same
+              prompt length, with max_new_tokens of room; and the greedy eval at
+              train.eval_batch_size × 1.
+
+Per device and per program, from `compiled.memory_analysis()`:
+
+    peak = arguments + outputs − aliased (outputs written into donated arguments) + temporaries
+
+(temporaries: the size of XLA's temp allocation, its buffers packed by liveness). The train step
+takes everything the device holds (state, reference params, batch) as arguments. The sampler
+does not: the optimizer moments and the reference params stay resident while it runs, so they
+are added to its peak; its reported peak is the larger of prefill's and decode's, plus that.
+
+The last lines are `train_step_peak_gb_per_device=`, `sampler_peak_gb_per_device=`,
+`hardware_gb_per_device=` (config.hardware.memory_gb_per_device) and `preset_fits=yes|no`
+(both peaks ≤ it). GB = 1e9 bytes.
+
+Estimates, not a TPU measurement: the CPU compiler's buffer assignment stands in for the
+accelerator's. A TPU pads an array's two minor dimensions to its (8|16, 128) tiles, which the
+CPU does not: Qwen2.5-0.5B's head_dim is 64, so on a TPU its KV cache may take up to twice the
+figure here (a GPU does not pad).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -24,81 +48,217 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 
-from grpo_jax import grpo, sharding, train_step  # noqa: E402
-from grpo_jax.models import qwen  # noqa: E402
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/gsm8k.py", "Config file with its preset: configs/gsm8k.py:0.5b")
+_PROMPT_LEN = flags.DEFINE_integer(
+    "prompt_len", 0, "prompt width P; 0 = the largest of config.data.prompt_buckets")
+_SKIP_SAMPLER = flags.DEFINE_bool("skip_sampler", False, "measure the train step only")
+_SKIP_EVAL = flags.DEFINE_bool("skip_eval", False, "skip the eval sampler's shape")
 
 GB = 1e9
 
-# Qwen/Qwen2.5-1.5B(-Instruct) config.json.
-QWEN25_1_5B = qwen.QwenConfig(
-    vocab_size=151_936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
-    num_kv_heads=2, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-    tie_word_embeddings=True, qkv_bias=True, max_position_embeddings=32768)
+# config.json of the checkpoints the presets name, so no hub access is needed. A local
+# checkpoint directory is read instead.
+KNOWN_MODELS = {
+    "Qwen2.5-1.5B": dict(vocab_size=151_936, hidden_size=1536, intermediate_size=8960,
+                         num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128),
+    "Qwen2.5-0.5B": dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864,
+                         num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64),
+}
+QWEN25_VALID_VOCAB = 151_665  # len(tokenizer) of Qwen2.5: ids the sampler may draw
 
 
-def abstract_batch(batch, prompt_len, completion_len, mesh):
-  """The rollout layout (train_step.py) as ShapeDtypeStructs with the batch sharding."""
-  shapes = {"prompt_BP": ((batch, prompt_len), jnp.int32),
-            "prompt_mask_BP": ((batch, prompt_len), jnp.int32),
-            "completion_BC": ((batch, completion_len), jnp.int32),
-            "lengths_B": ((batch,), jnp.int32), "rewards_BR": ((batch, 1), jnp.float32)}
-  out = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items()}
-  sh = train_step.batch_shardings(out, mesh)
-  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k]) for k, v in out.items()}
+def model_config(config):
+  """(QwenConfig, valid vocabulary) of the preset's model, without weights or a tokenizer."""
+  from grpo_jax.models import qwen, weights  # pylint: disable=import-outside-toplevel
+  m = config.model
+  if m.random_init:
+    t = m.tiny  # the tiny tokenizer is learnt to exactly tiny.vocab_size ids
+    cfg = qwen.QwenConfig(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, rope_theta=t.rope_theta,
+        tie_word_embeddings=t.tie_word_embeddings, max_position_embeddings=4096)
+    return cfg, cfg.vocab_size
+  if os.path.isdir(m.checkpoint):
+    cfg = weights.read_config(m.checkpoint)
+    return cfg, min(cfg.vocab_size, QWEN25_VALID_VOCAB)
+  name = m.checkpoint.split("/")[-1].removesuffix("-Instruct")
+  if name not in KNOWN_MODELS:
+    raise SystemExit(f"memory.py: no config.json known for {m.checkpoint!r}; pass a local "
+                     f"checkpoint directory (known: {sorted(KNOWN_MODELS)})")
+  cfg = qwen.QwenConfig(**KNOWN_MODELS[name], rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                        tie_word_embeddings=True, qkv_bias=True)
+  return cfg, QWEN25_VALID_VOCAB
 
 
-def peak_bytes(model_cfg, loss_cfg, optim_cfg, mesh, args):
-  state = train_step.abstract_state(model_cfg, optim_cfg, mesh)
-  batch = abstract_batch(args.batch, args.prompt_len, args.completion_len, mesh)
-  step = train_step.make_train_step(model_cfg, loss_cfg, optim_cfg, mesh,
-                                    group_size=args.group, reward_weights=(1.0,),
-                                    max_completion_length=args.completion_len)
-  with_ref = grpo.needs_reference(loss_cfg)
-  ref = state["params"] if with_ref else None
-  t0 = time.time()
-  compiled = step.jitted(batch, with_ref).lower(state, ref, batch).compile()
+def peak_bytes(compiled) -> tuple[int, str]:
+  """arguments + outputs − aliased + temporaries, per device, and a one-line breakdown."""
   m = compiled.memory_analysis()
   peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
           + m.temp_size_in_bytes)
-  print(f"  compiled in {time.time() - t0:.0f}s: arguments {m.argument_size_in_bytes / GB:.2f} GB,"
-        f" outputs {m.output_size_in_bytes / GB:.2f} GB, aliased {m.alias_size_in_bytes / GB:.2f}"
-        f" GB, temporaries {m.temp_size_in_bytes / GB:.2f} GB → peak {peak / GB:.2f} GB/device",
-        flush=True)
-  return peak
+  line = (f"arguments {m.argument_size_in_bytes / GB:.2f} + outputs "
+          f"{m.output_size_in_bytes / GB:.2f} − aliased {m.alias_size_in_bytes / GB:.2f} + "
+          f"temporaries {m.temp_size_in_bytes / GB:.2f} = {peak / GB:.2f} GB")
+  return peak, line
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--mesh", default="1,8,1", help="data,fsdp,tensor")
-  p.add_argument("--batch", type=int, default=64)
-  p.add_argument("--prompt_len", type=int, default=256)
-  p.add_argument("--completion_len", type=int, default=1024)
-  p.add_argument("--grad_accum_steps", type=int, default=1)
-  p.add_argument("--group", type=int, default=8, help="G: rows sharing a prompt")
-  p.add_argument("--block_mb", type=float, default=4.0, help="optim.logprob_block_bytes in MiB")
-  p.add_argument("--beta", type=float, default=0.04, help="> 0: the reference pass runs too")
-  p.add_argument("--no_remat", action="store_true")
-  args = p.parse_args(argv)
+def device_bytes(tree) -> int:
+  """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (the largest shard)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
 
-  mesh = sharding.make_mesh(tuple(int(x) for x in args.mesh.split(",")))
-  loss_cfg = grpo.default_loss_config()
-  loss_cfg.update(beta=args.beta, num_iterations=2)
-  optim_cfg = train_step.default_optim_config()
-  optim_cfg.update(grad_accum_steps=args.grad_accum_steps, remat=not args.no_remat,
-                   param_dtype="float32", compute_dtype="bfloat16",
-                   logprob_block_bytes=int(args.block_mb * 2**20))
-  n_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(QWEN25_1_5B)))
-  print(f"Qwen2.5-1.5B ({n_params / 1e9:.3f}B params, fp32 params + AdamW, bf16 compute, "
-        f"remat={optim_cfg.remat}) on mesh {dict(mesh.shape)}; batch {args.batch} × "
-        f"({args.prompt_len} prompt + {args.completion_len} completion) tokens, "
-        f"grad_accum_steps={args.grad_accum_steps}, beta={args.beta}", flush=True)
 
-  peak = peak_bytes(QWEN25_1_5B, loss_cfg, optim_cfg, mesh, args)
-  print(f"train_step_peak_gb_per_device={peak / GB:.2f}")
+def _abstract(tree, shardings):
+  import jax  # pylint: disable=import-outside-toplevel
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
+
+
+def rollout_batch(config, rows, prompt_len, completion_len, mesh):
+  """The train step's rollout layout (rollout.Rollouts.device_batch) as sharded abstracts."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from grpo_jax import train_step  # pylint: disable=import-outside-toplevel
+  shapes = {"prompt_BP": ((rows, prompt_len), jnp.int32),
+            "prompt_mask_BP": ((rows, prompt_len), jnp.int32),
+            "completion_BC": ((rows, completion_len), jnp.int32),
+            "lengths_B": ((rows,), jnp.int32),
+            "rewards_BR": ((rows, len(config.rewards.names)), jnp.float32)}
+  if config.loss.mask_truncated_completions:
+    shapes["truncated_B"] = ((rows,), jnp.bool_)
+  import jax  # pylint: disable=import-outside-toplevel
+  out = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items()}
+  return _abstract(out, train_step.batch_shardings(out, mesh))
+
+
+def measure_train_step(config, cfg, valid, mesh, prompt_len):
+  import jax  # pylint: disable=import-outside-toplevel
+  from grpo_jax import grpo, train_step  # pylint: disable=import-outside-toplevel
+  optim = resolved_optim(config)
+  s = config.sampling
+  step = train_step.TrainStep(
+      cfg, config.loss, optim, mesh, temperature=s.temperature, valid_vocab_size=valid,
+      max_completion_length=s.max_new_tokens, group_size=s.num_generations,
+      reward_weights=config.rewards.weights)
+  state = train_step.abstract_state(cfg, optim, mesh)
+  rows = config.train.prompts_per_step * s.num_generations
+  batch = rollout_batch(config, rows, prompt_len, s.max_new_tokens, mesh)
+  with_ref = grpo.needs_reference(config.loss)
+  ref = train_step.abstract_reference(cfg, optim, mesh) if with_ref else None
+  t0 = time.time()
+  compiled = step.jitted(batch, with_ref).lower(state, ref, batch).compile()
+  peak, line = peak_bytes(compiled)
+  print(f"  train step, {rows} rows × ({prompt_len} + {s.max_new_tokens}) tokens, "
+        f"grad_accum_steps={optim.grad_accum_steps}, reference "
+        f"{'none' if ref is None else jax.tree.leaves(ref)[0].dtype} "
+        f"(compiled in {time.time() - t0:.0f} s): {line}", flush=True)
+  return peak, state, ref
+
+
+def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=True):
+  """max over (rollout, eval) shapes of max(prefill, decode) + what stays resident."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=C0415
+  from grpo_jax import sampler as sampler_lib, sharding  # pylint: disable=import-outside-toplevel
+  from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
+  optim, s = resolved_optim(config), config.sampling
+  model = qwen.Qwen(cfg, dtype=jnp.dtype(optim.compute_dtype),
+                    param_dtype=jnp.dtype(optim.param_dtype))
+  smp = sampler_lib.Sampler(
+      model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+      max_new_tokens=s.max_new_tokens, stop_ids=(0,), buckets=(prompt_len,),
+      valid_vocab_size=valid, pad_id=0, mesh=mesh)
+  # Resident while sampling, outside the sampler's arguments: all but the policy params.
+  resident = device_bytes(state) - device_bytes(state["params"]) + (
+      device_bytes(ref) if ref is not None else 0)
+  params = state["params"]
+  mult = int(jax.numpy.prod(jnp.array([mesh.shape[a] for a in sharding.BATCH_AXES])))
+  row_sh = lambda nd: sharding.batch_sharding(mesh, nd)
+  shapes = [("rollout", config.train.prompts_per_step, s.num_generations, {})]
+  if eval_too:
+    shapes.append(("eval", config.train.eval_batch_size, 1, {"greedy": True}))
+  worst = 0
+  for name, b, g, settings in shapes:
+    b_pad = -(-b // mult) * mult
+    tok = jax.ShapeDtypeStruct((b_pad, prompt_len), jnp.int32, sharding=row_sh(2))
+    t0 = time.time()
+    prefill = smp._prefill.lower(params, tok, tok, g, prompt_len + s.max_new_tokens).compile()
+    p_peak, p_line = peak_bytes(prefill)
+    cache, st = prefill.out_info if hasattr(prefill, "out_info") else jax.eval_shape(
+        smp._prefill, params, tok, tok, g, prompt_len + s.max_new_tokens)
+    cache = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                         cache, prefill.output_shardings[0])
+    st = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), st,
+                      prefill.output_shardings[1])
+    r = b_pad * g
+    rep = NamedSharding(mesh, P())
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep)
+    row_ids = jax.ShapeDtypeStruct((r, 2), jnp.int32, sharding=row_sh(2))
+    active = jax.ShapeDtypeStruct((r,), jnp.bool_, sharding=row_sh(1))
+    decode = smp._decode.lower(params, cache, st, key, row_ids, active,
+                               smp._settings(settings), s.max_new_tokens).compile()
+    d_peak, d_line = peak_bytes(decode)
+    cache_gb = device_bytes(cache) / GB
+    peak = max(p_peak, d_peak) + resident
+    print(f"  sampler ({name}: {b} prompts × G={g} = {r} rows, {prompt_len} + "
+          f"{s.max_new_tokens} slots, KV cache {cache_gb:.2f} GB/device; compiled in "
+          f"{time.time() - t0:.0f} s)\n    prefill: {p_line}\n    decode:  {d_line}\n"
+          f"    + resident optimizer state and reference params {resident / GB:.2f} GB"
+          f" → {peak / GB:.2f} GB", flush=True)
+    worst = max(worst, peak)
+  return worst
+
+
+def resolved_optim(config):
+  optim = config.optim.copy_and_resolve_references()
+  if optim.schedule == "cosine" and not optim.total_steps:
+    optim.total_steps = config.train.steps * config.loss.num_iterations
+  return optim
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)
+  config = _CONFIG.value
+  import jax  # pylint: disable=import-outside-toplevel
+  from grpo_jax import sharding  # pylint: disable=import-outside-toplevel
+  from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
+  if config.agent.enabled:
+    raise SystemExit("memory.py: agent presets (multi-turn rollouts) are not measured here")
+  hw = config.hardware
+  if hw.devices > jax.device_count():
+    raise SystemExit(f"memory.py: hardware.devices={hw.devices} > {jax.device_count()} fake "
+                     "devices")
+  mesh = sharding.make_mesh(tuple(config.mesh), devices=jax.devices()[:hw.devices])
+  cfg, valid = model_config(config)
+  prompt_len = _PROMPT_LEN.value or max(config.data.prompt_buckets)
+  n_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
+  o = config.optim
+  print(f"preset {config.preset!r}: {config.model.checkpoint or 'tiny random'} "
+        f"({n_params / 1e9:.3f}B params, {o.param_dtype} params + AdamW, {o.compute_dtype} "
+        f"compute, remat={o.remat}, beta={config.loss.beta}, μ={config.loss.num_iterations}) on "
+        f"mesh {dict(mesh.shape)}; {config.train.prompts_per_step} prompts × "
+        f"G={config.sampling.num_generations}; hardware: {hw.name}, {hw.memory_gb_per_device} GB "
+        f"× {hw.devices}", flush=True)
+  train_peak, state, ref = measure_train_step(config, cfg, valid, mesh, prompt_len)
+  print(f"train_step_peak_gb_per_device={train_peak / GB:.2f}")
+  peaks = [train_peak]
+  if not _SKIP_SAMPLER.value:
+    sampler_peak = measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref,
+                                   eval_too=not _SKIP_EVAL.value)
+    print(f"sampler_peak_gb_per_device={sampler_peak / GB:.2f}")
+    peaks.append(sampler_peak)
+  print(f"hardware_gb_per_device={hw.memory_gb_per_device}")
+  fits = max(peaks) <= hw.memory_gb_per_device * GB
+  print(f"preset_fits={'yes' if fits else 'no'}")
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

@@ -159,6 +159,10 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
   ))
 
   c.mesh = (1, -1, 1)               # (data, fsdp, tensor); -1 takes the remaining devices
+  # What the preset is sized for: benchmarks/memory.py compiles its train step and sampler on
+  # `devices` (fake) devices and checks their peaks against memory_gb_per_device (GB = 1e9 B).
+  c.hardware = config_dict.ConfigDict(dict(name="TPU v5e-8", memory_gb_per_device=16.0,
+                                           devices=8))
 
   if c.preset == "default":
     pass
@@ -166,6 +170,7 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
     c.model.checkpoint = "Qwen/Qwen2.5-0.5B-Instruct"
     c.train.prompts_per_step = 48
     c.sampling.max_new_tokens = 512
+    c.hardware.update(name="one 16 GB device: a Colab T4 or L4, a TPU v5e-1", devices=1)
   elif c.preset == "tiny":
     _tiny(c)
   else:
@@ -211,3 +216,4 @@ def _tiny(c: config_dict.ConfigDict) -> None:
   c.sft.batch_size = 64
   c.sft.lr = 1e-3
   c.mesh = (1, 1, 1)
+  c.hardware.update(name="a CPU", memory_gb_per_device=4.0, devices=1)
