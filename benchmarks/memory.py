@@ -52,7 +52,8 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/gsm8k.py", "Config file with its preset: configs/gsm8k.py:0.5b")
+    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "gsm8k.py"),
+    "Config file with its preset: configs/gsm8k.py:0.5b")
 _PROMPT_LEN = flags.DEFINE_integer(
     "prompt_len", 0, "prompt width P; 0 = the largest of config.data.prompt_buckets")
 _SKIP_SAMPLER = flags.DEFINE_bool("skip_sampler", False, "measure the train step only")

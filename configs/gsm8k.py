@@ -5,15 +5,37 @@ default — Qwen2.5-1.5B-Instruct on openai/gsm8k, the reference GSM8K GRPO reci
   temperature 1.0, up to 1,024 new tokens, rewards math_accuracy + format):
     python -m grpo_jax.main --config=configs/gsm8k.py --workdir=runs/gsm8k_1.5b
   Needs the hub (or a local copy: --config.model.checkpoint=/path --config.data.source=/path)
-  and an accelerator: one 8-chip TPU v5e host or 8 × 80 GB GPUs (mesh fsdp = 8). About 20 s of
-  generation + 4 s of training per step on 8 × H100 (estimated from the token counts, not
-  measured here); 500 steps ≈ 3.5 h. Expected: GSM8K test pass@1 from ~62% (the instruct
-  model's own greedy score with this prompt) to ~70-75% (the range published GRPO runs on
-  Qwen2.5-1.5B-Instruct report; not reproduced here, no accelerator was available).
+  and an accelerator. Hardware: one TPU v5e-8 host, 16 GB per chip (mesh fsdp = 8); 8 GPUs of
+  16 GB or more do too. Memory per device (benchmarks/memory.py below): train step 11.45 GB
+  (12 micro-batches of 8 whole groups, one per device), sampler 7.59 GB (its 768 × (512 +
+  1024)-slot bf16 KV cache is 4.23 GB of it). About 20 s of generation + 4 s of training per
+  step on 8 × H100 (estimated from the token counts, not measured here); 500 steps ≈ 3.5 h.
+  Expected: GSM8K test pass@1 from ~62% (the instruct model's own greedy score with this
+  prompt) to ~70-75% (the range published GRPO runs on Qwen2.5-1.5B-Instruct report; not
+  reproduced here, no accelerator was available).
 
-0.5b — Qwen2.5-0.5B-Instruct, same recipe, 48 prompts per step, up to 512 new tokens:
+0.5b — Qwen2.5-0.5B-Instruct, the same recipe with 48 prompts per step, up to 512 new tokens
+  and no KL term (beta = 0: no reference copy, no reference forward), 48 micro-batches of one
+  group each:
     python -m grpo_jax.main --config=configs/gsm8k.py:0.5b --workdir=runs/gsm8k_0.5b
-  Fits one 24 GB GPU (mesh 1×1×1). Expected pass@1 from ~30% to ~45-50% (published range).
+  Hardware: one 16 GB device (mesh 1×1×1), such as a Colab T4 or L4 or a TPU v5e-1. Memory:
+  train step 15.51 GB (fp32 params 1.98 + AdamW moments 3.95 + gradients and their
+  accumulator 3.95 + activations), sampler 12.23 GB (the 384 × (512 + 512)-slot bf16 KV cache
+  is 24 layers × 2 × 2 kv heads × 64 × 2 bytes per slot = 4.83 GB, plus the params and the
+  resident moments). On a GPU let JAX take the memory: XLA_PYTHON_CLIENT_MEM_FRACTION=.95
+  (the default preallocates 75%). With beta = 0.001 (the KL term) the step needs 19.56 GB:
+  use a 24 GB device. Expected pass@1 from ~30% to ~45-50% (published range).
+
+Memory figures: `python3 benchmarks/memory.py --config=configs/gsm8k.py:<preset>` compiles
+  the preset's train step and sampler ahead of time on `hardware.devices` fake CPU devices
+  (no weights) at its largest shapes (prompts at the largest bucket, 512; completions at
+  max_new_tokens) and prints XLA's peak per device (arguments + outputs − donated + temporaries)
+  against hardware.memory_gb_per_device, then preset_fits=yes|no. GB = 1e9 bytes; measured
+  2026-11-23. The CPU compiler stands in for the accelerator's: it upcasts bf16 matmul operands
+  to fp32 (over-counting by a few GB), while a TPU may pad small minor dimensions (0.5b's
+  head_dim of 64) to its 128 lanes, which the CPU figures leave out. GSM8K's longest prompt
+  under this template is 264 Qwen tokens (bucket 288), so real batches are smaller than the
+  shapes measured.
 
 tiny — offline, CPU, minutes: a 2-layer 128-wide Qwen2 with random weights, a BPE tiny
   tokenizer learnt offline and synthetic two-digit addition word problems in GSM8K's schema,
@@ -21,6 +43,7 @@ tiny — offline, CPU, minutes: a 2-layer 128-wide Qwen2 with random weights, a 
   start) runs until greedy accuracy on 256 held-out training problems reaches 20% (checked
   every 10 steps, at most 1,000 steps); GRPO with dynamic sampling then has to lift it:
     python -m grpo_jax.main --config=configs/gsm8k.py:tiny --workdir=runs/tiny
+  Hardware: a CPU (memory: train step 0.18 GB, sampler 0.07 GB; 4 GB declared).
   Measured on the 2-core CPU (2026-11-23, experiments/tiny_seeds.md): held-out greedy accuracy
   gain over seeds 0-4 +33.6 ± 4.3 points (mean ± std; lowest +28.3), from 18.2-31.1% after the
   warm start. Seed 0 from a fresh clone, alone on the CPU: 2.3 minutes, 29.9% -> 69.9%, +40.0
@@ -96,7 +119,8 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
   c.optim = train_step.default_optim_config()  # also param/compute dtypes and remat
   c.optim.lr = 1e-5
   c.optim.schedule = "constant"
-  c.optim.grad_accum_steps = 4
+  # 12 micro-batches of 64 rows (8 whole groups, one per device): what fits 16 GB per chip.
+  c.optim.grad_accum_steps = 12
 
   c.train = config_dict.ConfigDict(dict(
       steps=500,                    # GRPO steps (each: sample, reward, num_iterations updates)
@@ -170,6 +194,10 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
     c.model.checkpoint = "Qwen/Qwen2.5-0.5B-Instruct"
     c.train.prompts_per_step = 48
     c.sampling.max_new_tokens = 512
+    # On one 16 GB device: one group (8 rows) per micro-batch, and no KL term, so no reference
+    # copy and no reference forward (see the docstring).
+    c.optim.grad_accum_steps = 48
+    c.loss.beta = 0.0
     c.hardware.update(name="one 16 GB device: a Colab T4 or L4, a TPU v5e-1", devices=1)
   elif c.preset == "tiny":
     _tiny(c)

@@ -368,7 +368,7 @@ def _start(members, trainer, mesh):
       if c.sft.steps:
         params = sft.run_sft(c, own, params, m.train_rows, m.sft_eval_rows)
       m.state = own.init_state(params)
-      m.ref = params if grpo.needs_reference(c.loss) else None
+      m.ref = own.reference(params) if grpo.needs_reference(c.loss) else None
       m.it = data.PromptIterator(len(m.train_rows), c.train.prompts_per_step, c.seed)
       m.acc0 = own.evaluate(m.state["params"], m.eval_rows)
       continue

@@ -1,5 +1,6 @@
 """benchmarks/memory.py: its memory formula on a program whose buffers are known by hand, the
 presets' declared hardware, and the CLI on the tiny preset (prints the keys the issue asks for)."""
+import functools
 import importlib.util
 import os
 import subprocess
@@ -16,7 +17,8 @@ from grpo_jax import sharding
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _memory_module():
+@functools.cache
+def _memory_module():  # once: it defines absl flags
   spec = importlib.util.spec_from_file_location("memory_bench",
                                                 os.path.join(ROOT, "benchmarks", "memory.py"))
   mod = importlib.util.module_from_spec(spec)
