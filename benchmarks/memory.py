@@ -33,9 +33,12 @@ The last lines are `train_step_peak_gb_per_device=`, `sampler_peak_gb_per_device
 (both peaks ≤ it). GB = 1e9 bytes.
 
 Estimates, not a TPU measurement: the CPU compiler's buffer assignment stands in for the
-accelerator's. A TPU pads an array's two minor dimensions to its (8|16, 128) tiles, which the
-CPU does not: Qwen2.5-0.5B's head_dim is 64, so on a TPU its KV cache may take up to twice the
-figure here (a GPU does not pad).
+accelerator's. It runs most bf16 matmuls here in fp32, converting their operands (some hoisted
+out of loops: whole fp32 copies of bf16 weights and of the LM head), so with bf16 compute its
+figures run high (4.8 GB of fp32 converts were live at the peak of the 0.5b step with
+beta = 0.001, 48 micro-batches). A TPU pads an array's two minor dimensions to its (8|16, 128)
+tiles, which the CPU does not: Qwen2.5-0.5B's head_dim is 64, so on a TPU its KV cache may take
+up to twice the figure here (a GPU does not pad).
 """
 from __future__ import annotations
 
