@@ -6,7 +6,7 @@ default — Qwen2.5-1.5B-Instruct on openai/gsm8k, the reference GSM8K GRPO reci
     python -m grpo_jax.main --config=configs/gsm8k.py --workdir=runs/gsm8k_1.5b
   Needs the hub (or a local copy: --config.model.checkpoint=/path --config.data.source=/path)
   and an accelerator. Hardware: one TPU v5e-8 host, 16 GB per chip (mesh fsdp = 8); 8 GPUs of
-  16 GB or more do too. Memory per device (benchmarks/memory.py below): train step 11.45 GB
+  16 GB or more do too. Memory per device (benchmarks/memory.py below): train step 10.86 GB
   (12 micro-batches of 8 whole groups, one per device), sampler 7.59 GB (its 768 × (512 +
   1024)-slot bf16 KV cache is 4.23 GB of it). About 20 s of generation + 4 s of training per
   step on 8 × H100 (estimated from the token counts, not measured here); 500 steps ≈ 3.5 h.
@@ -19,11 +19,11 @@ default — Qwen2.5-1.5B-Instruct on openai/gsm8k, the reference GSM8K GRPO reci
   group each:
     python -m grpo_jax.main --config=configs/gsm8k.py:0.5b --workdir=runs/gsm8k_0.5b
   Hardware: one 16 GB device (mesh 1×1×1), such as a Colab T4 or L4 or a TPU v5e-1. Memory:
-  train step 15.51 GB (fp32 params 1.98 + AdamW moments 3.95 + gradients and their
+  train step 15.36 GB (fp32 params 1.98 + AdamW moments 3.95 + gradients and their
   accumulator 3.95 + activations), sampler 12.23 GB (the 384 × (512 + 512)-slot bf16 KV cache
   is 24 layers × 2 × 2 kv heads × 64 × 2 bytes per slot = 4.83 GB, plus the params and the
   resident moments). On a GPU let JAX take the memory: XLA_PYTHON_CLIENT_MEM_FRACTION=.95
-  (the default preallocates 75%). With beta = 0.001 (the KL term) the step needs 19.56 GB:
+  (the default preallocates 75%). With beta = 0.001 (the KL term) the step needs 19.42 GB:
   use a 24 GB device. Expected pass@1 from ~30% to ~45-50% (published range).
 
 Memory figures: `python3 benchmarks/memory.py --config=configs/gsm8k.py:<preset>` compiles
@@ -43,7 +43,7 @@ tiny — offline, CPU, minutes: a 2-layer 128-wide Qwen2 with random weights, a 
   start) runs until greedy accuracy on 256 held-out training problems reaches 20% (checked
   every 10 steps, at most 1,000 steps); GRPO with dynamic sampling then has to lift it:
     python -m grpo_jax.main --config=configs/gsm8k.py:tiny --workdir=runs/tiny
-  Hardware: a CPU (memory: train step 0.18 GB, sampler 0.07 GB; 4 GB declared).
+  Hardware: a CPU (memory: train step 0.13 GB, sampler 0.07 GB; 4 GB declared).
   Measured on the 2-core CPU (2026-11-23, experiments/tiny_seeds.md): held-out greedy accuracy
   gain over seeds 0-4 +33.6 ± 4.3 points (mean ± std; lowest +28.3), from 18.2-31.1% after the
   warm start. Seed 0 from a fresh clone, alone on the CPU: 2.3 minutes, 29.9% -> 69.9%, +40.0
