@@ -44,10 +44,10 @@ tiny — offline, CPU, minutes: a 2-layer 128-wide Qwen2 with random weights, a 
   every 10 steps, at most 1,000 steps); GRPO with dynamic sampling then has to lift it:
     python -m grpo_jax.main --config=configs/gsm8k.py:tiny --workdir=runs/tiny
   Hardware: a CPU (memory: train step 0.13 GB, sampler 0.07 GB; 4 GB declared).
-  Measured on the 2-core CPU (2026-11-23, experiments/tiny_seeds.md): held-out greedy accuracy
-  gain over seeds 0-4 +33.6 ± 4.3 points (mean ± std; lowest +28.3), from 18.2-31.1% after the
-  warm start. Seed 0 from a fresh clone, alone on the CPU: 2.3 minutes, 29.9% -> 69.9%, +40.0
-  points.
+  Measured on the 2-core CPU (2026-11-23, commit 3ce33fd, experiments/tiny_seeds_report/, the
+  sweep tool over seeds 0-4): held-out greedy accuracy gain +40.5 ± 7.2 points (mean ± std;
+  lowest +29.9), from 18.4-36.5% after the warm start; 2.9-4.7 minutes a run with two runs
+  sharing the CPU.
   Learning rate: experiments/tiny_seeds.md (redone over seeds) and tiny_lr_sweep.md.
 """
 
