@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from agent_rollout_test import assert_rows_give_sampler_logprobs
 from fake_chat_server import FakeChatServer
 from grpo_jax import sampler as sampler_lib, validate
 from grpo_jax.agent import env as env_lib
@@ -107,31 +108,13 @@ def test_frozen_policy_roles_stay_out_of_the_loss_and_leave_the_sampler_logprobs
   """The policy as generator and verifier: the verifier's peeks into the carried cache change
   no action's log-prob (the train step's forward over the row still gives the sampler's), the
   trained mask is exactly the actions, and both roles answer as fresh greedy passes would."""
-  from grpo_jax import sharding, train_step
-
   config, cfg, params, rows, _, _, check = tiny
   agent = _agent(tiny, generator="frozen_policy", verifier="frozen_policy")
   g = 2
   prompts, records, _, _ = agent.run(params, rows, g, jax.random.key(1))
   _check_roles(agent, check, prompts, records, g, params)
-  part = agent.rollouts(prompts, rows, records, np.zeros((len(records), 1), np.float32))
-  batch = part.device_batch(agent.tokenizer.pad_token_id, buckets=(128,), multiple=16,
-                            with_truncated=False)
-  c = batch["completion_BC"].shape[1]
-  tokens = np.concatenate([batch["prompt_BP"], batch["completion_BC"]], 1)
-  attn = np.concatenate([batch["prompt_mask_BP"],
-                         (np.arange(c)[None] < batch["lengths_B"][:, None]).astype(np.int32)], 1)
-  optim = train_step.default_optim_config()
-  optim.compute_dtype, optim.remat = "float32", False
-  fn = train_step.make_logprob_fn(cfg, optim, sharding.make_mesh((1, 1, 1)),
-                                  valid_vocab_size=len(agent.tokenizer))
-  logp = np.asarray(fn(params, tokens, attn, c))
-  for r, rec in enumerate(records):
-    mask, turns = batch["loss_mask_BC"][r].astype(bool), batch["turn_ids_BC"][r]
-    assert mask.sum() == sum(len(x) for x in rec["logp"])  # no role token is trained
-    for t, sampled in enumerate(rec["logp"]):
-      np.testing.assert_allclose(logp[r][mask & (turns == t)], sampled, atol=5e-5, rtol=0,
-                                 err_msg=f"row {r} turn {t}")
+  # No role token is trained, and the rows give the train step the sampler's log-probs.
+  assert_rows_give_sampler_logprobs(agent, cfg, params, prompts, rows, records, (128,))
   m = agent.roles.metrics(records)
   assert m["agent/verifier/calls/mean"] > 0 and m["agent/end/verifier_frac"] > 0
 

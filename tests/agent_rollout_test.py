@@ -84,14 +84,28 @@ def tiny_agent(tmp_path_factory):
 def test_trajectory_rows_give_the_sampler_logprobs_to_the_train_step(tiny_agent):
   """The compacted trajectory row (no holes, observations in between) is what the sampler saw:
   the train step's log-probs of its action tokens equal the sampler's, turn by turn."""
-  from grpo_jax import sharding, train_step
-
   config, cfg, params, rows, agent = tiny_agent
   g = 2
   prompts, records, _, _ = agent.run(params, rows[:4], g, jax.random.key(7))
-  part = agent.rollouts(prompts, rows[:4], records, np.zeros((len(records), 1), np.float32))
-  batch = part.device_batch(agent.tokenizer.pad_token_id, buckets=config.data.prompt_buckets,
-                            multiple=16, with_truncated=False)
+  batch = assert_rows_give_sampler_logprobs(agent, cfg, params, prompts, rows[:4], records,
+                                            config.data.prompt_buckets)
+  c = batch["completion_BC"].shape[1]
+  for r, rec in enumerate(records):
+    mask = batch["loss_mask_BC"][r].astype(bool)
+    # The observations between the actions are exactly the tokens the sampler was fed.
+    pieces = [ids for ids, is_action, _ in rec["pieces"] if not is_action]
+    fed = batch["completion_BC"][r][~mask[:c] & (np.arange(c) < batch["lengths_B"][r])]
+    np.testing.assert_array_equal(fed, np.concatenate(pieces) if pieces else fed[:0])
+
+
+def assert_rows_give_sampler_logprobs(agent, cfg, params, prompts, rows, records, buckets):
+  """The trajectories' train rows: every action token's log-prob from the train step's forward
+  equals the sampler's, turn by turn, and only action tokens are trained. Returns the batch."""
+  from grpo_jax import sharding, train_step
+
+  part = agent.rollouts(prompts, rows, records, np.zeros((len(records), 1), np.float32))
+  batch = part.device_batch(agent.tokenizer.pad_token_id, buckets=buckets, multiple=16,
+                            with_truncated=False)
   c = batch["completion_BC"].shape[1]
   tokens = np.concatenate([batch["prompt_BP"], batch["completion_BC"]], 1)
   attn = np.concatenate([batch["prompt_mask_BP"],
@@ -107,7 +121,4 @@ def test_trajectory_rows_give_the_sampler_logprobs_to_the_train_step(tiny_agent)
     for t, sampled in enumerate(rec["logp"]):
       np.testing.assert_allclose(logp[r][mask & (turns == t)], sampled, atol=5e-5, rtol=0,
                                  err_msg=f"row {r} turn {t}")
-    # The observations between the actions are exactly the tokens the sampler was fed.
-    pieces = [ids for ids, is_action, _ in rec["pieces"] if not is_action]
-    fed = batch["completion_BC"][r][~mask[:c] & (np.arange(c) < batch["lengths_B"][r])]
-    np.testing.assert_array_equal(fed, np.concatenate(pieces) if pieces else fed[:0])
+  return batch
