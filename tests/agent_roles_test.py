@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agent_rollout_test import assert_rows_give_sampler_logprobs
+from agent_rollout_test import assert_rows_give_sampler_logprobs, tiny_agent_inputs
 from fake_chat_server import FakeChatServer
 from grpo_jax import sampler as sampler_lib, validate
 from grpo_jax.agent import env as env_lib
@@ -30,20 +30,10 @@ class _ScriptedEnv(env_lib.ToolEnv):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
   """The tiny agent preset's data, tokenizer and a random model; agents built per test."""
-  from configs import gsm8k_agent
-  from grpo_jax import inputs
-
-  config = gsm8k_agent.get_config("tiny")
-  config.agent.update(max_turns=3, action_tokens=6, observation_tokens=6, generator_tokens=5)
-  config.data.synthetic_train, config.data.synthetic_test = 50, 10
-  workdir = str(tmp_path_factory.mktemp("roles"))
-  rows, _ = inputs.datasets(config, workdir)
-  tok, stop_ids = inputs.tokenizer(config, workdir, rows)
-  cfg, _ = inputs.model_config(config, tok)
-  params = qwen.init_params(cfg, jax.random.key(0), jnp.float32)
-  sampler = sampler_lib.Sampler(qwen.Qwen(cfg), max_new_tokens=8, stop_ids=stop_ids,
-                                buckets=config.data.prompt_buckets, pad_id=tok.pad_token_id,
-                                valid_vocab_size=len(tok))
+  config, cfg, params, rows, tok, sampler = tiny_agent_inputs(
+      str(tmp_path_factory.mktemp("roles")), rows=(50, 10), max_turns=3, action_tokens=6,
+      observation_tokens=6, generator_tokens=5)
+  stop_ids = sampler.stop_ids
   # Fresh greedy passes over whole conversations, for the checks.
   check = sampler_lib.Sampler(qwen.Qwen(cfg), max_new_tokens=5, stop_ids=stop_ids,
                               buckets=(128, 256), pad_id=tok.pad_token_id,

@@ -60,17 +60,15 @@ def test_carried_cache_equals_reprefilling_the_conversation(params):
   assert early >= 2, "no row stopped early: the test would not exercise the cache's holes"
 
 
-@pytest.fixture(scope="module")
-def tiny_agent(tmp_path_factory):
-  """The tiny agent preset's pieces: data, tokenizer, a random model and its Agent."""
+def tiny_agent_inputs(workdir, rows, **agent):
+  """The tiny agent preset (agent settings overridden) with rows = (train, test) synthetic
+  problems: (config, model config, random params, train rows, tokenizer, its Sampler)."""
   from configs import gsm8k_agent
   from grpo_jax import inputs
-  from grpo_jax.agent import rollout as agent_rollout
 
   config = gsm8k_agent.get_config("tiny")
-  config.agent.max_turns = 3
-  workdir = str(tmp_path_factory.mktemp("agent"))
-  config.data.synthetic_train, config.data.synthetic_test = 200, 20
+  config.agent.update(**agent)
+  config.data.synthetic_train, config.data.synthetic_test = rows
   train_rows, _ = inputs.datasets(config, workdir)
   tok, stop_ids = inputs.tokenizer(config, workdir, train_rows)
   cfg, _ = inputs.model_config(config, tok)
@@ -78,6 +76,16 @@ def tiny_agent(tmp_path_factory):
   s = sampler_lib.Sampler(qwen.Qwen(cfg), max_new_tokens=8, stop_ids=stop_ids,
                           buckets=config.data.prompt_buckets, pad_id=tok.pad_token_id,
                           valid_vocab_size=len(tok))
+  return config, cfg, params, train_rows, tok, s
+
+
+@pytest.fixture(scope="module")
+def tiny_agent(tmp_path_factory):
+  """The tiny agent preset's pieces: data, tokenizer, a random model and its Agent."""
+  from grpo_jax.agent import rollout as agent_rollout
+
+  config, cfg, params, train_rows, tok, s = tiny_agent_inputs(
+      str(tmp_path_factory.mktemp("agent")), rows=(200, 20), max_turns=3)
   return config, cfg, params, train_rows, agent_rollout.Agent(config, tok, s)
 
 
