@@ -13,6 +13,8 @@ tiny — offline, CPU: the 2-layer tiny Qwen2 on synthetic word problems with th
   calculator (GSM8K's <<a+b=c>> annotations turned into tool calls) until 20% greedy accuracy
   with the tool on 256 validation problems, then Flow-GRPO:
     python -m grpo_jax.main --config=configs/gsm8k_agent.py:tiny --workdir=runs/agent
+  Measured on a 2-core CPU: 5 min 14 s alone, held-out accuracy 25.4% -> 66.6%; over seeds 0-2
+  +44.9 +- 9.3 points, where single-turn GRPO gains nothing (experiments/agent_vs_single.md).
 
 default — Qwen2.5-1.5B-Instruct on GSM8K with the sandboxed Python tool:
     python -m grpo_jax.main --config=configs/gsm8k_agent.py --workdir=runs/agent_1.5b
