@@ -171,6 +171,10 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
       # (the policy's params under stop-gradient, on the carried cache), 'reference' (the
       # reference params; needs loss.beta > 0), 'server' (an OpenAI-compatible endpoint,
       # agent.server); 'none' (verifier only: the planner alone decides when to stop).
+      executor="none",              # writes a tool action's input from its sub-goal ('none': the
+                                    # planner writes the input itself)
+      executor_prompt="Write only the input for the {tool} tool that does this.",
+      executor_tokens=32,           # the executor's input budget
       generator="policy",           # writes the scored final answer when a trajectory ends
       verifier="none",              # after each tool observation: is the memory enough? Yes ends it
       generator_prompt="Give the final answer as <answer>NUMBER</answer>.",

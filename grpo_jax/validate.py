@@ -126,14 +126,16 @@ def validate(config, num_devices: int) -> None:
 
 
 def _validate_roles(config) -> None:
-  """agent.generator / agent.verifier (grpo_jax/agent/roles.py) and what each needs."""
+  """agent.executor / generator / verifier (grpo_jax/agent/roles.py) and what each needs."""
   from grpo_jax.agent import roles  # pylint: disable=import-outside-toplevel
   a = config.agent
   _check(a.generator in roles.GENERATORS, "agent.generator",
          f"unknown generator {a.generator!r}; one of {list(roles.GENERATORS)}")
   _check(a.verifier in roles.VERIFIERS, "agent.verifier",
          f"unknown verifier {a.verifier!r}; one of {list(roles.VERIFIERS)}")
-  for role in ("generator", "verifier"):
+  _check(a.executor in roles.EXECUTORS, "agent.executor",
+         f"unknown executor {a.executor!r}; one of {list(roles.EXECUTORS)}")
+  for role in ("executor", "generator", "verifier"):
     _check(a[role] != "reference" or grpo.needs_reference(config.loss), f"agent.{role}",
            f"'reference' needs the reference params, which exist only when loss.beta > 0 (got "
            f"{config.loss.beta}); set loss.beta > 0, or use 'frozen_policy' (the policy under "
@@ -144,12 +146,20 @@ def _validate_roles(config) -> None:
          "'reference' or 'server'")
   _check(isinstance(a.generator_tokens, int) and a.generator_tokens >= 1, "agent.generator_tokens",
          f"must be an int >= 1, got {a.generator_tokens!r}")
+  _check(isinstance(a.executor_tokens, int) and a.executor_tokens >= 1, "agent.executor_tokens",
+         f"must be an int >= 1, got {a.executor_tokens!r}")
+  try:
+    executor_ok = bool(a.executor_prompt.format(tool="calculator").strip())
+  except (KeyError, IndexError, ValueError):
+    executor_ok = False
+  _check(executor_ok, "agent.executor_prompt",
+         f"must be non-empty text whose only placeholder is {{tool}}, got {a.executor_prompt!r}")
   _check(bool(a.generator_prompt.strip()), "agent.generator_prompt", "must not be empty")
   _check(bool(a.verifier_prompt.strip()), "agent.verifier_prompt", "must not be empty")
   _check(bool(a.verifier_yes) and bool(a.verifier_no) and a.verifier_yes != a.verifier_no,
          "agent.verifier_yes", f"verifier_yes={a.verifier_yes!r} and verifier_no="
          f"{a.verifier_no!r} must be two different non-empty words")
-  if "server" in (a.generator, a.verifier):
+  if "server" in (a.executor, a.generator, a.verifier):
     try:
       roles.server_options(a)
     except ValueError as e:

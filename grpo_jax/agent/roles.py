@@ -25,10 +25,17 @@ trained token's log-prob. The verifier's question is in neither the row nor the 
 it ends the trajectory, its tokens are trained (the choice of when to stop), but the answer
 scored is the generator's, written after it.
 
-AgentFlow's third frozen role, the executor (a sub-goal turned into the concrete call), is not
-here: the planner writes the concrete tool call itself.
+The executor (agent.executor, 'none' by default: the planner writes each tool's input itself)
+turns a tool action's sub-goal into the tool's input. With one, `<tool>NAME: SUB-GOAL</tool>`
+names the tool and says what to do; the executor is shown the conversation with that action,
+then a user turn (agent.executor_prompt, {tool}: the tool's name), and writes the input
+greedily (at most agent.executor_tokens); the tool runs on what it wrote. Its turn and its
+input go into the row with loss mask 0 right after the action, and into the planner's carried
+cache (frozen_policy writes there itself; a reference or server executor's tokens are appended
+to it), so the planner's next turn sees the command and the row and the cache never differ.
 
     roles = Roles(config, tokenizer, sampler, turn_format, loop_room)
+    conv, commands = roles.execute(params, ref_params, conv, asked_rows, tools, records, prompt_ids)
     conv = roles.verify(params, ref_params, conv, asked_rows, records, prompt_ids, active)
     conv = roles.generate(params, ref_params, conv, records, prompt_ids)
 """
@@ -44,6 +51,7 @@ from grpo_jax.rewards.chat_http import ChatClient
 
 GENERATORS = ("policy", "frozen_policy", "reference", "server")
 VERIFIERS = ("none", "frozen_policy", "reference", "server")
+EXECUTORS = ("none", "frozen_policy", "reference", "server")
 _REF_BUCKET = 128  # the reference's conversation buckets: each one used compiles once
 
 
@@ -52,7 +60,7 @@ def server_options(a) -> options.HttpOptions:
 
 
 def needs_reference(a) -> bool:
-  return "reference" in (a.generator, a.verifier)
+  return "reference" in (a.generator, a.verifier, a.executor)
 
 
 def _tokens(rec) -> list[int]:
@@ -61,17 +69,25 @@ def _tokens(rec) -> list[int]:
 
 
 class Roles:
-  """The frozen generator and verifier of an Agent, and what they cost (self.last: per run)."""
+  """The frozen executor, generator and verifier of an Agent, and what they cost (self.last:
+  per run)."""
 
-  def __init__(self, config, tokenizer, sampler, turn_format, loop_room: int, interrupt=None):
+  def __init__(self, config, tokenizer, sampler, turn_format, loop_room: int, interrupt=None,
+               tool_names=()):
     a = config.agent
     self.config, self.tokenizer, self.sampler, self.format = config, tokenizer, sampler, turn_format
-    self.generator, self.verifier = a.generator, a.verifier
+    self.generator, self.verifier, self.executor = a.generator, a.verifier, a.executor
     enc = lambda s: tokenizer(s, add_special_tokens=False).input_ids
     width = turn_format.width(tokenizer, a.observation_tokens)
     # A role's user turn: the latest observation cut to its budget, then the role's prompt.
     self.gen_width = width + len(enc("\n\n" + a.generator_prompt))
     self.ver_width = width + len(enc("\n\n" + a.verifier_prompt))
+    # The executor's turn (no observation: it comes right after the action) and its input, in
+    # the row and the cache after every tool action.
+    self.exe_width = turn_format.width(tokenizer, 0) + max(
+        [len(enc(a.executor_prompt.format(tool=name))) for name in tool_names] or [0])
+    self.exe_room = 0 if a.executor == "none" else self.exe_width + a.executor_tokens
+    loop_room += a.max_turns * self.exe_room
     # Slots the row (and the carried cache) needs beyond the planner's turns, and the slots a
     # peek at the verifier's question needs in the cache only.
     self.row_room = 0 if a.generator == "policy" else self.gen_width + a.generator_tokens
@@ -82,11 +98,12 @@ class Roles:
                        f"{a.verifier_no!r} must start with different tokens")
     self.yes_no = (yes[0], no[0]) if yes and no else (0, 0)
     self.client = (ChatClient(server_options(a), interrupt=interrupt)
-                   if "server" in (a.generator, a.verifier) else None)
+                   if "server" in (a.generator, a.verifier, a.executor) else None)
     self.ref_sampler = None
     if needs_reference(a):
       # Every conversation fits: a prompt bucket, the planner's turns, one role's turn.
-      longest = max(config.data.prompt_buckets) + loop_room + max(self.gen_width, self.ver_width)
+      longest = max(config.data.prompt_buckets) + loop_room + max(
+          self.gen_width, self.ver_width, self.exe_width)
       buckets = range(_REF_BUCKET, longest + _REF_BUCKET, _REF_BUCKET)
       self.ref_sampler = sampler_lib.Sampler(
           sampler.model, max_new_tokens=a.generator_tokens, stop_ids=sampler.stop_ids,
@@ -95,8 +112,8 @@ class Roles:
     self.last = {}
 
   def reset(self) -> None:
-    self.last = {"verifier_s": 0.0, "generator_s": 0.0, "verifier_missing": 0,
-                 "generator_missing": 0}
+    self.last = {"verifier_s": 0.0, "generator_s": 0.0, "executor_s": 0.0,
+                 "verifier_missing": 0, "generator_missing": 0, "executor_missing": 0}
 
   # --- what a role is shown -------------------------------------------------------------------
 
@@ -109,15 +126,23 @@ class Roles:
                                        self.config.agent.observation_tokens,
                                        suffix=("\n\n" if obs else "") + prompt)
 
-  def messages(self, rec, prompt: str) -> list[dict]:
-    """The trajectory as chat messages for a server, ending with the user turn of turn_ids."""
+  def executor_turn_ids(self, rec, tool: str) -> list[int]:
+    """The executor's user turn right after the action (rec['stopped']: whether that action
+    closed its turn), ending with the assistant turn opened."""
+    prompt = self.config.agent.executor_prompt.format(tool=tool)
+    return self.format.observation_ids(self.tokenizer, "", rec["stopped"], 0, suffix=prompt)
+
+  def messages(self, rec, prompt: str, action: str | None = None) -> list[dict]:
+    """The trajectory as chat messages for a server, ending with the user turn of turn_ids;
+    with `action`, the trajectory so far, then that action and `prompt` (the executor's)."""
     system = self.config.data.system_prompt
     msgs = [{"role": "system", "content": system}] if system is not None else []
     msgs.append({"role": "user", "content": rec["user"]})
-    for action, obs in rec["turns"][:-1]:
-      msgs += [{"role": "assistant", "content": action}, {"role": "user", "content": obs or ""}]
-    action, obs = rec["turns"][-1]
-    msgs += [{"role": "assistant", "content": action},
+    turns = list(rec["turns"]) + ([(action, None)] if action is not None else [])
+    for past, obs in turns[:-1]:
+      msgs += [{"role": "assistant", "content": past}, {"role": "user", "content": obs or ""}]
+    last, obs = turns[-1]
+    msgs += [{"role": "assistant", "content": last},
              {"role": "user", "content": "\n\n".join(x for x in (obs, prompt) if x)}]
     return msgs
 
@@ -133,6 +158,60 @@ class Roles:
       raise ValueError("a 'reference' agent role needs ref_params (loss.beta > 0)")
 
   # --- the roles ------------------------------------------------------------------------------
+
+  def execute(self, params, ref_params, conv, asked, tools, records, prompt_ids, actions):
+    """The executor's input for the tool action of each row in `asked` (tools[i]: the tool it
+    names; actions[i]: the action's text; records[i]['pieces'] ends with it). Its turn and its
+    input join the row (loss mask 0) and the planner's cache. Returns (conversation,
+    {row: the input's text})."""
+    a, tok, t0 = self.config.agent, self.tokenizer, time.perf_counter()
+    if not asked:
+      return conv, {}
+    n = len(records)
+    turns = [[] for _ in range(n)]
+    for i in asked:
+      turns[i] = self.executor_turn_ids(records[i], tools[i])
+    stopped = {}
+    if self.executor == "server":
+      replies, _ = self.client.complete([
+          self.messages(records[i], a.executor_prompt.format(tool=tools[i]), actions[i])
+          for i in asked])
+      self.last["executor_missing"] += sum(r is None for r in replies)
+      inputs = {i: tok(r or "", add_special_tokens=False).input_ids[:a.executor_tokens]
+                for i, r in zip(asked, replies)}
+    else:
+      if self.executor == "frozen_policy":
+        conv = self.sampler.append(params, conv, turns, self.exe_width)
+        active = np.zeros(n, bool)
+        active[asked] = True
+        out, conv = self.sampler.extend(params, conv, None, max_tokens=a.executor_tokens,
+                                        active=active, greedy=True)
+      else:
+        self._require(ref_params)
+        c = self.ref_sampler.begin(ref_params, self._conversations(records, asked, prompt_ids,
+                                                                   turns),
+                                   room=a.executor_tokens)
+        out, _ = self.ref_sampler.extend(ref_params, c, None, max_tokens=a.executor_tokens,
+                                         greedy=True)
+      ids, lengths = np.asarray(out["tokens"]), np.asarray(out["lengths"])
+      inputs = {i: ids[i, :lengths[i]] for i in asked}
+      stop = set(self.sampler.stop_ids)
+      stopped = {i: len(inputs[i]) > 0 and int(inputs[i][-1]) in stop for i in asked}
+    if self.executor != "frozen_policy":  # the planner's cache gets what the row gets
+      conv = self.sampler.append(params, conv, [list(turns[i]) + list(inputs.get(i, ()))
+                                                for i in range(n)],
+                                 self.exe_width + a.executor_tokens)
+    texts = {}
+    for i in asked:
+      rec = records[i]
+      t = rec["pieces"][-1][2]
+      rec["pieces"] += [(np.asarray(turns[i], np.int32), False, t),
+                        (np.asarray(inputs[i], np.int32), False, t)]
+      rec["stopped"] = stopped.get(i, False)  # how the next observation opens
+      texts[i] = tok.decode(inputs[i], skip_special_tokens=True).strip()
+      rec["executor"].append((t, texts[i]))
+    self.last["executor_s"] += time.perf_counter() - t0
+    return conv, texts
 
   def verify(self, params, ref_params, conv, asked, records, prompt_ids, active):
     """Asks the verifier about each row in `asked` (its last action was a tool call and it
@@ -215,6 +294,11 @@ class Roles:
                 "agent/verifier/p_yes/mean": float(np.mean(p)) if p else 0.0,
                 "agent/verifier/missing": self.last["verifier_missing"],
                 "time/verifier_s": self.last["verifier_s"]})
+    if self.executor != "none":
+      calls = [len(r["executor"]) for r in records]
+      m.update({"agent/executor/calls/mean": float(np.mean(calls)),
+                "agent/executor/missing": self.last["executor_missing"],
+                "time/executor_s": self.last["executor_s"]})
     if self.generator != "policy":
       m.update({"agent/generator/answer_tokens/mean": float(np.mean(
                     [len(r["pieces"][-1][0]) for r in records])),

@@ -78,8 +78,11 @@ class TurnFormat:
 def trajectory_text(record) -> str:
   """A trajectory as samples.md shows it: action, observation, ..., one block per turn."""
   lines = []
+  commands = dict(record.get("executor", ()))  # turn -> the executor's input
   for t, (action, observation) in enumerate(record["turns"]):
     lines.append(f"[action {t + 1}] {action}")
+    if t in commands:
+      lines.append(f"[executor {t + 1}] {commands[t]}")
     if observation is not None:
       lines.append(f"[observation {t + 1}] {observation}")
   if record.get("end") == "verifier":
@@ -100,7 +103,9 @@ class Agent:
     self.obs_width = self.format.width(tokenizer, a.observation_tokens)
     # Room after the prompt: every action at its budget, an observation after all but the last.
     room = a.max_turns * a.action_tokens + (a.max_turns - 1) * self.obs_width
-    self.roles = roles_lib.Roles(config, tokenizer, sampler, self.format, room, interrupt)
+    self.roles = roles_lib.Roles(config, tokenizer, sampler, self.format, room, interrupt,
+                                 tool_names=tuple(self.tools))
+    room += a.max_turns * self.roles.exe_room  # an executor's turn after every tool action
     # The row also holds a frozen generator's turn; the cache also a peek at the verifier's.
     self.room = room + self.roles.row_room
     self.cache_room = self.room + self.roles.peek_room
@@ -126,7 +131,7 @@ class Agent:
     envs = [self.new_env() for _ in range(n)]
     # end: 'answer' (the planner's), 'verifier' (its Yes) or 'turns' (out of turns).
     records = [{"turns": [], "pieces": [], "info": [], "answer": None, "logp": [],
-                "user": e.reset(rows[i // g]), "end": "turns", "verifier": []}
+                "user": e.reset(rows[i // g]), "end": "turns", "verifier": [], "executor": []}
                for i, e in enumerate(envs)]
     prompt_ids = [prompts.ids[i // g] for i in range(n)]
     frozen_generator = self.roles.generator != "policy"
@@ -145,15 +150,21 @@ class Agent:
                               np.asarray(out["logprobs"]))
         live = np.flatnonzero(active)
         actions = tok.batch_decode([ids[i, :lengths[i]] for i in live], skip_special_tokens=True)
-        t0 = time.perf_counter()
-        steps = list(pool.map(lambda ia: envs[ia[0]].step(ia[1]), zip(live, actions)))
-        env_s += time.perf_counter() - t0
-        for i, action, (observation, done, info) in zip(live, actions, steps):
+        for i in live:
           rec = records[i]
           rec["pieces"].append((ids[i, :lengths[i]], True, t))
           rec["logp"].append(logp[i, :lengths[i]])
-          rec["info"].append(info)
           rec["stopped"] = lengths[i] > 0 and int(ids[i, lengths[i] - 1]) in self.stop_ids
+        commands = actions
+        if self.roles.executor != "none":
+          conv, commands = self._execute(params, ref_params, conv, live, actions, records,
+                                         prompt_ids)
+        t0 = time.perf_counter()
+        steps = list(pool.map(lambda ia: envs[ia[0]].step(ia[1]), zip(live, commands)))
+        env_s += time.perf_counter() - t0
+        for i, action, (observation, done, info) in zip(live, actions, steps):
+          rec = records[i]
+          rec["info"].append(info)
           if info["kind"] == "answer":
             rec["answer"], rec["end"] = action, "answer"
           if done:
@@ -180,6 +191,20 @@ class Agent:
       pool.shutdown(wait=False, cancel_futures=True)
     seconds = time.perf_counter() - sample_s
     return prompts, records, seconds, env_s
+
+  parse_action = staticmethod(env_lib.parse_action)
+
+  def _execute(self, params, ref_params, conv, live, actions, records, prompt_ids):
+    """The executor's turn for each live row whose action calls a known tool. Returns
+    (conversation, the actions the environments step on: each such call with the executor's
+    input in place of the sub-goal)."""
+    parsed = {i: self.parse_action(action) for i, action in zip(live, actions)}
+    asked = [i for i in live if parsed[i].kind == "tool" and parsed[i].tool in self.tools]
+    tools = {i: parsed[i].tool for i in asked}
+    conv, inputs = self.roles.execute(params, ref_params, conv, asked, tools, records,
+                                      prompt_ids, dict(zip(live, actions)))
+    return conv, [f"<tool>{tools[i]}: {inputs[i]}</tool>" if i in inputs else action
+                  for i, action in zip(live, actions)]
 
   def rollouts(self, prompts, rows, records, rewards_BR) -> rollout.Rollouts:
     """Trajectories as rollout.Rollouts rows: completions compacted to one fixed width."""

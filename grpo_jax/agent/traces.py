@@ -12,7 +12,10 @@ show), and only the action tokens are trained on, as in Flow-GRPO. With a local 
 generator (agent.generator 'frozen_policy' or 'reference': the policy's weights, or the
 reference the warm start becomes), the answer action is followed by the generator's turn, as a
 rollout adds it, and the generator's answer is trained on too: the warm start teaches the
-weights every role they play; GRPO later trains only the planner.
+weights every role they play; GRPO later trains only the planner. With an executor
+(agent.executor), each call's action names the calculation as its sub-goal,
+`<tool>calculator: 47+31</tool>`, and the executor's turn follows with the tool's input
+(`47+31`; for python `print(47+31)`); a local executor's input is trained on too.
 """
 from __future__ import annotations
 
@@ -32,18 +35,20 @@ def tool_argument(tool: str, expression: str) -> str:
   return expression if tool == "calculator" else f"print({expression})"
 
 
-def turns(agent, row) -> list[tuple[str, str | None]] | None:
-  """[(action, observation), ..., (answer action, None)], or None when the trace would need
-  more than agent.max_turns actions."""
+def turns(agent, row) -> list[tuple[str, tuple[str, str] | None, str | None]] | None:
+  """[(action, (tool, executor's input) or None, observation), ..., (answer action, None,
+  None)], or None when the trace would need more than agent.max_turns actions."""
   exprs = calls(row["answer"])
   if len(exprs) + 1 > agent.config.agent.max_turns:
     return None
   tool = next(t for t in ("calculator", "python") if t in agent.tools)
+  executor = agent.config.agent.executor != "none"
   out = []
   for expr in exprs:
     argument = tool_argument(tool, expr)
-    out.append((f"<tool>{tool}: {argument}</tool>", agent.tools[tool](argument).text))
-  out.append((f"<answer>{data.gold_answer(row['answer'])}</answer>", None))
+    out.append((f"<tool>{tool}: {expr if executor else argument}</tool>",
+                (tool, argument) if executor else None, agent.tools[tool](argument).text))
+  out.append((f"<answer>{data.gold_answer(row['answer'])}</answer>", None, None))
   return out
 
 
@@ -53,18 +58,27 @@ def examples(agent, rows):
   tok, a = agent.tokenizer, agent.config.agent
   stop = tok.convert_tokens_to_ids(tok.eos_token)
   generator = a.generator in ("frozen_policy", "reference")
+  executor_trained = int(a.executor in ("frozen_policy", "reference"))
   kept, completions, masks = [], [], []
   for row in rows:
     trace = turns(agent, row)
     if trace is None:
       continue
     ids, mask = [], []
-    for action, observation in trace:
+    for action, command, observation in trace:
       action_ids = tok(action, add_special_tokens=False).input_ids + [stop]
       if len(action_ids) > a.action_tokens:
         break
       ids += action_ids
       mask += [1] * len(action_ids)
+      if command is not None:
+        tool, argument = command
+        turn = agent.roles.executor_turn_ids({"stopped": True}, tool)
+        input_ids = tok(argument, add_special_tokens=False).input_ids + [stop]
+        if len(input_ids) > a.executor_tokens:
+          break
+        ids += turn + input_ids
+        mask += [0] * len(turn) + [executor_trained] * len(input_ids)
       if observation is not None:
         obs = agent.format.observation_ids(tok, observation, True, a.observation_tokens)
         ids += obs
