@@ -148,8 +148,9 @@ def encode_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
 
 
 def pad_to_bucket(ids_list: Sequence[Sequence[int]], buckets: Sequence[int],
-                  pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-  """Left-pads prompts to the smallest bucket that holds the longest one.
+                  pad_id: int, longest: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """Left-pads prompts to the smallest bucket that holds the longest one (or `longest` tokens,
+  if more: the processes of a multi-host run pad their shares to one common bucket).
 
   Left padding puts every prompt's last token in the last column, so decoding starts at the same
   position for all rows. A fixed set of buckets bounds the number of compiled shapes.
@@ -159,7 +160,7 @@ def pad_to_bucket(ids_list: Sequence[Sequence[int]], buckets: Sequence[int],
   """
   if not ids_list:
     raise ValueError("pad_to_bucket: no prompts")
-  length = bucket_length(max(len(ids) for ids in ids_list), buckets)
+  length = bucket_length(max(longest, *(len(ids) for ids in ids_list)), buckets)
   tokens_BP = np.full((len(ids_list), length), pad_id, dtype=np.int32)
   mask_BP = np.zeros((len(ids_list), length), dtype=bool)
   for row, ids in enumerate(ids_list):

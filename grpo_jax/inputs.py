@@ -17,9 +17,12 @@ from grpo_jax import data, sharding, synthetic, tokenizer as tokenizer_lib, vali
 from grpo_jax.models import qwen, weights
 
 
-def tokenizer(config, workdir, train_rows):
+def tokenizer(config, workdir, train_rows, build=True):
+  """build=False: load the tiny tokenizer that process 0 built into the workdir."""
   name = config.model.tokenizer or config.model.checkpoint
-  if name == "tiny":
+  if name == "tiny" and not build:
+    name = os.path.join(workdir, "tokenizer")
+  elif name == "tiny":
     # BPE merges learnt from the training problems (deterministic), plus the chat roles.
     corpus = [r["question"] for r in train_rows] + [r["answer"] for r in train_rows]
     corpus += ["user assistant system"] * 100
@@ -36,9 +39,12 @@ def tokenizer(config, workdir, train_rows):
   return tok, tokenizer_lib.stop_ids(tok, name)
 
 
-def datasets(config, workdir):
+def datasets(config, workdir, build=True):
+  """build=False: read the synthetic splits that process 0 wrote into the workdir."""
   d = config.data
-  if d.source == "synthetic":
+  if d.source == "synthetic" and not build:
+    source = os.path.join(workdir, "data")
+  elif d.source == "synthetic":
     spec = synthetic.ProblemSpec(num_operands=d.synthetic_operands, digits=d.synthetic_digits,
                                  ops=tuple(d.synthetic_ops))
     source = synthetic.write_splits(os.path.join(workdir, "data"), d.synthetic_train,

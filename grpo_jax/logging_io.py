@@ -137,6 +137,17 @@ class MetricsWriter:
     self.close()
 
 
+class NullWriter:
+  """A MetricsWriter/SamplesWriter that writes nothing: the other processes of a multi-host
+  run (process 0 writes the run's files)."""
+
+  def write(self, step, records):
+    del step, records
+
+  def close(self):
+    pass
+
+
 def _fence(text: str) -> str:
   """A ~~~ fence longer than any run of ~ in text, so a completion cannot close its own block."""
   longest, run = 0, 0

@@ -4,8 +4,14 @@ checkpoint.
 
 A user error (grpo_jax.errors.UserError: config, data, paths, mesh, checkpoint, scorer) prints
 one line naming the bad thing and exits with status 2; a bug keeps its traceback.
+
+Several processes (hosts): start the same command on each with --coordinator_address=HOST:PORT
+(process 0's), --num_processes=N and --process_id=i, or with --distributed where JAX finds the
+cluster itself (TPU pods, SLURM). This module is the only one that knows how processes start;
+process 0 alone prints and writes the run's files (grpo_jax.hosts).
 """
 
+import os
 import re
 import sys
 
@@ -19,6 +25,14 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics, samples and plots go")
 flags.mark_flags_as_required(["config", "workdir"])
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None,
+    "Several processes: HOST:PORT of process 0's coordinator (or env JAX_COORDINATOR_ADDRESS)")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Several processes: how many")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Several processes: this one's index")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Several processes on a cluster JAX detects (TPU pod slices, SLURM): "
+    "jax.distributed.initialize() without an address")
 
 
 def _exit_user_error(message: str):
@@ -35,9 +49,14 @@ def main(argv):
     config.get("seed")  # ml_collections defers a config file's load error to the first access
   except OSError as e:
     _exit_user_error(f"--config: {str(e).splitlines()[-1].strip()}")
-  from grpo_jax import train  # imports jax: after flags, so --help stays fast
+  from grpo_jax import hosts  # imports jax: after flags, so --help stays fast
 
   try:
+    if hosts.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                        auto=_DISTRIBUTED.value) and not hosts.is_main():
+      # Process 0 prints and shows progress; the others' errors still reach stderr.
+      sys.stdout = open(os.devnull, "w")
+    from grpo_jax import train
     train.run(config, _WORKDIR.value)
   except UserError as e:
     _exit_user_error(str(e))

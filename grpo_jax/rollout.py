@@ -7,6 +7,9 @@
 
 Host side only: strings (templating, decoding, reward parsing) live here; the device sees the
 padded integer arrays of `Rollouts.device_batch`, uploaded once.
+
+With several processes (grpo_jax.hosts), each samples and scores its own share of the rows, and
+`sample_and_score` returns the whole batch's Rollouts on every process.
 """
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ import time
 import jax
 import numpy as np
 
-from grpo_jax import data, grpo
-from grpo_jax.rewards import build_rewards, score
+from grpo_jax import data, grpo, hosts
+from grpo_jax.rewards import build_rewards, merge_metrics, score
 
 
 @dataclasses.dataclass
@@ -111,10 +114,31 @@ def sample_and_score(config, sampler, tokenizer, params, rows, rewards, key):
   """Samples G completions for each row and scores them. Returns (Rollouts, reward metrics,
   sampler metrics, (seconds sampling, seconds scoring))."""
   t0 = time.perf_counter()
+  mine = hosts.share(len(rows))  # all rows with one process
+  rows = rows[mine]
   prompts = encode(config, tokenizer, rows)
   out = sampler.generate(params, prompts.ids, num_samples=config.sampling.num_generations,
-                         key=key)
-  return score_samples(config, tokenizer, rows, prompts, out, rewards, t0)
+                         key=key, prompt_ids=np.arange(mine.start, mine.stop))
+  part, reward_m, sampler_m, times = score_samples(config, tokenizer, rows, prompts, out,
+                                                   rewards, t0)
+  if hosts.count() > 1:
+    part, reward_m = _gather(part, reward_m, rewards)
+  return part, reward_m, sampler_m, times
+
+
+def _gather(part: Rollouts, reward_m, rewards):
+  """Every process's Rollouts joined in process order, on every process, with the reward
+  metrics of the whole batch. The arrays travel as arrays, the strings as JSON."""
+  arrays = [f.name for f in dataclasses.fields(Rollouts)
+            if isinstance(getattr(part, f.name), np.ndarray)]
+  texts = hosts.gather_json({f.name: getattr(part, f.name) for f in dataclasses.fields(Rollouts)
+                             if f.name not in arrays})
+  gathered = {name: hosts.gather(getattr(part, name)) for name in arrays}
+  n = len(part.lengths_B)
+  parts = [Rollouts(**t, **{k: v[i * n:(i + 1) * n] for k, v in gathered.items()})
+           for i, t in enumerate(texts)]
+  whole = Rollouts.pool(parts)
+  return whole, merge_metrics(rewards, whole.reward_BR, hosts.gather_json(reward_m))
 
 
 def score_samples(config, tokenizer, rows, prompts, out, rewards, t0):
@@ -226,11 +250,16 @@ def evaluate(config, sampler, tokenizer, params, rows, reward=None) -> float:
   bs = config.train.eval_batch_size
   for i in range(0, len(rows), bs):
     chunk = rows[i:i + bs]
-    prompts = encode(config, tokenizer, chunk)
+    # With several processes each takes a share (the first len % count one more row); a
+    # process left without a row decodes a copy of the first and counts nothing.
+    p, count = hosts.index(), hosts.count()
+    start = p * (len(chunk) // count) + min(p, len(chunk) % count)
+    mine = chunk[start:start + len(chunk) // count + (p < len(chunk) % count)]
+    prompts = encode(config, tokenizer, mine or chunk[:1])
     out = sampler.generate(params, prompts.ids, num_samples=1, greedy=True)
     ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
     texts = tokenizer.batch_decode([t[:n] for t, n in zip(ids, lengths)],
                                    skip_special_tokens=True)
-    scores = reward.fn(prompts.texts, texts, group_size=1, **reward_columns(chunk, 1))
-    correct += sum(s == 1.0 for s in scores)
-  return correct / max(len(rows), 1)
+    scores = reward.fn(prompts.texts, texts, group_size=1, **reward_columns(mine or chunk[:1], 1))
+    correct += sum(s == 1.0 for s in scores) if mine else 0
+  return int(hosts.gather(np.asarray([correct])).sum()) / max(len(rows), 1)

@@ -26,6 +26,10 @@ What happens in one call (C = max_new_tokens, P = the smallest bucket holding ev
 The batch (B, and B*G after tiling) is split over the mesh's data × fsdp axes; B is padded to a
 multiple of that size with copies of the last prompt, whose rows are dropped from the output.
 
+Several processes (grpo_jax.hosts): each passes its own prompts and gets its own rows back (host
+numpy); they are padded to common shapes (the most prompts and the longest prompt of any
+process) and the device work is one program over the global batch.
+
 Multi-turn (grpo_jax.agent): `begin` prefills with room for several turns, `extend` samples
 the next turn of every active row from where its conversation stands, and `append` feeds each
 row's next user turn (e.g. a tool's output) into the same cache; `generate` is begin + one
@@ -60,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from grpo_jax import data, sampling
+from grpo_jax import data, hosts, sampling
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.models import qwen
 
@@ -319,8 +323,17 @@ class Sampler:
     return sampling.parse_settings(**{**dataclasses.asdict(self.defaults), **settings})
 
   def _put(self, x):
-    return jnp.asarray(x) if self.mesh is None else jax.device_put(
+    """This process's rows → the batch-sharded array (with several processes, each passes its
+    own rows: a global array)."""
+    return jnp.asarray(x) if self.mesh is None else hosts.to_global(
         x, sharding_lib.batch_sharding(self.mesh, x.ndim))
+
+  def _local_rows(self, results):
+    """The per-row outputs of this process's rows (several processes: host-local numpy)."""
+    if hosts.count() == 1:
+      return results
+    return {k: hosts.to_local(v, sharding_lib.batch_sharding(self.mesh, v.ndim))
+            if np.ndim(v) else v for k, v in results.items()}
 
   def begin(self, params, prompts, mask=None, *, num_samples: int = 1, room: int,
             prompt_ids=None) -> Conversation:
@@ -330,13 +343,18 @@ class Sampler:
       raise ValueError(f"num_samples={num_samples!r} (G) must be an int >= 1")
     rows = self._as_token_lists(prompts, mask)
     b, g = len(rows), int(num_samples)
-    ids = np.arange(b) if prompt_ids is None else np.asarray(prompt_ids)
+    # Several processes each pass their own prompts and pad them to common shapes: the most
+    # prompts and the longest prompt of any process (one process: its own).
+    most, longest = hosts.agree_max(b, max(len(r) for r in rows))
+    ids = (np.arange(b) + hosts.index() * most if prompt_ids is None
+           else np.asarray(prompt_ids))
     if ids.shape != (b,) or not np.issubdtype(ids.dtype, np.integer):
       raise ValueError(f"prompt_ids must be {b} ints (one per prompt), got shape {ids.shape}")
     # Rows added so the batch splits evenly over the mesh (copies of the last prompt); dropped.
-    b_pad = -(-b // self._batch_multiple()) * self._batch_multiple()
+    multiple = max(1, self._batch_multiple() // hosts.count())  # this process's devices
+    b_pad = -(-most // multiple) * multiple
     tokens, mask_BP = data.pad_to_bucket([rows[min(i, b - 1)] for i in range(b_pad)],
-                                         self.buckets, self.pad_id)
+                                         self.buckets, self.pad_id, longest)
     mask_BP = mask_BP.astype(np.int32)
     row_ids = np.stack([np.repeat(np.resize(ids, b_pad), g), np.tile(np.arange(g), b_pad)], 1)
     cache, state = self._prefill(params, self._put(tokens), self._put(mask_BP), g,
@@ -354,11 +372,12 @@ class Sampler:
       if not sp.greedy:
         raise ValueError("key is required unless sampling greedily")
       key = jax.random.key(0)
-    r_pad = conv.row_ids.shape[0]
+    r_pad = conv.row_ids.shape[0] // hosts.count()  # this process's rows
     act = np.zeros((r_pad,), bool)
     act[:conv.rows] = True if active is None else np.asarray(active, bool)
     results, cache, state = self._decode(params, conv.cache, conv.state, key, conv.row_ids,
                                          self._put(act), sp, int(max_tokens))
+    results = self._local_rows(results)
     if r_pad > conv.rows:
       results = {k: v[:conv.rows] if np.ndim(v) else v for k, v in results.items()}
     return results, conv._replace(cache=cache, state=state)
@@ -371,7 +390,7 @@ class Sampler:
     longest = max((len(t) for t in token_lists), default=0)
     if longest > width:
       raise ValueError(f"an appended token list has {longest} tokens, more than width={width}")
-    r_pad = conv.row_ids.shape[0]
+    r_pad = conv.row_ids.shape[0] // hosts.count()  # this process's rows
     tokens_RO, mask_RO = data.pad_right(list(token_lists) + [[]] * (r_pad - conv.rows), width,
                                         self.pad_id)
     cache, state = self._append(params, conv.cache, conv.state, self._put(tokens_RO),

@@ -17,7 +17,7 @@ import numpy as np
 
 from tqdm.auto import tqdm
 
-from grpo_jax import data, rollout, train_step
+from grpo_jax import data, hosts, rollout, train_step
 from grpo_jax.errors import warn
 
 _CALCULATOR = re.compile(r"<<[^<>]{0,200}>>")
@@ -79,7 +79,8 @@ def run_sft(config, trainer, params, rows, eval_rows=()):
   state = train_step.create_train_state(params, trainer.cfg, optim, trainer.mesh)
   order = data.PromptIterator(len(rows), s.batch_size, config.seed + 1)
   target = s.target_accuracy if eval_rows else 0.0
-  bar = tqdm(range(s.steps), desc="sft warm start", dynamic_ncols=True, mininterval=2.0)
+  bar = tqdm(range(s.steps), desc="sft warm start", dynamic_ncols=True, mininterval=2.0,
+             disable=not hosts.is_main())
   acc = None
   for i in bar:
     batch_rows = [rows[j] for j in order.next_indices()]

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from grpo_jax import (checkpoint, data, grpo, inputs, logging_io, plots, rollout,
+from grpo_jax import (checkpoint, data, grpo, hosts, inputs, logging_io, plots, rollout,
                       sampler as sampler_lib, sft, sharding, tokenizer as tokenizer_lib,
                       train_step, validate)
 from grpo_jax.agent import rollout as agent_rollout, traces as agent_traces
@@ -57,13 +57,23 @@ class Setup:
 
 def setup(config, workdir: str) -> Setup:
   """Validates the config, writes config.json, loads data and tokenizer, builds and probes the
-  rewards, reads the model config (no weights). Shared by run and grpo_jax.vmapped."""
+  rewards, reads the model config (no weights). Shared by run and grpo_jax.vmapped.
+
+  With several processes, process 0 writes the workdir's files (config.json, a synthetic
+  dataset, the tiny tokenizer) and the others read them once it has."""
   workdir = os.path.abspath(os.path.expanduser(workdir))
-  os.makedirs(workdir, exist_ok=True)
   validate.validate(config, jax.device_count())
-  (open(os.path.join(workdir, "config.json"), "w")).write(config.to_json_best_effort(indent=2))
-  train_rows, eval_rows = inputs.datasets(config, workdir)
-  tokenizer, stop_ids = inputs.tokenizer(config, workdir, train_rows)
+  validate.validate_processes(config, jax.device_count(), hosts.count())
+  main = hosts.is_main()
+  if main:
+    os.makedirs(workdir, exist_ok=True)
+    (open(os.path.join(workdir, "config.json"), "w")).write(config.to_json_best_effort(indent=2))
+    train_rows, eval_rows = inputs.datasets(config, workdir)
+    tokenizer, stop_ids = inputs.tokenizer(config, workdir, train_rows)
+  hosts.barrier("setup: process 0 wrote the workdir's inputs")
+  if not main:
+    train_rows, eval_rows = inputs.datasets(config, workdir, build=False)
+    tokenizer, stop_ids = inputs.tokenizer(config, workdir, train_rows, build=False)
   if config.train.eval_examples:
     eval_rows = eval_rows[:config.train.eval_examples]
   # The warm start's stopping rule reads accuracy on training problems that neither phase trains
@@ -122,10 +132,12 @@ def run(config, workdir: str) -> dict:
     print(f"grpo_jax: resumed from step {start}", flush=True)
 
   resume_step = -1 if restored is None else start
+  main = hosts.is_main()  # the one process that writes the run's files
   metrics_writer = logging_io.MetricsWriter(
       workdir, resume_step=resume_step, tensorboard=config.train.tensorboard,
-      wandb=config.train.wandb)
-  samples_writer = logging_io.SamplesWriter(workdir, resume_step=resume_step)
+      wandb=config.train.wandb) if main else logging_io.NullWriter()
+  samples_writer = (logging_io.SamplesWriter(workdir, resume_step=resume_step) if main
+                    else logging_io.NullWriter())
   stop = {"requested": False}
   previous = signal.signal(signal.SIGTERM,
                            lambda *_: (stop.update(requested=True), interrupt.set()))
@@ -148,7 +160,7 @@ def run(config, workdir: str) -> dict:
     health = RewardHealth(rewards, config.train.max_missing_reward_steps,
                           log=lambda line: tqdm.write(line, file=sys.stderr))
     bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps,
-               desc="grpo", dynamic_ncols=True, mininterval=2.0)
+               desc="grpo", dynamic_ncols=True, mininterval=2.0, disable=not main)
     for step in bar:
       position = it.position()
       try:
@@ -188,7 +200,7 @@ def run(config, workdir: str) -> dict:
       except MissingRewardsError:
         save(done)
         raise
-      if stop["requested"]:
+      if hosts.any_(stop["requested"]):  # every process stops at the same step
         save(done)
         print(f"grpo_jax: SIGTERM: saved step {done}, exiting", flush=True)
         break
@@ -198,13 +210,18 @@ def run(config, workdir: str) -> dict:
     signal.signal(signal.SIGTERM, previous)
 
   finished = done >= config.train.steps  # a SIGTERM in the last step still finishes the run
+  # Several processes: every one takes part in gathering the params, process 0 writes.
+  final_params = hosts.fetch(state["params"]) if finished and hosts.count() > 1 else (
+      state["params"])
+  if not main:
+    return {}
   summary = logging_io.write_summary(workdir, stopped_at=None if finished else done)
   if finished:  # on SIGTERM every second counts; `python -m grpo_jax.plots` draws it later
     plots.plot_metrics(workdir)
   if generation_config is None:
     generation_config = {"eos_token_id": stop_ids, "pad_token_id": tokenizer.pad_token_id}
   if finished:
-    weights.save_checkpoint(state["params"], cfg, os.path.join(workdir, "final_model"),
+    weights.save_checkpoint(final_params, cfg, os.path.join(workdir, "final_model"),
                             generation_config=generation_config, tokenizer=tokenizer)
   return summary
 
@@ -289,7 +306,7 @@ class Trainer:
     # Host arrays: checked here without a device round trip, then uploaded once, by the jitted
     # step's input shardings (the batch split over data × fsdp).
     state, train_m, adv_B = self.step_fn(state, host, ref_params)
-    train_m, adv_B = jax.device_get((train_m, adv_B))
+    train_m, adv_B = hosts.fetch((train_m, adv_B))
     m.update({k: float(v) for k, v in train_m.items()})
     m["time/train_s"] = time.perf_counter() - t0
     k = min(cfg.train.samples_per_step, len(batch_r.rows))

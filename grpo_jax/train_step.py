@@ -75,7 +75,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_dict
 
-from grpo_jax import grpo, logprobs, sharding
+from grpo_jax import grpo, hosts, logprobs, sharding
 from grpo_jax.models import qwen
 from grpo_jax.rewards.options import DTYPES
 
@@ -686,6 +686,7 @@ class TrainStep:
                 num_rewards=None if self.reward_weights is None else len(self.reward_weights),
                 max_turns=self.max_turns)
     need_ref = self._needs_ref(batch)
+    batch = hosts.put(batch, batch_shardings(batch, self.mesh))  # several processes: global
     return self.jitted(batch, need_ref)(state, ref_params if need_ref else None, batch)
 
 

@@ -164,3 +164,24 @@ def _validate_roles(config) -> None:
       roles.server_options(a)
     except ValueError as e:
       raise ConfigError(f"config.{e}") from None
+
+
+def validate_processes(config, num_devices: int, num_processes: int) -> None:
+  """What a run over several processes (hosts) needs: grpo_jax.hosts gives each process its own
+  rows of the batch, so the mesh spans every device and splits the batch over the processes."""
+  if num_processes == 1:
+    return
+  where = f"with {num_processes} processes"
+  _check(not config.agent.enabled, "agent.enabled",
+         f"multi-turn agent runs use one process; {where}, run single-turn GRPO or one host")
+  split = batch_devices(config, num_devices)
+  used = num_devices if -1 in config.mesh else math.prod(config.mesh)  # -1 takes the rest
+  _check(used == num_devices, "mesh",
+         f"{tuple(config.mesh)} uses {used} of the {num_devices} devices; {where} the mesh must "
+         f"span them all, e.g. (1, -1, 1)")
+  _check(split % num_processes == 0, "mesh",
+         f"{tuple(config.mesh)} splits the batch {split} ways; {where} that must be a multiple "
+         f"of {num_processes} (each process holds its own rows): grow data or fsdp, shrink tensor")
+  n = config.train.prompts_per_step
+  _check(n % num_processes == 0, "train.prompts_per_step",
+         f"{n} prompts do not split evenly over {num_processes} processes")

@@ -22,7 +22,8 @@ import ml_collections
 
 from grpo_jax.errors import UserError
 from grpo_jax.rewards import format_reward, math_accuracy, options, quality
-from grpo_jax.rewards.scoring import Interrupted, MissingRewardsError, Reward, RewardHealth, probe, score
+from grpo_jax.rewards.scoring import (Interrupted, MissingRewardsError, Reward, RewardHealth,
+                                      merge_metrics, probe, score)
 
 __all__ = ["Reward", "build_rewards", "default_rewards_config", "score", "KNOWN_REWARDS",
            "probe", "RewardHealth", "MissingRewardsError", "Interrupted", "RewardConfigError"]

@@ -101,15 +101,33 @@ def score(
     if len(out) != n:
       raise ValueError(f"reward {reward.name!r} returned {len(out)} values for {n} completions")
     R[:, j] = [_as_value(v, reward.name, i) for i, v in enumerate(out)]
-    col = R[:, j]
-    scored = col[~np.isnan(col)]
-    prefix = f"reward/{reward.name}/"
-    metrics[prefix + "mean"] = float(scored.mean()) if scored.size else math.nan
-    metrics[prefix + "std"] = float(scored.std()) if scored.size else math.nan
-    metrics[prefix + "missing_frac"] = float(1.0 - scored.size / n) if n else 0.0
+    metrics.update(_column_metrics(reward.name, R[:, j]))
     for k, v in (getattr(reward.fn, "last_metrics", None) or {}).items():
-      metrics[prefix + k] = float(v)
+      metrics[f"reward/{reward.name}/{k}"] = float(v)
   return R, metrics
+
+
+def _column_metrics(name: str, col: np.ndarray) -> dict[str, float]:
+  scored = col[~np.isnan(col)]
+  prefix = f"reward/{name}/"
+  return {prefix + "mean": float(scored.mean()) if scored.size else math.nan,
+          prefix + "std": float(scored.std()) if scored.size else math.nan,
+          prefix + "missing_frac": float(1.0 - scored.size / col.size) if col.size else 0.0}
+
+
+def merge_metrics(rewards: Sequence[Reward], R: np.ndarray,
+                  per_process: Sequence[Mapping[str, float]]) -> dict[str, float]:
+  """`score`'s metrics of a batch that several processes scored in equal shares: mean, std and
+  missing_frac from the whole reward matrix R; the rewards' backend counters summed over the
+  processes, except fractions and means (names ending in _frac or _mass), which are averaged."""
+  metrics: dict[str, float] = {}
+  for j, reward in enumerate(rewards):
+    metrics.update(_column_metrics(reward.name, R[:, j]))
+  for key in sorted(set().union(*per_process) - set(metrics)):
+    values = [m.get(key, 0.0) for m in per_process]
+    average = key.endswith(("_frac", "_mass"))
+    metrics[key] = float(np.mean(values) if average else np.sum(values))
+  return metrics
 
 
 def _stderr(line: str) -> None:
