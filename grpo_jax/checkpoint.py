@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from grpo_jax import storage
 from grpo_jax.errors import UserError, warn
 
 SUBDIR = "checkpoints"
@@ -55,40 +56,33 @@ class Restored:
 
 
 def checkpoint_dir(workdir: str) -> str:
-  return os.path.join(os.path.abspath(os.path.expanduser(workdir)), SUBDIR)
+  return os.fspath(storage.path(workdir) / SUBDIR)
 
 
 # --- checksums -----------------------------------------------------------------------------------
 
 def _files(step_dir: str) -> list[str]:
   """Paths of the step's files relative to step_dir, sorted; the checksum file itself excluded."""
-  names = []
-  for root, _, files in os.walk(step_dir):
-    names += [os.path.relpath(os.path.join(root, f), step_dir) for f in files]
-  return sorted(n for n in names if n not in (CHECKSUMS_FILE, CHECKSUMS_FILE + ".tmp"))
+  return [n for n in storage.files(step_dir) if n not in (CHECKSUMS_FILE, CHECKSUMS_FILE + ".tmp")]
 
 
-def _sha256(path: str) -> str:
-  with open(path, "rb") as f:
+def _sha256(path) -> str:
+  with storage.path(path).open("rb") as f:
     return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_checksums(step_dir: str) -> None:
   """Writes step_dir/SHA256SUMS for every file in step_dir; a crash leaves none, never half."""
-  lines = "".join(f"{_sha256(os.path.join(step_dir, n))}  {n}\n" for n in _files(step_dir))
-  tmp = os.path.join(step_dir, CHECKSUMS_FILE + ".tmp")
-  with open(tmp, "w") as f:
-    f.write(lines)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, os.path.join(step_dir, CHECKSUMS_FILE))
+  root = storage.path(step_dir)
+  storage.write_text(root / CHECKSUMS_FILE,
+                     "".join(f"{_sha256(root / n)}  {n}\n" for n in _files(step_dir)))
 
 
 def verify(step_dir: str) -> str | None:
   """None when every file of step_dir matches SHA256SUMS (no more, no fewer); else what is wrong."""
   try:
-    with open(os.path.join(step_dir, CHECKSUMS_FILE), errors="replace") as f:
-      lines = f.read().splitlines()
+    lines = (storage.path(step_dir) / CHECKSUMS_FILE).read_bytes().decode(
+        errors="replace").splitlines()
   except FileNotFoundError:
     return (f"it has no {CHECKSUMS_FILE}: its save did not finish (or it was written before "
             "grpo_jax recorded checksums)")
@@ -105,18 +99,18 @@ def verify(step_dir: str) -> str | None:
   for name in names:
     if name not in expected:
       return f"{name} is not in its {CHECKSUMS_FILE}"
-    if _sha256(os.path.join(step_dir, name)) != expected[name]:
+    if _sha256(storage.path(step_dir) / name) != expected[name]:
       return f"{name} does not match its checksum"
   return None
 
 
-class _ChecksummedRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
-  """orbax's commit (rename tmp dir -> step dir), then the step's SHA256SUMS.
+class _Checksummed:
+  """orbax's commit of a step, then the step's SHA256SUMS.
 
   Hooked here because this runs once the step's files are final, in orbax's save thread (async
   saves stay async) and before wait()/close() return; orbax 0.12's own hook,
-  AsyncOptions.post_finalization_callback, runs before the rename and is not told the step. A
-  crash between the rename and the checksums leaves a step without SHA256SUMS, which restore
+  AsyncOptions.post_finalization_callback, runs before the commit and is not told the step. A
+  crash between the commit and the checksums leaves a step without SHA256SUMS, which restore
   treats as unfinished.
   """
 
@@ -125,6 +119,15 @@ class _ChecksummedRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
     final = self.get_final()
     if final.name.isdigit():  # a step dir; orbax commits its items (state/, meta/) this way too
       await asyncio.to_thread(write_checksums, os.fspath(final))
+
+
+class _ChecksummedRename(_Checksummed, ocp.path.atomicity.AtomicRenameTemporaryPath):
+  """Local files: the step is written to a tmp dir and renamed to <step> when complete."""
+
+
+class _ChecksummedCommit(_Checksummed, ocp.path.atomicity.CommitFileTemporaryPath):
+  """Object stores (gs://), which cannot rename a directory: orbax's commit-success file marks
+  a step complete, as orbax does there by default."""
 
 
 # --- saving and restoring ------------------------------------------------------------------------
@@ -155,7 +158,8 @@ class Checkpointer:
         cleanup_tmp_directories=not read_only,
         read_only=read_only,
         create=not read_only,
-        temporary_path_class=_ChecksummedRename)
+        temporary_path_class=(_ChecksummedCommit if storage.is_remote(self.directory)
+                              else _ChecksummedRename))
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def save(self, step: int, state, data_position: dict) -> bool:
@@ -238,7 +242,7 @@ class Checkpointer:
 
 def latest_step(workdir: str) -> int | None:
   """The latest finished checkpoint's step, or None; ignores half-written (tmp) saves."""
-  if not os.path.isdir(checkpoint_dir(workdir)):
+  if not storage.path(checkpoint_dir(workdir)).is_dir():
     return None
   with Checkpointer(workdir, read_only=True) as ckpt:
     return ckpt.latest_step()
@@ -250,7 +254,7 @@ def has_checkpoint(workdir: str) -> bool:
 
 def restore(workdir: str, abstract_state, step: int | None = None) -> Restored:
   """Restores from workdir without keeping a Checkpointer open (see Checkpointer.restore)."""
-  if not os.path.isdir(checkpoint_dir(workdir)):
+  if not storage.path(checkpoint_dir(workdir)).is_dir():
     raise FileNotFoundError(f"no checkpoint directory {checkpoint_dir(workdir)}")
   with Checkpointer(workdir, read_only=True) as ckpt:
     return ckpt.restore(abstract_state, step)
@@ -262,7 +266,7 @@ def resume(workdir: str, abstract_state) -> Restored | None:
   The damaged steps it skipped are deleted: they would otherwise stay "latest" and stop this run
   from saving those steps again.
   """
-  if not os.path.isdir(checkpoint_dir(workdir)):
+  if not storage.path(checkpoint_dir(workdir)).is_dir():
     return None
   with Checkpointer(workdir) as ckpt:
     if not ckpt.all_steps():

@@ -8,12 +8,10 @@
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
-from grpo_jax import data, sharding, synthetic, tokenizer as tokenizer_lib, validate
+from grpo_jax import data, sharding, storage, synthetic, tokenizer as tokenizer_lib, validate
 from grpo_jax.models import qwen, weights
 
 
@@ -21,7 +19,7 @@ def tokenizer(config, workdir, train_rows, build=True):
   """build=False: load the tiny tokenizer that process 0 built into the workdir."""
   name = config.model.tokenizer or config.model.checkpoint
   if name == "tiny" and not build:
-    name = os.path.join(workdir, "tokenizer")
+    name = storage.local_copy(storage.path(workdir) / "tokenizer")
   elif name == "tiny":
     # BPE merges learnt from the training problems (deterministic), plus the chat roles.
     corpus = [r["question"] for r in train_rows] + [r["answer"] for r in train_rows]
@@ -32,8 +30,9 @@ def tokenizer(config, workdir, train_rows, build=True):
       names = tuple(config.agent.tools)
       corpus += [env.toolset_text(tools.select(names)) + " " + ", ".join(names)] * 100
       tags = ("<tool>", "</tool>")
-    name = tokenizer_lib.build_tiny_tokenizer(os.path.join(workdir, "tokenizer"), corpus,
-                                              config.model.tiny.vocab_size, extra_tags=tags)
+    with storage.local_dir(storage.path(workdir) / "tokenizer") as out:
+      name = tokenizer_lib.build_tiny_tokenizer(out, corpus, config.model.tiny.vocab_size,
+                                                extra_tags=tags)
   field = "config.model.tokenizer" if config.model.tokenizer else "config.model.checkpoint"
   tok = tokenizer_lib.load_tokenizer(name, field)
   return tok, tokenizer_lib.stop_ids(tok, name)
@@ -43,12 +42,13 @@ def datasets(config, workdir, build=True):
   """build=False: read the synthetic splits that process 0 wrote into the workdir."""
   d = config.data
   if d.source == "synthetic" and not build:
-    source = os.path.join(workdir, "data")
+    source = storage.local_copy(storage.path(workdir) / "data")
   elif d.source == "synthetic":
     spec = synthetic.ProblemSpec(num_operands=d.synthetic_operands, digits=d.synthetic_digits,
                                  ops=tuple(d.synthetic_ops))
-    source = synthetic.write_splits(os.path.join(workdir, "data"), d.synthetic_train,
-                                    d.synthetic_test, seed=config.seed, spec=spec)
+    with storage.local_dir(storage.path(workdir) / "data") as out:
+      source = synthetic.write_splits(out, d.synthetic_train, d.synthetic_test,
+                                      seed=config.seed, spec=spec)
   else:
     source = d.source
   kw = dict(config_name=d.config_name or None, question_field=d.question_field,

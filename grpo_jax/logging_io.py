@@ -25,6 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from grpo_jax import storage
+from grpo_jax.errors import UserError
+
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 SAMPLES_MD_FILE = "samples.md"
@@ -47,11 +50,12 @@ def _scalar(key: str, value: Any) -> float | int | bool | str | None:
 
 
 def read_jsonl(path: str) -> list[dict]:
-  """Records of a JSONL log; a torn last line (a crash mid-write) is ignored."""
-  if not os.path.exists(path):
+  """Records of a JSONL log (a local path or a gs:// URL); a torn last line (a crash mid-write)
+  is ignored."""
+  path = storage.path(path)
+  if not path.exists():
     return []
-  with open(path) as f:
-    lines = f.read().split("\n")
+  lines = path.read_text().split("\n")
   records = []
   for number, line in enumerate(lines, start=1):
     if not line.strip():
@@ -68,10 +72,8 @@ def read_jsonl(path: str) -> list[dict]:
 def _truncate_after(path: str, step: int) -> list[dict]:
   """Keeps the records with record['step'] <= step; rewrites atomically; returns them."""
   kept = [r for r in read_jsonl(path) if r.get("step", -1) <= step]
-  if os.path.exists(path):
-    with open(path + ".tmp", "w") as f:
-      f.writelines(json.dumps(r) + "\n" for r in kept)
-    os.replace(path + ".tmp", path)  # A crash here leaves the old or the new file, never half.
+  if storage.path(path).exists():
+    storage.write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
   return kept
 
 
@@ -80,18 +82,25 @@ class MetricsWriter:
 
   def __init__(self, workdir: str, *, resume_step: int | None = None, tensorboard: bool = True,
                wandb: bool = False, wandb_kwargs: Mapping[str, Any] | None = None):
-    os.makedirs(workdir, exist_ok=True)
-    self.path = os.path.join(workdir, METRICS_FILE)
+    root = storage.path(workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    self.path = root / METRICS_FILE
     if resume_step is not None:
       _truncate_after(self.path, resume_step)
-    # Line-buffered: each record reaches the OS as soon as it is written.
-    self._file = open(self.path, "a", buffering=1)
     self._tb = None
     if tensorboard:
       import tensorboardX
+      from tensorboardX import record_writer
+      enabled = {"gs://": record_writer.GCS_ENABLED, "s3://": record_writer.S3_ENABLED}
+      scheme = os.fspath(root)[:5]
+      if scheme in enabled and not enabled[scheme]:
+        raise UserError(
+            f"config.train.tensorboard: TensorBoard events in {root} need tensorboardX's "
+            f"{'google-cloud-storage' if scheme == 'gs://' else 'boto3'} package; install it, "
+            "or set --config.train.tensorboard=False (metrics.jsonl has the same numbers)")
       # purge_step hides events a crashed run logged after the restored step.
       self._tb = tensorboardX.SummaryWriter(
-          os.path.join(workdir, TENSORBOARD_DIR),
+          os.fspath(root / TENSORBOARD_DIR),
           purge_step=None if resume_step is None else resume_step + 1)
     self._wandb = None
     if wandb:
@@ -100,7 +109,9 @@ class MetricsWriter:
       except ImportError as e:
         raise ImportError("wandb logging is enabled but the wandb package is not installed: "
                           "`pip install wandb`, or turn wandb logging off") from e
-      self._wandb = wandb_lib.init(dir=workdir, resume="allow", **dict(wandb_kwargs or {}))
+      # wandb keeps its own files in a local directory.
+      local = None if storage.is_remote(root) else os.fspath(root)
+      self._wandb = wandb_lib.init(dir=local, resume="allow", **dict(wandb_kwargs or {}))
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
     """Logs metrics for `step`; returns the JSON record written. Values: Python/NumPy/JAX scalars."""
@@ -109,7 +120,7 @@ class MetricsWriter:
       if not isinstance(key, str) or key == "step":
         raise ValueError(f"metric key {key!r} must be a string other than 'step'")
       record[key] = _scalar(key, value)
-    self._file.write(json.dumps(record) + "\n")
+    storage.append_text(self.path, json.dumps(record) + "\n")  # closed after each record
     if self._tb is not None:
       for key, value in record.items():
         if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -119,12 +130,10 @@ class MetricsWriter:
     return record
 
   def flush(self) -> None:
-    self._file.flush()
     if self._tb is not None:
       self._tb.flush()
 
   def close(self) -> None:
-    self._file.close()
     if self._tb is not None:
       self._tb.close()
     if self._wandb is not None:
@@ -179,14 +188,12 @@ class SamplesWriter:
   """
 
   def __init__(self, workdir: str, *, resume_step: int | None = None):
-    os.makedirs(workdir, exist_ok=True)
-    self.path = os.path.join(workdir, SAMPLES_FILE)
-    self.md_path = os.path.join(workdir, SAMPLES_MD_FILE)
+    root = storage.path(workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    self.path, self.md_path = root / SAMPLES_FILE, root / SAMPLES_MD_FILE
     if resume_step is not None:
       kept = _truncate_after(self.path, resume_step)
-      with open(self.md_path + ".tmp", "w") as f:
-        f.write(_render_steps(kept))
-      os.replace(self.md_path + ".tmp", self.md_path)
+      storage.write_text(self.md_path, _render_steps(kept))
 
   def write(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
     records = []
@@ -202,10 +209,8 @@ class SamplesWriter:
         else:
           record[key] = _scalar(key, value)
       records.append(record)
-    with open(self.path, "a") as f:
-      f.writelines(json.dumps(r) + "\n" for r in records)
-    with open(self.md_path, "a") as f:
-      f.write(_render_steps(records))
+    storage.append_text(self.path, "".join(json.dumps(r) + "\n" for r in records))
+    storage.append_text(self.md_path, _render_steps(records))
 
 
 def _render_steps(records: Sequence[Mapping[str, Any]]) -> str:
@@ -226,7 +231,7 @@ def write_summary(workdir, stopped_at: int | None = None):
   """summary.json from the eval rows of metrics.jsonl: held-out accuracy at the start and end of
   GRPO and the gain. A run stopped early (SIGTERM) at step `stopped_at` has no end: it reports
   where it stopped and what it measured, and no gain (that needs the completed run)."""
-  evals = [r for r in read_jsonl(os.path.join(workdir, METRICS_FILE))
+  evals = [r for r in read_jsonl(storage.path(workdir) / METRICS_FILE)
            if r.get("eval/accuracy") is not None]
   if not evals:
     return {}
@@ -247,7 +252,6 @@ def write_summary(workdir, stopped_at: int | None = None):
       summary.update(eval_accuracy_latest=last["eval/accuracy"], latest_eval_step=last["step"])
       line += f", {last['eval/accuracy']:.1%} at step {last['step']}"
     line += "; the gain is reported when the run completes (run the same command to resume)"
-  with open(os.path.join(workdir, SUMMARY_FILE), "w") as f:
-    json.dump(summary, f, indent=2)
+  storage.write_text(storage.path(workdir) / SUMMARY_FILE, json.dumps(summary, indent=2))
   print(f"grpo_jax: {line}", flush=True)
   return summary

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import math
 import os
@@ -38,7 +39,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from grpo_jax import logging_io
+from grpo_jax import logging_io, storage
 
 PLOT_FILE = "metrics.png"
 CONFIG_FILE = "config.json"  # written into the workdir by train.run
@@ -129,8 +130,7 @@ def panels(records: Sequence[dict], beta: float | None = None) -> list[Panel]:
 def config_beta(workdir: str) -> float | None:
   """loss.beta from WORKDIR/config.json, or None if there is none to read."""
   try:
-    with open(os.path.join(workdir, CONFIG_FILE)) as f:
-      return float(json.load(f)["loss"]["beta"])
+    return float(json.loads((storage.path(workdir) / CONFIG_FILE).read_text())["loss"]["beta"])
   except (OSError, ValueError, KeyError, TypeError):
     return None  # no readable config: the KL panel is judged by its values alone
 
@@ -183,16 +183,18 @@ def plot_metrics(workdir: str, out_path: str | None = None,
 
   smoothing: the EMA weight in [0, 1); None picks one from the run's length (module docstring).
   """
-  metrics_path = os.path.join(workdir, logging_io.METRICS_FILE)
-  if not os.path.exists(metrics_path):
+  root = storage.path(workdir)
+  metrics_path = root / logging_io.METRICS_FILE
+  if not metrics_path.exists():
     raise FileNotFoundError(f"no {logging_io.METRICS_FILE} in {workdir!r}")
   drawn = panels(logging_io.read_jsonl(metrics_path), beta=config_beta(workdir))
   if not drawn:
     return None
-  fig = figure(drawn, os.path.basename(os.path.abspath(workdir)), smoothing)
-  out_path = out_path or os.path.join(workdir, PLOT_FILE)
-  fig.savefig(out_path + ".tmp.png", dpi=100)
-  os.replace(out_path + ".tmp.png", out_path)  # Viewers never see a half-written PNG.
+  fig = figure(drawn, root.name, smoothing)
+  out_path = out_path or os.fspath(root / PLOT_FILE)
+  png = io.BytesIO()
+  fig.savefig(png, format="png", dpi=100)
+  storage.write_bytes(out_path, png.getvalue())  # Viewers never see a half-written PNG.
   return out_path
 
 

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from grpo_jax import (checkpoint, data, grpo, hosts, inputs, logging_io, plots, rollout,
-                      sampler as sampler_lib, sft, sharding, tokenizer as tokenizer_lib,
-                      train_step, validate)
+                      sampler as sampler_lib, sft, sharding, storage,
+                      tokenizer as tokenizer_lib, train_step, validate)
 from grpo_jax.agent import rollout as agent_rollout, traces as agent_traces
 from grpo_jax.errors import UserError
 from grpo_jax.models import qwen, weights
@@ -61,13 +61,14 @@ def setup(config, workdir: str) -> Setup:
 
   With several processes, process 0 writes the workdir's files (config.json, a synthetic
   dataset, the tiny tokenizer) and the others read them once it has."""
-  workdir = os.path.abspath(os.path.expanduser(workdir))
+  root = storage.path(workdir)  # a local directory or a gs:// URL
+  workdir = os.fspath(root)
   validate.validate(config, jax.device_count())
   validate.validate_processes(config, jax.device_count(), hosts.count())
   main = hosts.is_main()
   if main:
-    os.makedirs(workdir, exist_ok=True)
-    (open(os.path.join(workdir, "config.json"), "w")).write(config.to_json_best_effort(indent=2))
+    root.mkdir(parents=True, exist_ok=True)
+    storage.write_text(root / "config.json", config.to_json_best_effort(indent=2))
     train_rows, eval_rows = inputs.datasets(config, workdir)
     tokenizer, stop_ids = inputs.tokenizer(config, workdir, train_rows)
   hosts.barrier("setup: process 0 wrote the workdir's inputs")
@@ -221,8 +222,9 @@ def run(config, workdir: str) -> dict:
   if generation_config is None:
     generation_config = {"eos_token_id": stop_ids, "pad_token_id": tokenizer.pad_token_id}
   if finished:
-    weights.save_checkpoint(final_params, cfg, os.path.join(workdir, "final_model"),
-                            generation_config=generation_config, tokenizer=tokenizer)
+    with storage.local_dir(storage.path(workdir) / "final_model") as out:
+      weights.save_checkpoint(final_params, cfg, out, generation_config=generation_config,
+                              tokenizer=tokenizer)
   return summary
 
 
