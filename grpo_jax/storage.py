@@ -85,8 +85,13 @@ def local_dir(p):
 def files(p) -> list[str]:
   """The paths of every file under directory p, relative to it, sorted."""
   p = path(p)
-  return sorted(os.fspath((root / name).relative_to(p)) for root, _, names in p.walk()
-                for name in names)
+  # gcsfs walks a gs:// tree as scheme-less 'bucket/dir/...' roots: compare without the scheme.
+  base = os.fspath(p).split("://", 1)[-1]
+  out = []
+  for root, _, names in p.walk():
+    rel = os.path.relpath(os.fspath(root).split("://", 1)[-1], base)
+    out += [name if rel == "." else os.path.join(rel, name) for name in names]
+  return sorted(out)
 
 
 def local_copy(p) -> str:
