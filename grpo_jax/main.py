@@ -23,7 +23,9 @@ from grpo_jax.errors import UserError
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, optionally with a preset: configs/gsm8k.py:tiny",
     lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics, samples and plots go")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None,
+    "Where checkpoints, metrics, samples and plots go: a directory or gs://BUCKET/PATH")
 flags.mark_flags_as_required(["config", "workdir"])
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None,
