@@ -62,21 +62,20 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   return True
 
 
-def share(n: int) -> slice:
-  """This process's contiguous share of n rows (process p: [p·n/P, (p+1)·n/P))."""
-  p = jax.process_count()
-  if n % p:
-    raise ValueError(f"{n} rows do not split evenly over {p} processes")
-  k = n // p
-  return slice(jax.process_index() * k, (jax.process_index() + 1) * k)
+def share(n: int, even: bool = True) -> slice:
+  """This process's contiguous share of n rows (process p: [p·n/P, (p+1)·n/P)). even=False
+  allows a remainder: the first n % P processes take one row more, and a share may be empty."""
+  count, p = jax.process_count(), jax.process_index()
+  if even and n % count:
+    raise ValueError(f"{n} rows do not split evenly over {count} processes")
+  k, extra = divmod(n, count)
+  start = p * k + min(p, extra)
+  return slice(start, start + k + (p < extra))
 
 
 def agree_max(*values: int) -> tuple[int, ...]:
   """The elementwise maximum of the values over all processes (shapes every process must use)."""
-  if jax.process_count() == 1:
-    return tuple(int(v) for v in values)
-  out = multihost_utils.process_allgather(np.asarray(values, np.int64)).max(axis=0)
-  return tuple(int(v) for v in out)
+  return tuple(int(v) for v in gather(np.asarray([values], np.int64)).max(axis=0))
 
 
 def gather(x: np.ndarray) -> np.ndarray:
@@ -139,9 +138,7 @@ def fetch(tree):
 
 def any_(flag: bool) -> bool:
   """True on every process when it is True on any (e.g. a SIGTERM seen by one host)."""
-  if jax.process_count() == 1:
-    return bool(flag)
-  return bool(multihost_utils.process_allgather(np.asarray([bool(flag)])).any())
+  return bool(gather(np.asarray([bool(flag)])).any())
 
 
 def barrier(name: str) -> None:

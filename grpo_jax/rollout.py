@@ -250,11 +250,9 @@ def evaluate(config, sampler, tokenizer, params, rows, reward=None) -> float:
   bs = config.train.eval_batch_size
   for i in range(0, len(rows), bs):
     chunk = rows[i:i + bs]
-    # With several processes each takes a share (the first len % count one more row); a
-    # process left without a row decodes a copy of the first and counts nothing.
-    p, count = hosts.index(), hosts.count()
-    start = p * (len(chunk) // count) + min(p, len(chunk) % count)
-    mine = chunk[start:start + len(chunk) // count + (p < len(chunk) % count)]
+    # With several processes each takes a share; a process left without a row decodes a copy
+    # of the first and counts nothing.
+    mine = chunk[hosts.share(len(chunk), even=False)]
     prompts = encode(config, tokenizer, mine or chunk[:1])
     out = sampler.generate(params, prompts.ids, num_samples=1, greedy=True)
     ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)

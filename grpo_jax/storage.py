@@ -74,12 +74,9 @@ def local_dir(p):
     return
   local = tempfile.mkdtemp(prefix="grpo_jax_")
   yield local
-  for root, _, files in os.walk(local):
-    for name in files:
-      source = os.path.join(root, name)
-      target = p / os.path.relpath(source, local)
-      target.parent.mkdir(parents=True, exist_ok=True)
-      target.write_bytes(open(source, "rb").read())
+  for name in files(local):
+    (p / name).parent.mkdir(parents=True, exist_ok=True)
+    (p / name).write_bytes((path(local) / name).read_bytes())
 
 
 def files(p) -> list[str]:

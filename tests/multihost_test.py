@@ -11,6 +11,8 @@ What must match, and how closely:
   turns a last-bit gradient difference into up to ~lr per element per update where the gradient
   nearly cancels. The bound is 2 x (the sum of every update's lr).
 
+Eval takes 17 problems in chunks of 16: the last chunk leaves process 1 without a row.
+
 The multi-host run is also stopped by SIGTERM (both processes, as a TPU maintenance event does)
 and resumed by the same command on both, so the comparison covers resume across processes.
 """
@@ -35,7 +37,7 @@ OVERRIDES = ["--config=configs/gsm8k.py:tiny", "--config.mesh=(1,-1,1)",
              f"--config.sft.steps={SFT_STEPS}", f"--config.sft.lr={SFT_LR}",
              "--config.sft.target_accuracy=0", f"--config.train.steps={STEPS}",
              f"--config.optim.lr={LR}", "--config.train.prompts_per_step=8",
-             "--config.train.max_sampling_rounds=2", "--config.train.eval_examples=16",
+             "--config.train.max_sampling_rounds=2", "--config.train.eval_examples=17",
              "--config.train.eval_batch_size=16", "--config.train.eval_every=2",
              "--config.train.checkpoint_every=1", "--config.train.tensorboard=False"]
 
