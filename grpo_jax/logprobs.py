@@ -15,7 +15,7 @@ of at most `block_bytes` (default 4 MiB, inside this CPU's L3): each block's log
 into a running (max, sum exp, sum exp·l) per token and dropped. The target logit is a dot
 product with the gathered head row. The backward (a custom VJP) recomputes each block from the
 saved logsumexp: d l = g (onehot - softmax) / temperature, so
-  d hidden += d l @ head_c,   d head_c += d l^T @ hidden,
+  d hidden += d l @ head_c,   d head_c^T += hidden^T @ d l   (accumulated as [D, c]),
 one block at a time (the one-hot enters each block by a compare of ids, so there is no scatter
 into the [V, D] gradient). The whole pass costs four matmuls with the head (one forward, three
 backward) and the traffic of the blocks.
