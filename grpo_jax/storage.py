@@ -74,9 +74,7 @@ def local_dir(p):
     return
   local = tempfile.mkdtemp(prefix="grpo_jax_")
   yield local
-  for name in files(local):
-    (p / name).parent.mkdir(parents=True, exist_ok=True)
-    (p / name).write_bytes((path(local) / name).read_bytes())
+  _copy_files(local, p)
 
 
 def files(p) -> list[str]:
@@ -97,9 +95,13 @@ def local_copy(p) -> str:
   if not is_remote(p):
     return os.fspath(p)
   local = tempfile.mkdtemp(prefix="grpo_jax_")
-  for name in files(p):
-    target = os.path.join(local, name)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    with open(target, "wb") as f:
-      f.write((p / name).read_bytes())
+  _copy_files(p, local)
   return local
+
+
+def _copy_files(src, dst) -> None:
+  """Every file under directory src to the same relative path under dst (either may be remote)."""
+  src, dst = path(src), path(dst)
+  for name in files(src):
+    (dst / name).parent.mkdir(parents=True, exist_ok=True)
+    (dst / name).write_bytes((src / name).read_bytes())
