@@ -458,6 +458,13 @@ def make_logprob_fn(model_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_
 # The step.
 
 
+def same_params(params, ref_params, dtype):
+  """Whether two params pytrees are equal as the forward uses them (cast to its compute dtype,
+  as every parameter is before use): a scalar bool, one compare-and-reduce pass per leaf."""
+  eq = jax.tree.map(lambda p, r: jnp.all(p.astype(dtype) == r.astype(dtype)), params, ref_params)
+  return jnp.all(jnp.stack(jax.tree.leaves(eq)))
+
+
 _METRIC_IDENTITY = {"ratio/min": jnp.inf, "ratio/max": -jnp.inf}
 
 
@@ -510,8 +517,9 @@ class TrainStep:
 
   # --- the traced program ----------------------------------------------------------------------
 
-  def _loss(self, params, ref_params, mb, norm):
-    """One micro-batch's share of the loss; aux: metric sums, log-probs, reference log-probs."""
+  def _loss(self, params, ref_params, mb, norm, ref_is_policy=False):
+    """One micro-batch's share of the loss; aux: metric sums, log-probs, reference log-probs.
+    ref_is_policy: a traced bool, whether ref_params equal params as the forward uses them."""
     C = mb["completion_mask_BC"].shape[1]
     kw = dict(self.logprob_kw, group=norm["group"])
     logp_BC, entropy_BC = completion_logprobs(self.model, params, mb["tokens_BS"],
@@ -523,8 +531,15 @@ class TrainStep:
     else:
       ref_BC = mb.get("ref_logp_BC")
       if grpo.needs_reference(self.loss_cfg) and ref_BC is None:
-        ref_BC = jax.lax.stop_gradient(completion_logprobs(
-            self.model, ref_params, mb["tokens_BS"], mb["attn_mask_BS"], C, **kw)[0])
+        # While the policy is the reference (a run's first step), its log-probs are the
+        # reference's: taken as they are, the KL term is exactly 0 with its exact gradient, and
+        # the reference forward is skipped. (A second forward would differ from the policy's in
+        # rounding, and that noise, with all advantages 0, is a whole gradient that Adam turns
+        # into lr-sized steps.)
+        ref_BC = jax.lax.cond(
+            ref_is_policy, lambda: jax.lax.stop_gradient(logp_BC),
+            lambda: jax.lax.stop_gradient(completion_logprobs(
+                self.model, ref_params, mb["tokens_BS"], mb["attn_mask_BS"], C, **kw)[0]))
       weights_BC = grpo.token_weights(mask_BC, self.loss_cfg.loss_type,
                                       num_sequences=norm["sequences"], num_tokens=norm["tokens"],
                                       max_completion_length=norm["max_completion_length"],
@@ -539,12 +554,15 @@ class TrainStep:
   def _grads(self, params, ref_params, batch, norm):
     """Gradients summed over grad_accum_steps micro-batches, metric sums, [B, C] log-probs and
     reference log-probs (None unless computed)."""
+    ref_is_policy = (False if ref_params is None
+                     else same_params(params, ref_params, self.model.dtype))
     accum, mesh = self.optim_cfg.grad_accum_steps, self.mesh
     keys = ("tokens_BS", "attn_mask_BS", "advantages_B", "old_logp_BC", "ref_logp_BC", "mask_BC",
             "completion_mask_BC", "turn_ids_BC")
     unit = norm["unit"]
     micro = {k: _split_micro(batch[k], accum, mesh, unit) for k in keys if k in batch}
-    grad_fn = jax.grad(lambda p, mb: self._loss(p, ref_params, mb, norm), has_aux=True)
+    grad_fn = jax.grad(lambda p, mb: self._loss(p, ref_params, mb, norm, ref_is_policy),
+                       has_aux=True)
     constrain = lambda g: jax.lax.with_sharding_constraint(g, self.state_sh["params"])
     if accum == 1:
       grads, (sums, logp, ref) = grad_fn(params, jax.tree.map(lambda x: x[0], micro))

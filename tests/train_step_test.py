@@ -607,3 +607,32 @@ def test_reference_in_compute_dtype_gives_the_same_step_bit_for_bit(params, data
   assert {k: float(v) for k, v in got_m.items()} == {k: float(v) for k, v in want_m.items()}
   for x, y in zip(jax.tree.leaves(host(got)), jax.tree.leaves(host(want))):
     np.testing.assert_array_equal(x, y)
+
+
+def test_reference_equal_to_the_policy_gives_exactly_zero_kl_and_gradient(params, data):
+  """A run's first step: the reference is the policy (here its bf16 copy, equal as the bf16
+  forward uses it). In exact arithmetic, with all advantages 0 and on-policy ratios, the loss
+  and its gradient are 0, so AdamW (no weight decay) leaves every parameter as it was. A second
+  forward for the reference would differ from the policy's in rounding, and Adam would turn
+  that noise into lr-sized steps."""
+  batch, _ = data
+  optim = optim_config(compute_dtype="bfloat16", grad_accum_steps=2, weight_decay=0.0)
+  mesh = sharding.make_mesh((1, 2, 1))
+  p = jax.device_put(params, train_step.state_shardings(MODEL, optim, mesh)["params"])
+  ref = train_step.reference_params(p, MODEL, optim, mesh)
+  assert {x.dtype for x in jax.tree.leaves(ref)} == {jnp.dtype(jnp.bfloat16)}
+  flat = {k: v for k, v in batch.items() if k not in ("ref_logp_BC", "old_logp_BC")}
+  flat["advantages_B"] = np.zeros(B, np.float32)
+  step = train_step.make_train_step(MODEL, loss_config(), optim, mesh)
+  got, m, _ = step(train_step.create_train_state(p, MODEL, optim, mesh), flat, ref)
+  assert float(m["loss/kl"]) == 0.0 and float(m["loss"]) == 0.0
+  assert float(m["grad_norm"]) == 0.0 and float(m["step/skipped"]) == 0.0
+  for x, y in zip(jax.tree.leaves(host(got["params"])), jax.tree.leaves(host(params))):
+    np.testing.assert_array_equal(x, y)
+  # The same program with a reference that differs in one element runs the reference forward.
+  leaf = ref["layers"]["mlp"]["up_proj"]["kernel"]
+  moved = dict(ref, layers=dict(ref["layers"], mlp=dict(ref["layers"]["mlp"], up_proj={
+      "kernel": leaf.at[0, 0, 0].add(jnp.asarray(0.5, leaf.dtype))})))
+  _, m2, _ = step(train_step.create_train_state(p, MODEL, optim, mesh), flat, moved)
+  assert step.num_traces == 1
+  assert float(m2["loss/kl"]) > 0 and float(m2["grad_norm"]) > 0
