@@ -387,24 +387,21 @@ def completion_logprobs(model, params, tokens_BS, attn_mask_BS, C, *, temperatur
   drew from.
 
   group > 1: every `group` consecutive rows share their prompt (a GRPO group, left-padded
-  identically). The prompt then runs once per group and its keys/values are the prefix of the
-  completions' pass, instead of once per row: the same numbers, at about 1/group of the
-  prompt's cost (in the reference forward and the policy's forward and backward alike).
+  identically). The prompt then runs once per group, in one pass with its completions (each
+  row of the pass is a prompt followed by its G completions: qwen.Qwen.packed), instead of
+  once per row: the same numbers, at about 1/group of the prompt's cost (in the reference
+  forward and the policy's forward and backward alike).
   """
   B, S = tokens_BS.shape
   positions_BS = qwen.positions_from_mask(attn_mask_BS)
-  if group > 1:
-    P_ = S - C
-    prompt_bP, pmask_bP = tokens_BS[::group, :P_], attn_mask_BS[::group, :P_]
-    hidden_bPD, kv = model.clone(collect_kv=True).apply(
-        {"params": params}, prompt_bP, positions_BS[::group, :P_], pmask_bP)
-    last_B1D = jnp.repeat(hidden_bPD[:, -1:], group, axis=0)  # predicts completion token 0
-    if C > 1:
-      hidden_BcD, _ = model.apply({"params": params}, tokens_BS[:, P_:-1],
-                                  positions_BS[:, P_:-1], attn_mask_BS[:, :-1], prefix=kv)
-      hidden_BCD = jnp.concatenate([last_B1D, hidden_BcD], axis=1)
-    else:
-      hidden_BCD = last_B1D
+  if group > 1 and C > 1:
+    P_, c, b = S - C, C - 1, B // group
+    pack = lambda x_BS: jnp.concatenate([x_BS[::group, :P_], x_BS[:, P_:-1].reshape(b, -1)], 1)
+    hidden_bTD, _ = model.clone(packed=(P_, group)).apply(
+        {"params": params}, pack(tokens_BS), pack(positions_BS),
+        (attn_mask_BS[::group, :P_], attn_mask_BS[:, :-1]))
+    last_B1D = jnp.repeat(hidden_bTD[:, P_ - 1:P_], group, axis=0)  # predicts token 0
+    hidden_BCD = jnp.concatenate([last_B1D, hidden_bTD[:, P_:].reshape(B, c, -1)], axis=1)
   else:
     hidden_BTD, _ = model.apply({"params": params}, tokens_BS[:, :-1], positions_BS[:, :-1],
                                 attn_mask_BS[:, :-1])

@@ -223,9 +223,10 @@ class Attention(nn.Module):
   cfg: QwenConfig
   dtype: Any
   param_dtype: Any
+  packed: tuple[int, int] | None = None  # (P, G): see Qwen.packed
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, attn_mask_BS, cache, layer, cache_index, prefix=None):
+  def __call__(self, x_BTD, positions_BT, attn_mask_BS, cache, layer, cache_index):
     cfg = self.cfg
     d, h = cfg.hidden_size, cfg.head_dim
 
@@ -242,16 +243,10 @@ class Attention(nn.Module):
     q = rope(q, positions_BT, cfg.rope_theta)
     k = rope(k, positions_BT, cfg.rope_theta)
 
+    if self.packed is not None:
+      return self._packed_attention(q, k, v, attn_mask_BS), cache
     k_BKTH, v_BKTH = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    if prefix is not None:
-      # A shared prefix's keys/values [b, K, P, H], each row used by B / b consecutive rows
-      # (a prompt's G completions): the queries sit at slots P, P + 1, ...
-      g = x_BTD.shape[0] // prefix["k"].shape[0]
-      tile = lambda a: jnp.repeat(a.astype(k_BKTH.dtype), g, axis=0)
-      keys = jnp.concatenate([tile(prefix["k"]), k_BKTH], axis=2)
-      values = jnp.concatenate([tile(prefix["v"]), v_BKTH], axis=2)
-      start = prefix["k"].shape[2]
-    elif cache is None:
+    if cache is None:
       keys, values, start = k_BKTH, v_BKTH, 0
     else:
       # Write this call's k/v at slots [cache_index, cache_index + T) of this layer, straight
@@ -263,9 +258,31 @@ class Attention(nn.Module):
       keys, values, start = cache["k"][layer], cache["v"][layer], cache_index
     out_BTNH = attend(q, keys.astype(self.dtype), values.astype(self.dtype), attn_mask_BS, start,
                       cfg.is_causal)
-    y = Linear("BTNH,NHD->BTD", (cfg.num_heads, h, d), ("q_heads", "head_dim", "embed"),
-               1 if cfg.o_bias else 0, self.dtype, self.param_dtype, name="o_proj")(out_BTNH)
-    return y, cache, {"k": k_BKTH, "v": v_BKTH}
+    return self._out(out_BTNH), cache
+
+  def _out(self, out_BTNH):
+    cfg = self.cfg
+    return Linear("BTNH,NHD->BTD", (cfg.num_heads, cfg.head_dim, cfg.hidden_size),
+                  ("q_heads", "head_dim", "embed"), 1 if cfg.o_bias else 0, self.dtype,
+                  self.param_dtype, name="o_proj")(out_BTNH)
+
+  def _packed_attention(self, q_bTNH, k_bTKH, v_bTKH, masks):
+    """Rows of a prompt (slots 0..P-1) followed by its G completions' c tokens each: the prompt
+    attends to itself, each completion to the prompt's keys/values (tiled G times) then its own
+    tokens, its queries sitting at slots P, P + 1, ..."""
+    p, g = self.packed
+    prompt_mask_bP, mask_BS = masks
+    b, t, n, h = q_bTNH.shape
+    c = (t - p) // g
+    causal = self.cfg.is_causal
+    heads_first = lambda a_xTKH: a_xTKH.transpose(0, 2, 1, 3)
+    k_bKPH, v_bKPH = heads_first(k_bTKH[:, :p]), heads_first(v_bTKH[:, :p])
+    out_p = attend(q_bTNH[:, :p], k_bKPH, v_bKPH, prompt_mask_bP, 0, causal)
+    rows = lambda a_bTxH: a_bTxH[:, p:].reshape(b * g, c, *a_bTxH.shape[2:])
+    keys = jnp.concatenate([jnp.repeat(k_bKPH, g, axis=0), heads_first(rows(k_bTKH))], axis=2)
+    values = jnp.concatenate([jnp.repeat(v_bKPH, g, axis=0), heads_first(rows(v_bTKH))], axis=2)
+    out_c = attend(rows(q_bTNH), keys, values, mask_BS, p, causal)
+    return self._out(jnp.concatenate([out_p, out_c.reshape(b, g * c, n, h)], axis=1))
 
 
 def attend(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, attn_mask_BS: Array,
@@ -362,22 +379,21 @@ class DecoderLayer(nn.Module):
   dtype: Any
   param_dtype: Any
   act_sharding: Any = None
-  collect_kv: bool = False
+  packed: tuple[int, int] | None = None
 
   @nn.compact
-  def __call__(self, carry, prefix):
+  def __call__(self, carry, _):
     x, cache, layer, positions_BT, attn_mask_BS, cache_index = carry
     cfg = self.cfg
     h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "norm",
                 name="input_layernorm")(x)
-    h, cache, kv = Attention(cfg, self.dtype, self.param_dtype, name="self_attn")(
-        h, positions_BT, attn_mask_BS, cache, layer, cache_index, prefix)
+    h, cache = Attention(cfg, self.dtype, self.param_dtype, self.packed, name="self_attn")(
+        h, positions_BT, attn_mask_BS, cache, layer, cache_index)
     x = _constrain(x + h, self.act_sharding)
     h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "norm",
                 name="post_attention_layernorm")(x)
     x = _constrain(x + MLP(cfg, self.dtype, self.param_dtype, name="mlp")(h), self.act_sharding)
-    return (x, cache, layer + 1, positions_BT, attn_mask_BS, cache_index), (
-        kv if self.collect_kv else None)
+    return (x, cache, layer + 1, positions_BT, attn_mask_BS, cache_index), None
 
 
 class Qwen(nn.Module):
@@ -389,9 +405,11 @@ class Qwen(nn.Module):
   # Without it the partitioner may follow the FSDP weights and split activations along D, so
   # that every device computes the whole batch (2.7x the memory for Qwen2.5-1.5B, fsdp = 8).
   act_sharding: Any = None
-  # Also return each layer's keys/values, stacked [L, B, K, T, H]: the `prefix` of a later
-  # call (the training forward runs a prompt once for its G completions).
-  collect_kv: bool = False
+  # (P, G): each row is a prompt of P tokens followed by the c tokens of each of its G
+  # completions, [b, P + G·c]; the prompt runs once for its G completions (the training
+  # forward of a GRPO group). attn_mask_BS is then (prompt mask [b, P], the completions' mask
+  # [b·G, P + c]), positions_BT packed like the tokens.
+  packed: tuple[int, int] | None = None
 
   def setup(self):
     cfg = self.cfg
@@ -404,7 +422,7 @@ class Qwen(nn.Module):
     self.layers = nn.scan(
         layer, variable_axes={"params": 0}, split_rngs={"params": True},
         length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"},
-    )(cfg, self.dtype, self.param_dtype, self.act_sharding, self.collect_kv)
+    )(cfg, self.dtype, self.param_dtype, self.act_sharding, self.packed)
     self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = self.param(
@@ -412,23 +430,19 @@ class Qwen(nn.Module):
           (cfg.hidden_size, cfg.vocab_size), self.param_dtype)
 
   def __call__(self, tokens_BT: Array, positions_BT: Array, attn_mask_BS: Array,
-               cache: Cache | None = None, cache_index: Array | int | None = None,
-               prefix: Cache | None = None):
-    """Returns (hidden_BTD after the final norm, updated cache or None); with collect_kv the
-    second result is this call's keys/values per layer instead.
-
-    prefix: keys/values [L, b, K, P, H] of a shared prefix (from a collect_kv call), row i of
-      it used by rows [i·B/b, (i+1)·B/b); attn_mask_BS then covers P + T slots.
-    """
+               cache: Cache | None = None, cache_index: Array | int | None = None):
+    """Returns (hidden_BTD after the final norm, updated cache or None)."""
     if cache is not None and cache_index is None:
       raise ValueError("a cache needs a cache_index (the slot of the first token)")
+    if cache is not None and self.packed is not None:
+      raise ValueError("a packed call takes no cache")
     if cache is not None and not self.cfg.is_causal:
       raise BidirectionalDecodeError(not_causal_message(self.cfg))
     x = _constrain(self.embed_tokens(tokens_BT), self.act_sharding)
     carry = (x, cache, jnp.int32(0), positions_BT, attn_mask_BS,
              None if cache is None else jnp.asarray(cache_index, jnp.int32))
-    (x, cache, *_), kv = self.layers(carry, prefix)
-    return self.norm(x), kv if self.collect_kv else cache
+    (x, cache, *_), _ = self.layers(carry, None)
+    return self.norm(x), cache
 
   def logits(self, hidden_BTD: Array) -> Array:
     """fp32 logits; for training use grpo_jax.grpo's chunked log-probs instead of this."""
