@@ -132,6 +132,35 @@ def test_kv_cache_prefill_then_decode_equals_full_forward(checkpoints):
   assert np.abs(logits - full)[real].max() <= 1e-5
 
 
+def test_packed_prompt_and_completions_equal_the_full_forward(checkpoints):
+  """Qwen.packed: a row [prompt, completion 1, ..., completion G] gives each completion's hidden
+  states of the full forward over [prompt, completion] (and the prompt's own)."""
+  params, cfg = weights.load_checkpoint(checkpoints["qwen3"])
+  g, c = 3, 4
+  prompts, pmask = _left_padded_batch(seed=2, batch=2, length=7)  # one prompt left-padded by 3
+  rng = np.random.default_rng(3)
+  comp = rng.integers(1, VOCAB, (2 * g, c))
+  cmask = np.ones((2 * g, c), np.int32)
+  cmask[1, 2:] = 0  # a completion that ended early (its tail is padding)
+  full_tokens = np.concatenate([np.repeat(prompts, g, 0), comp], 1)
+  full_mask = np.concatenate([np.repeat(pmask, g, 0), cmask], 1)
+  full_pos = qwen.positions_from_mask(jnp.asarray(full_mask))
+  want, _ = qwen.Qwen(cfg).apply({"params": params}, full_tokens, full_pos, full_mask)
+
+  pack = lambda x: jnp.concatenate([x[::g, :7], x[:, 7:].reshape(2, g * c)], 1)
+  got, _ = qwen.Qwen(cfg, packed=(7, g)).apply(
+      {"params": params}, pack(full_tokens), pack(full_pos), (pmask, full_mask))
+  real = full_mask.astype(bool)
+  np.testing.assert_allclose(np.asarray(got[:, 7:]).reshape(2 * g, c, -1)[real[:, 7:]],
+                             np.asarray(want[:, 7:])[real[:, 7:]], atol=2e-6)
+  np.testing.assert_allclose(np.asarray(got[:, :7])[pmask.astype(bool)],
+                             np.asarray(want[::g, :7])[pmask.astype(bool)], atol=2e-6)
+  with pytest.raises(ValueError, match="packed call takes no cache"):
+    qwen.Qwen(cfg, packed=(7, g)).apply({"params": params}, pack(full_tokens), pack(full_pos),
+                                        (pmask, full_mask), cache=qwen.init_cache(cfg, 2, 40),
+                                        cache_index=0)
+
+
 def test_bidirectional_attention_sees_later_tokens_and_cannot_decode(checkpoints):
   """is_causal=false: changing a row's last token changes its first position's output (it
   never does causally); padding still hides the pad slots; a KV cache is refused."""
