@@ -33,7 +33,8 @@ gradient accumulation). Same workload on both sides:
 
 grpo_jax side: configs/gsm8k.py's default preset with the fields above overridden, then
 grpo_jax.train.Trainer(config, cfg, mesh, tokenizer, stop_ids) as train.run builds it, and
-trainer.grpo_step(state, ref_params, next_rows, rewards, step) per step (see run_grpo_jax).
+trainer.grpo_step(state, ref_params, next_rows, rewards, step) per step (see run_grpo_jax),
+ref_params one ulp from the policy, so that every step runs the reference forward.
 TRL side: GRPOTrainer(model=<checkpoint dir>, ...) with GRPOConfig (use_vllm False, bf16/fp16
 False, per_device_train_batch_size 64, max_steps warmup + steps, logging/saving off, dataset
 not shuffled) and trainer.train(); the step is timed by a TrainerCallback (on_step_begin to
@@ -271,7 +272,12 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   spies = {"step_fn": _Spy(trainer.step_fn)}
   trainer.step_fn = spies["step_fn"]
   state = jax.block_until_ready(trainer.init_state(params))
-  ref_params = params
+  # The reference is the policy moved by one ulp per element: the same forward in every way
+  # that costs time, but not bitwise equal, so the step runs its reference forward as TRL does
+  # every step. (While the policy equals its reference, train_step skips that forward; a real
+  # run's policy leaves it at its first update, this random model earns no reward and never
+  # would.)
+  ref_params = jax.tree.map(lambda x: jnp.nextafter(x, jnp.inf), params)
   unit, group = spies["step_fn"].fn.micro_layout(NUM_PROMPTS * G)  # as the step runs it
   logprob_fn = train_step.make_logprob_fn(
       cfg, trainer.optim, mesh, temperature=c.sampling.temperature,
