@@ -10,7 +10,8 @@ One call is a whole GRPO update: `make_batch` (advantages, masks), the reference
 (β > 0), and the loss.num_iterations (μ) optimizer updates, in one compiled program. The
 first update's forward gives the old log-probs for the later ones (its params are the params
 before any update), so no separate forward is run for them; with μ = 1 the ratio is exactly 1.
-The reference forward runs inside the first update's micro-batch loop.
+The reference forward runs inside the first update's micro-batch loop; while the params
+equal the reference's (a run's first step), the policy's log-probs are taken for it.
 
 A call takes one of two batch layouts (B = rows = prompts × G, group-major; P, C the batch's
 padded prompt and completion widths, S = P + C):
