@@ -6,7 +6,7 @@ default — Qwen2.5-1.5B-Instruct on openai/gsm8k, the reference GSM8K GRPO reci
     python -m grpo_jax.main --config=configs/gsm8k.py --workdir=runs/gsm8k_1.5b
   Needs the hub (or a local copy: --config.model.checkpoint=/path --config.data.source=/path)
   and an accelerator. Hardware: one TPU v5e-8 host, 16 GB per chip (mesh fsdp = 8); 8 GPUs of
-  16 GB or more do too. Memory per device (benchmarks/memory.py below): train step 10.86 GB
+  16 GB or more do too. Memory per device (benchmarks/memory.py below): train step 9.15 GB
   (12 micro-batches of 8 whole groups, one per device), sampler 7.59 GB (its 768 × (512 +
   1024)-slot bf16 KV cache is 4.23 GB of it). About 20 s of generation + 4 s of training per
   step on 8 × H100 (estimated from the token counts, not measured here); 500 steps ≈ 3.5 h.
@@ -19,19 +19,20 @@ default — Qwen2.5-1.5B-Instruct on openai/gsm8k, the reference GSM8K GRPO reci
   group each:
     python -m grpo_jax.main --config=configs/gsm8k.py:0.5b --workdir=runs/gsm8k_0.5b
   Hardware: one 16 GB device (mesh 1×1×1), such as a Colab T4 or L4 or a TPU v5e-1. Memory:
-  train step 15.36 GB (fp32 params 1.98 + AdamW moments 3.95 + gradients and their
+  train step 13.46 GB (fp32 params 1.98 + AdamW moments 3.95 + gradients and their
   accumulator 3.95 + activations), sampler 12.23 GB (the 384 × (512 + 512)-slot bf16 KV cache
   is 24 layers × 2 × 2 kv heads × 64 × 2 bytes per slot = 4.83 GB, plus the params and the
   resident moments). On a GPU let JAX take the memory: XLA_PYTHON_CLIENT_MEM_FRACTION=.95
-  (the default preallocates 75%). With beta = 0.001 (the KL term) the step needs 19.42 GB:
-  use a 24 GB device. Expected pass@1 from ~30% to ~45-50% (published range).
+  (the default preallocates 75%). With beta = 0.001 (the KL term) the step needs 15.79 GB:
+  too close to 16 GB, use a 24 GB device. Expected pass@1 from ~30% to ~45-50% (published range).
 
 Memory figures: `python3 benchmarks/memory.py --config=configs/gsm8k.py:<preset>` compiles
   the preset's train step and sampler ahead of time on `hardware.devices` fake CPU devices
   (no weights) at its largest shapes (prompts at the largest bucket, 512; completions at
   max_new_tokens) and prints XLA's peak per device (arguments + outputs − donated + temporaries)
   against hardware.memory_gb_per_device, then preset_fits=yes|no. GB = 1e9 bytes; measured
-  2026-11-23. The CPU compiler stands in for the accelerator's: it upcasts bf16 matmul operands
+  2026-11-25 (train step: 2026-11-23's figures were 10.86, 15.36 and 19.42 GB before the
+  training forward ran each group's prompt and completions in one pass). The CPU compiler stands in for the accelerator's: it upcasts bf16 matmul operands
   to fp32 (over-counting by a few GB), while a TPU may pad small minor dimensions (0.5b's
   head_dim of 64) to its 128 lanes, which the CPU figures leave out. GSM8K's longest prompt
   under this template is 264 Qwen tokens (bucket 288), so real batches are smaller than the
