@@ -32,9 +32,10 @@ Memory figures: `python3 benchmarks/memory.py --config=configs/gsm8k.py:<preset>
   max_new_tokens) and prints XLA's peak per device (arguments + outputs − donated + temporaries)
   against hardware.memory_gb_per_device, then preset_fits=yes|no. GB = 1e9 bytes; measured
   2026-11-25 (train step: 2026-11-23's figures were 10.86, 15.36 and 19.42 GB before the
-  training forward ran each group's prompt and completions in one pass). The CPU compiler stands in for the accelerator's: it upcasts bf16 matmul operands
-  to fp32 (over-counting by a few GB), while a TPU may pad small minor dimensions (0.5b's
-  head_dim of 64) to its 128 lanes, which the CPU figures leave out. GSM8K's longest prompt
+  training forward ran each group's prompt and completions in one pass). The CPU compiler
+  stands in for the accelerator's: it upcasts bf16 matmul operands to fp32 (over-counting by
+  a few GB), while a TPU may pad small minor dimensions (0.5b's head_dim of 64) to its 128
+  lanes, which the CPU figures leave out. GSM8K's longest prompt
   under this template is 264 Qwen tokens (bucket 288), so real batches are smaller than the
   shapes measured.
 

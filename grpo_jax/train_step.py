@@ -515,7 +515,7 @@ class TrainStep:
 
   # --- the traced program ----------------------------------------------------------------------
 
-  def _loss(self, params, ref_params, mb, norm, ref_is_policy=False):
+  def _loss(self, params, ref_params, mb, norm, ref_is_policy):
     """One micro-batch's share of the loss; aux: metric sums, log-probs, reference log-probs.
     ref_is_policy: a traced bool, whether ref_params equal params as the forward uses them."""
     C = mb["completion_mask_BC"].shape[1]
