@@ -205,3 +205,14 @@ def test_tie_across_the_top_p_boundary_is_kept_whole():
   assert set(np.flatnonzero(probs[0])) - set(np.flatnonzero(hf[0])) <= set(tied)
   tokens, _ = _draw(row, top_p=0.6)
   _check_draws(tokens, probs)
+
+
+def test_uniforms_are_jax_random_uniform_of_each_row_key():
+  """_Uniforms draws flat and reshapes (it compiles faster): the numbers must stay those of
+  jax.random.uniform(fold_in(row key, round), shape), so that sampled streams do not move."""
+  keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3), i))(jnp.arange(5))
+  uniforms = sampling._Uniforms(keys, num_chunks=7)
+  for round_, shape in ((1, (7, 2, 3)), (4, (1,)), (0, (3, 5))):
+    want = np.stack([np.asarray(jax.random.uniform(jax.random.fold_in(k, round_), shape))
+                     for k in keys])
+    np.testing.assert_array_equal(np.asarray(uniforms(round_, shape)), want)
