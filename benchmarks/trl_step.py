@@ -103,6 +103,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import os
 import resource
@@ -282,6 +283,7 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   logprob_fn = train_step.make_logprob_fn(
       cfg, trainer.optim, mesh, temperature=c.sampling.temperature,
       valid_vocab_size=tokenizer_lib.valid_vocab_size(tokenizer), group=group, unit=unit)
+  gc.freeze()  # as train.run does before its loop
   out["setup_s"] = time.perf_counter() - out["t_start"]
 
   def reference_inputs(batch):

@@ -13,6 +13,7 @@ Files in the workdir: see README ("What a run writes").
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import signal
 import sys
@@ -151,6 +152,11 @@ def run(config, workdir: str) -> dict:
     ckpt.save(step, ckpt_state, it.position())
 
   done = start
+  # What setup built lives for the run (data, tokenizer, modules): frozen out of the cyclic
+  # collector's view, a full collection walks only what the steps allocate. In the first step
+  # of benchmarks/trl_step.py's small workload (its programs trace then) the collector took
+  # 0.20 s over ~340,000 setup objects, 0.04 s with them frozen.
+  gc.freeze()
   try:
     if restored is None:
       acc = trainer.evaluate(state["params"], eval_rows, ref_params)
@@ -206,6 +212,7 @@ def run(config, workdir: str) -> dict:
         print(f"grpo_jax: SIGTERM: saved step {done}, exiting", flush=True)
         break
   finally:
+    gc.unfreeze()  # run() may be called again in this process (tests, sweeps)
     ckpt.close()
     metrics_writer.close()
     signal.signal(signal.SIGTERM, previous)

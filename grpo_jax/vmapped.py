@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -456,6 +457,7 @@ def run_group(configs, workdirs) -> list[dict]:
       m.ref = None if ref_K is None else unstack(ref_K, k)
       m.save(step)
 
+  gc.freeze()  # setup's objects out of the collector's view, as in train.run
   try:
     bad = [0] * len(members)
     bar = tqdm(range(start, cfg0.train.steps), initial=start, total=cfg0.train.steps,
@@ -513,6 +515,7 @@ def run_group(configs, workdirs) -> list[dict]:
         print(f"grpo_jax.vmapped: SIGTERM: saved step {done}, exiting", flush=True)
         break
   finally:
+    gc.unfreeze()
     for m in members:
       if m.ckpt is not None:
         m.ckpt.close()
