@@ -497,9 +497,12 @@ def test_dr_grpo_divides_by_max_completion_length_not_the_padded_width(params, d
     results.append(step(train_step.create_train_state(p, MODEL, optim, mesh), b))
   (s1, m1, _), (s2, m2, _) = results
   np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-6)
-  # The wider batch sums in another order: the same step tolerance as assert_same_step.
-  for x, y in zip(jax.tree.leaves(host(s1)), jax.tree.leaves(host(s2))):
-    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+  # The wider batch sums in another order, so the step is compared as assert_same_step does:
+  # gradients to 1e-5 of their scale, params to 1e-5. Not params to 1e-7: AdamW's first update
+  # is lr·g/(|g| + eps), which turns a rounding difference in a gradient near eps (1e-8) into
+  # a visible one in the param (on one machine: g 4.91e-8 against 4.87e-8, 2e-7 of the
+  # gradients' scale, moved a q_proj weight by 8.31e-4 against 8.30e-4 at lr 1e-3).
+  assert_same_step(host(s2), host(m2), host(s1), host(m1))
 
 
 def test_sft_objective_is_the_mean_nll_of_completion_tokens(params, data):
