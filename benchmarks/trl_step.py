@@ -61,7 +61,8 @@ Phases (each side's own clocks; medians over the measured steps):
              forward, printed as "loss forward") + backward + clip + Adam + zero_grad.
   other      step - sample - reward - reference - update (TRL: padding, advantages, metrics
              inside _prepare_inputs).
-The first step of every worker is reported separately (grpo_jax: includes XLA compilation).
+The first step of every worker is reported separately (grpo_jax: includes XLA compilation,
+from scratch: the worker turns the persistent compilation cache off).
 
 FLOPs of one grpo_jax step, counted analytically (matmuls only: 2 FLOPs per multiply-add;
 biases, norms, RoPE, softmax and the optimizer's elementwise work are left out):
@@ -242,9 +243,14 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   import jax.numpy as jnp
   import numpy as np
   from configs import gsm8k
-  from grpo_jax import sharding, tokenizer as tokenizer_lib, train, train_step, validate
+  from grpo_jax import (compile_cache, sharding, tokenizer as tokenizer_lib, train, train_step,
+                        validate)
   from grpo_jax.models import weights
   from grpo_jax.rewards import build_rewards
+
+  # The first step compiles from scratch: no persistent compilation cache, whatever
+  # JAX_COMPILATION_CACHE_DIR says (train.run would use one; a re-run would then load them).
+  compile_cache.enable("")
 
   c = gsm8k.get_config("default")
   c.seed = SEED

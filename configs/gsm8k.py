@@ -146,6 +146,10 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
       max_missing_reward_steps=3,
       tensorboard=True,
       wandb=False,
+      # Compiled programs on disk, loaded by a resumed or repeated run instead of compiled
+      # (grpo_jax.compile_cache): None = $JAX_COMPILATION_CACHE_DIR or ~/.cache/grpo_jax/xla;
+      # a path (gs:// too); "" = off.
+      compilation_cache=config_dict.placeholder(str),
   ))
 
   # Supervised warm start (cold start) on the training answers before GRPO; 0 = off.

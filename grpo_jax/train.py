@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from grpo_jax import (checkpoint, data, grpo, hosts, inputs, logging_io, plots, rollout,
-                      sampler as sampler_lib, sft, sharding, storage,
+from grpo_jax import (checkpoint, compile_cache, data, grpo, hosts, inputs, logging_io, plots,
+                      rollout, sampler as sampler_lib, sft, sharding, storage,
                       tokenizer as tokenizer_lib, train_step, validate)
 from grpo_jax.agent import rollout as agent_rollout, traces as agent_traces
 from grpo_jax.errors import UserError
@@ -66,6 +66,7 @@ def setup(config, workdir: str) -> Setup:
   workdir = os.fspath(root)
   validate.validate(config, jax.device_count())
   validate.validate_processes(config, jax.device_count(), hosts.count())
+  compile_cache.enable(config.train.compilation_cache)  # before anything compiles
   main = hosts.is_main()
   if main:
     root.mkdir(parents=True, exist_ok=True)
@@ -113,7 +114,8 @@ def run(config, workdir: str) -> dict:
         f"{len(train_rows)} train / {len(eval_rows)} eval prompts"
         f"{f' / {len(sft_eval_rows)} warm-start validation' if sft_eval_rows else ''}, "
         f"mesh {dict(mesh.shape)}, "
-        f"workdir {workdir}", flush=True)
+        f"workdir {workdir}, "
+        f"compilation cache {jax.config.jax_compilation_cache_dir or 'off'}", flush=True)
 
   # The latest checkpoint whose files pass their checksums; damaged newer ones are skipped.
   restored = checkpoint.resume(workdir, trainer.abstract_checkpoint())

@@ -1,0 +1,63 @@
+"""JAX's persistent compilation cache for a run: compiled programs go to disk, and a later process
+that needs the same programs (a resumed run, the next run of a sweep, a re-run of a config)
+loads them instead of compiling again.
+
+    path = compile_cache.enable(config.train.compilation_cache)
+
+config.train.compilation_cache:
+  None (default)  $JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/grpo_jax/xla
+                  (~/.cache/grpo_jax/xla)
+  a path          that directory (local, or gs://... on a TPU VM: it outlives the VM)
+  ""              off: every process compiles everything
+
+Why it is safe to leave on: JAX keys an entry by the program itself, its compile options, the
+jax / jaxlib versions and the devices, so a changed config, model, shape or library compiles
+anew and never runs a stale program; XLA:CPU refuses an entry built for CPU features this
+machine lacks, and an unreadable entry is recompiled with a warning. The numbers are those of
+a fresh compile: the same executable is run. What is cached is code that runs, so keep the
+directory where only you can write (JAX's own warning). Programs that compile in under
+jax_persistent_cache_min_compile_time_secs (JAX's default, 1 s) are not written. The directory
+is capped at MAX_BYTES, least recently used entries going first, unless
+JAX_COMPILATION_CACHE_MAX_SIZE sets another cap.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+MAX_BYTES = 8 << 30
+
+
+def resolve(setting: str | None) -> str | None:
+  """The cache directory that `setting` (config.train.compilation_cache) means; None: off.
+
+  >>> resolve("")  # off
+  >>> resolve("/fast/xla")
+  '/fast/xla'
+  """
+  if setting == "":
+    return None
+  if setting:
+    return setting if "://" in setting else os.path.abspath(os.path.expanduser(setting))
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+  return os.path.join(base, "grpo_jax", "xla")
+
+
+def enable(setting: str | None) -> str | None:
+  """Points this process's JAX at the cache `setting` means (or turns it off); returns the
+  directory. Call it before the run compiles anything; calling it again with another
+  directory (several runs in one process) switches the cache over."""
+  path = resolve(setting)
+  if path and jax.config.jax_compilation_cache_max_size == -1 and not os.environ.get(
+      "JAX_COMPILATION_CACHE_MAX_SIZE"):
+    # A cap also makes JAX lock the directory around each read and write, so processes
+    # sharing it (a sweep's runs, the hosts of a slice) never read an entry being written.
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+  if path != jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax_cache.reset_cache()  # the next compile opens the new directory (or none)
+  return path

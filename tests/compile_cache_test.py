@@ -1,0 +1,80 @@
+"""The persistent compilation cache: which directory a setting means, and that a program
+compiled once is loaded from it by a later compile (the same numbers), and not when it is off."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_jax import compile_cache
+
+
+def test_settings_name_the_directory(monkeypatch, tmp_path):
+  assert compile_cache.resolve("") is None
+  assert compile_cache.resolve("gs://bucket/xla") == "gs://bucket/xla"
+  monkeypatch.setenv("HOME", str(tmp_path))
+  assert compile_cache.resolve("~/xla") == str(tmp_path / "xla")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/from/env")
+  assert compile_cache.resolve(None) == "/from/env"
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert compile_cache.resolve(None) == str(tmp_path / "xdg" / "grpo_jax" / "xla")
+  monkeypatch.delenv("XDG_CACHE_HOME")
+  assert compile_cache.resolve(None) == str(tmp_path / ".cache" / "grpo_jax" / "xla")
+
+
+@pytest.fixture
+def hits():
+  """Counts the persistent cache's hits while the test runs."""
+  seen = []
+
+  def listener(event, **_):
+    if event == "/jax/compilation_cache/cache_hits":
+      seen.append(event)
+  jax.monitoring.register_event_listener(listener)
+  yield seen
+  jax.monitoring.unregister_event_listener(listener)
+
+
+@pytest.fixture
+def restore_session_cache():
+  max_size = jax.config.jax_compilation_cache_max_size
+  min_time = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # this small program too
+  yield
+  jax.config.update("jax_compilation_cache_max_size", max_size)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
+  compile_cache.enable(None)  # the session's directory (conftest's JAX_COMPILATION_CACHE_DIR)
+
+
+def _program(x):
+  for i in range(4):
+    x = jnp.tanh(x @ x.T * (0.1 + i)) + jnp.cumsum(x, axis=0)
+  return x
+
+
+def test_a_compiled_program_is_loaded_by_the_next_compile(tmp_path, hits,
+                                                         restore_session_cache, monkeypatch):
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
+  jax.config.update("jax_compilation_cache_max_size", -1)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(24, 24)), jnp.float32)
+  assert compile_cache.enable(str(tmp_path / "xla")) == str(tmp_path / "xla")
+  # No cap was set: enable sets one (LRU eviction, and the lock that readers and writers take).
+  assert jax.config.jax_compilation_cache_max_size == compile_cache.MAX_BYTES
+  fresh = np.asarray(jax.jit(_program)(x))
+  entries = set(os.listdir(tmp_path / "xla"))
+  assert any(name.startswith("jit__program") for name in entries), entries
+  assert not hits
+
+  jax.clear_caches()  # as a new process: nothing compiled in memory
+  loaded = np.asarray(jax.jit(_program)(x))
+  assert len(hits) == 1
+  np.testing.assert_array_equal(loaded, fresh)
+
+  compile_cache.enable("")  # off: compiled again, nothing read or written
+  jax.clear_caches()
+  np.testing.assert_array_equal(np.asarray(jax.jit(_program)(x)), fresh)
+  np.asarray(jax.jit(lambda y: _program(y) * 2)(x))
+  assert len(hits) == 1
+  assert set(os.listdir(tmp_path / "xla")) == entries
