@@ -39,6 +39,8 @@ def hits():
 
 @pytest.fixture
 def restore_session_cache():
+  """Lets the test write programs of any compile time and change the cache's settings, and
+  puts back the session's cache (conftest) afterwards."""
   max_size = jax.config.jax_compilation_cache_max_size
   min_time = jax.config.jax_persistent_cache_min_compile_time_secs
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # this small program too
