@@ -1,6 +1,9 @@
-"""JAX's persistent compilation cache for a run: compiled programs go to disk, and a later process
-that needs the same programs (a resumed run, the next run of a sweep, a re-run of a config)
-loads them instead of compiling again.
+"""How grpo_jax compiles: JAX's persistent compilation cache for a run, and the XLA options of its
+programs on the CPU.
+
+The cache: compiled programs go to disk, and a later process that needs the same programs (a
+resumed run, the next run of a sweep, a re-run of a config) loads them instead of compiling
+again.
 
     path = compile_cache.enable(config.train.compilation_cache)
 
@@ -19,6 +22,13 @@ directory where only you can write (JAX's own warning). Programs that compile in
 jax_persistent_cache_min_compile_time_secs (JAX's default, 1 s) are not written. The directory
 is capped at MAX_BYTES, least recently used entries going first, unless
 JAX_COMPILATION_CACHE_MAX_SIZE sets another cap.
+
+The options: `compiler_options(mesh)` goes to every jax.jit of a large program (sampler, train
+step, log-prob and reward-model passes). On the CPU it compiles with LLVM at -O1 instead of XLA's
+-O3: the matmuls are library calls either way, and what LLVM optimises is the fusions around
+them. Measured on benchmarks/trl_step.py's small workload (README, Speed): compiles about 20%
+shorter, steps no slower. Results differ from -O3's in the last bits (fused multiply-adds are
+formed differently), as between any two compilers. Other platforms get None: their defaults.
 """
 from __future__ import annotations
 
@@ -28,6 +38,7 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 MAX_BYTES = 8 << 30
+CPU_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
 def resolve(setting: str | None) -> str | None:
@@ -61,3 +72,10 @@ def enable(setting: str | None) -> str | None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax_cache.reset_cache()  # the next compile opens the new directory (or none)
   return path
+
+
+def compiler_options(mesh=None) -> dict | None:
+  """The `compiler_options` for jax.jit of a program that runs on `mesh`'s devices (None: JAX's
+  default devices): CPU_OPTIONS on the CPU, else None."""
+  device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+  return dict(CPU_OPTIONS) if device.platform == "cpu" else None

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from grpo_jax import data, hosts, sampling
+from grpo_jax import compile_cache, data, hosts, sampling
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.models import qwen
 
@@ -151,11 +151,13 @@ class Sampler:
     self.valid, self.pad_id, self.mesh = valid, int(pad_id), mesh
     self.vocab_chunk = min(int(vocab_chunk), valid)
     self.top_p_draws = int(top_p_draws)
-    self._prefill = jax.jit(self._prefill_impl, static_argnums=(3, 4))
+    opts = compile_cache.compiler_options(mesh)
+    self._prefill = jax.jit(self._prefill_impl, static_argnums=(3, 4), compiler_options=opts)
     # The cache (argument 1) is donated: the decode loop updates the prefill's buffer in place.
-    self._decode = jax.jit(self._decode_impl, static_argnums=(6, 7), donate_argnums=(1,))
-    self._append = jax.jit(self._append_impl, donate_argnums=(1,))
-    self._next_logprobs = jax.jit(self._next_logprobs_impl)
+    self._decode = jax.jit(self._decode_impl, static_argnums=(6, 7), donate_argnums=(1,),
+                           compiler_options=opts)
+    self._append = jax.jit(self._append_impl, donate_argnums=(1,), compiler_options=opts)
+    self._next_logprobs = jax.jit(self._next_logprobs_impl, compiler_options=opts)
 
   # --- device side -------------------------------------------------------------------------
 

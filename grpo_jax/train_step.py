@@ -76,7 +76,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_dict
 
-from grpo_jax import grpo, hosts, logprobs, sharding
+from grpo_jax import compile_cache, grpo, hosts, logprobs, sharding
 from grpo_jax.models import qwen
 from grpo_jax.rewards.options import DTYPES
 
@@ -449,7 +449,7 @@ def make_logprob_fn(model_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_
     return _join_micro(logp_ABC, unit)
 
   return jax.jit(fn, in_shardings=(param_sh, row_sh, row_sh), out_shardings=row_sh,
-                 static_argnums=3)
+                 static_argnums=3, compiler_options=compile_cache.compiler_options(mesh))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -689,7 +689,8 @@ class TrainStep:
           self._program,
           in_shardings=(self.state_sh, self.state_sh["params"] if with_ref else None,
                         batch_shardings(batch, self.mesh)),
-          out_shardings=(self.state_sh, rep, row_sh), donate_argnums=0)
+          out_shardings=(self.state_sh, rep, row_sh), donate_argnums=0,
+          compiler_options=compile_cache.compiler_options(self.mesh))
     return self._jitted[key]
 
   def _needs_ref(self, batch) -> bool:
@@ -719,7 +720,8 @@ def make_grad_fn(model_cfg, loss_cfg, optim_cfg, mesh, batch, **step_kw):
     return sums["loss"], grads
   param_sh = step.state_sh["params"]
   return jax.jit(fn, in_shardings=(param_sh, batch_shardings(batch, mesh)),
-                 out_shardings=(sharding.replicated(mesh), param_sh))
+                 out_shardings=(sharding.replicated(mesh), param_sh),
+                 compiler_options=compile_cache.compiler_options(mesh))
 
 
 def make_train_step(model_cfg, loss_cfg, optim_cfg, mesh, **kw) -> TrainStep:

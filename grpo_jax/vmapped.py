@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from grpo_jax import (checkpoint, data, grpo, inputs, logging_io, plots, rollout, sft, sharding,
-                      sweep, train, train_step)
+from grpo_jax import (checkpoint, compile_cache, data, grpo, inputs, logging_io, plots, rollout,
+                      sft, sharding, sweep, train, train_step)
 from grpo_jax.errors import UserError
 from grpo_jax.models import weights
 from grpo_jax.rewards import Interrupted, MissingRewardsError, RewardHealth
@@ -189,8 +189,10 @@ class StackedSampler:
 
   def __init__(self, sampler):
     self.s = sampler
-    self._prefill = jax.jit(self._prefill_impl, static_argnums=(3, 4))
-    self._decode = jax.jit(self._decode_impl, static_argnums=(6, 7), donate_argnums=(1,))
+    opts = compile_cache.compiler_options(sampler.mesh)
+    self._prefill = jax.jit(self._prefill_impl, static_argnums=(3, 4), compiler_options=opts)
+    self._decode = jax.jit(self._decode_impl, static_argnums=(6, 7), donate_argnums=(1,),
+                           compiler_options=opts)
 
   def _prefill_impl(self, params_K, tokens_KBP, mask_KBP, g, capacity):
     return jax.vmap(lambda p, t, m: self.s._prefill_impl(p, t, m, g, capacity))(
@@ -285,7 +287,8 @@ class StackedTrainStep:
     batch_K = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
     key = train_step.TrainStep._key(batch_K, ref_K is not None)
     if key not in self._jitted:
-      self._jitted[key] = jax.jit(self._program, donate_argnums=0)
+      self._jitted[key] = jax.jit(self._program, donate_argnums=0,
+                                  compiler_options=compile_cache.compiler_options(st.mesh))
     return self._jitted[key](state_K, ref_K, batch_K)
 
 

@@ -80,3 +80,23 @@ def test_a_compiled_program_is_loaded_by_the_next_compile(tmp_path, hits,
   np.asarray(jax.jit(lambda y: _program(y) * 2)(x))
   assert len(hits) == 1
   assert set(os.listdir(tmp_path / "xla")) == entries
+
+
+def test_cpu_programs_compile_at_llvm_o1_and_other_platforms_keep_their_defaults():
+  from types import SimpleNamespace
+
+  from grpo_jax import sharding
+  opts = compile_cache.compiler_options(sharding.make_mesh((1, 2, 1)))
+  assert opts == {"xla_backend_optimization_level": 1} == compile_cache.compiler_options()
+  gpu_mesh = SimpleNamespace(devices=np.array([SimpleNamespace(platform="gpu")], dtype=object))
+  assert compile_cache.compiler_options(gpu_mesh) is None
+  # XLA checks option names (a misspelt one fails the compile), so this one is read; its
+  # program computes what NumPy does.
+  x = np.random.default_rng(1).normal(size=(24, 24)).astype(np.float32)
+  ref = x.astype(np.float64)
+  for i in range(4):
+    ref = np.tanh(ref @ ref.T * (0.1 + i)) + np.cumsum(ref, axis=0)
+  np.testing.assert_allclose(jax.jit(_program, compiler_options=opts)(x), ref, rtol=1e-4,
+                             atol=1e-4)
+  with pytest.raises(Exception, match="No such compile option"):
+    jax.jit(_program, compiler_options={"xla_backend_optimisation_level": 1})(x)

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import data, sampler as sampler_lib, tokenizer as tokenizer_lib
+from grpo_jax import compile_cache, data, sampler as sampler_lib, tokenizer as tokenizer_lib
 from grpo_jax.models import qwen, weights
 from grpo_jax.rewards import text
 from grpo_jax.rewards.options import DiversityOptions, LocalOptions, VerifierOptions, json_object
@@ -95,8 +95,9 @@ class FrozenModel:
     self.params, self.cfg, self.model, self.tokenizer = _load(checkpoint, tokenizer, dtype, field, is_causal)
     self.batch_size, self.max_tokens = batch_size, max_tokens
     self.buckets = length_buckets(max_tokens)
-    self._last_hidden = jax.jit(self._last_hidden_impl)
-    self._logprobs = jax.jit(self._logprobs_impl)
+    opts = compile_cache.compiler_options()
+    self._last_hidden = jax.jit(self._last_hidden_impl, compiler_options=opts)
+    self._logprobs = jax.jit(self._logprobs_impl, compiler_options=opts)
 
   @classmethod
   def from_options(cls, opts, field: str, is_causal: bool | None = None) -> "FrozenModel":
