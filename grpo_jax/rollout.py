@@ -109,6 +109,26 @@ class Rollouts:
       batch["turn_ids_BC"] = np.ascontiguousarray(self.turn_ids_BC[:, :c], np.int32)
     return batch
 
+  def train_batch(self, config, pad_id: int) -> dict[str, np.ndarray]:
+    """device_batch with a run's settings: data.prompt_buckets, train.pad_multiple,
+    loss.mask_truncated_completions."""
+    return self.device_batch(pad_id, buckets=config.data.prompt_buckets,
+                             multiple=config.train.pad_multiple,
+                             with_truncated=config.loss.mask_truncated_completions)
+
+
+def batch_layout(config, tokenizer, rows, num_rewards: int) -> dict[str, jax.ShapeDtypeStruct]:
+  """The layout (shapes, dtypes) of the train batch that single-turn rollouts of `rows` give
+  when their longest completion runs to sampling.max_new_tokens: what a run's first step
+  compiles for while it samples (train_step.TrainStep.precompile)."""
+  prompts, g = encode(config, tokenizer, rows), config.sampling.num_generations
+  b, width = len(rows) * g, config.sampling.max_new_tokens
+  longest = Rollouts(rows, prompts.texts, prompts.ids, np.zeros((b, width), np.int32),
+                     np.full(b, width), np.ones(b, bool), [""] * b,
+                     np.zeros((b, num_rewards), np.float32))
+  batch = longest.train_batch(config, tokenizer.pad_token_id)
+  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+
 
 def sample_and_score(config, sampler, tokenizer, params, rows, rewards, key):
   """Samples G completions for each row and scores them. Returns (Rollouts, reward metrics,

@@ -295,6 +295,22 @@ class Trainer:
       return agent_traces.examples(self.agent, rows)
     return sft.examples(self.config, self.tokenizer, rows)
 
+  def _compiling_ahead(self, next_rows, state, ref_params, num_rewards):
+    """next_rows, which also starts compiling the train program for its first rows' likely
+    batch (their longest completion at max_new_tokens) while they are sampled: the first
+    step then takes about the longer of sampling and compiling, not their sum."""
+    def first_rows():
+      rows = next_rows()
+      try:
+        layout = rollout.batch_layout(self.config, self.tokenizer, rows, num_rewards)
+      except Exception:  # noqa: BLE001 - a head start only: sampling these rows reports it
+        return rows
+      self.step_fn.precompile(state, layout, ref_params)
+      return rows
+
+    calls = iter([first_rows])
+    return lambda: next(calls, next_rows)()
+
   def grpo_step(self, state, ref_params, next_rows, rewards, step):
     """One GRPO step: rollouts (host), then one compiled program on the device: advantages,
     reference log-probs and the loss.num_iterations updates. next_rows() returns the next
@@ -309,11 +325,11 @@ class Trainer:
     else:
       sample_fn = lambda rows, k: rollout.sample_and_score(cfg, self.sampler, self.tokenizer,
                                                            params, rows, rewards, k)
+    if not (self.agent or self.step_fn.num_traces):
+      next_rows = self._compiling_ahead(next_rows, state, ref_params, len(rewards))
     batch_r, m = rollout.collect(cfg, sample_fn, next_rows, key)
     t0 = time.perf_counter()
-    host = batch_r.device_batch(self.tokenizer.pad_token_id, buckets=cfg.data.prompt_buckets,
-                                multiple=cfg.train.pad_multiple,
-                                with_truncated=cfg.loss.mask_truncated_completions)
+    host = batch_r.train_batch(cfg, self.tokenizer.pad_token_id)
     # Host arrays: checked here without a device round trip, then uploaded once, by the jitted
     # step's input shardings (the batch split over data × fsdp).
     state, train_m, adv_B = self.step_fn(state, host, ref_params)

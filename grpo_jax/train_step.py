@@ -64,10 +64,13 @@ the result does not depend on the micro-batching. An update whose loss or gradie
 finite leaves the state unchanged and reports `step/skipped`=1.
 
 Compiled programs are cached by the batch's layout (keys, shapes, dtypes): a new shape
-compiles once and never evicts another.
+compiles once and never evicts another. `precompile` compiles a layout's program in a
+background thread ahead of the batch (a run's first step: while it samples).
 """
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -512,6 +515,7 @@ class TrainStep:
                            block_bytes=optim_cfg.logprob_block_bytes)
     self.num_traces = 0  # programs traced (compiled): one per batch layout
     self._jitted = {}
+    self._ahead = {}  # layout key -> Future of its compiled program (precompile)
 
   # --- the traced program ----------------------------------------------------------------------
 
@@ -704,7 +708,40 @@ class TrainStep:
                 max_turns=self.max_turns)
     need_ref = self._needs_ref(batch)
     batch = hosts.put(batch, batch_shardings(batch, self.mesh))  # several processes: global
-    return self.jitted(batch, need_ref)(state, ref_params if need_ref else None, batch)
+    return self._program_for(batch, need_ref)(state, ref_params if need_ref else None, batch)
+
+  def precompile(self, state, batch_spec, ref_params=None):
+    """Starts compiling, in a background thread, the program for batches of batch_spec's
+    layout (name -> jax.ShapeDtypeStruct, as __call__ will get them); __call__ with a batch of
+    that layout waits for it instead of compiling. The thread is mostly idle-core work (XLA
+    compiles on one thread, outside Python's lock): a run's first step overlaps its compile
+    with sampling this way. A spec that no batch turns out to have costs that compile only."""
+    need_ref = self._needs_ref(batch_spec)
+    key = self._key(batch_spec, need_ref)
+    if key in self._ahead:
+      return
+    fn = self.jitted(batch_spec, need_ref)
+    # Abstract values: the thread holds no buffers (the step donates the state meanwhile).
+    state, ref = jax.tree.map(_abstract, (state, ref_params if need_ref else None))
+    self._ahead[key] = _background().submit(lambda: fn.lower(state, ref, batch_spec).compile())
+
+  def _program_for(self, batch, with_ref: bool):
+    ahead = self._ahead.get(self._key(batch, with_ref))
+    if ahead is not None:
+      try:
+        return ahead.result()
+      except Exception:  # noqa: BLE001 - compiled again by jit, which reports the error
+        pass
+    return self.jitted(batch, with_ref)
+
+
+def _abstract(x):
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+
+
+@functools.cache
+def _background() -> concurrent.futures.ThreadPoolExecutor:
+  return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo_jax-compile")
 
 
 def make_grad_fn(model_cfg, loss_cfg, optim_cfg, mesh, batch, **step_kw):

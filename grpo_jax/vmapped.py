@@ -476,10 +476,8 @@ def run_group(configs, workdirs) -> list[dict]:
         print(f"grpo_jax.vmapped: SIGTERM: saved step {step}, exiting", flush=True)
         break
       t0 = time.perf_counter()
-      hosts = pad_batches([pool.device_batch(
-          m.tokenizer.pad_token_id, buckets=cfg0.data.prompt_buckets,
-          multiple=cfg0.train.pad_multiple, with_truncated=cfg0.loss.mask_truncated_completions)
-          for m, pool in zip(members, pools)], m0.tokenizer.pad_token_id)
+      hosts = pad_batches([pool.train_batch(cfg0, m.tokenizer.pad_token_id)
+                           for m, pool in zip(members, pools)], m0.tokenizer.pad_token_id)
       state_K, train_m, adv_KB = step_fn(state_K, hosts, ref_K)
       train_m, adv_KB = jax.device_get((train_m, adv_KB))
       train_s = time.perf_counter() - t0

@@ -540,6 +540,34 @@ def test_compile_cache_is_keyed_by_shape(params, data):
   assert step.num_traces == 2 and len(step._jitted) == 2
 
 
+
+def test_a_precompiled_layout_runs_its_batches_with_the_same_numbers(params, data):
+  """precompile compiles a layout's program in the background; a batch of that layout runs
+  that program (traced once) and gets what a step compiling on the call gets; a batch of
+  another layout compiles its own."""
+  batch, _ = data
+  optim = optim_config(grad_accum_steps=1)
+  mesh, p = _on_one_device(params, optim)
+  keys = ("tokens_BS", "attn_mask_BS", "completion_mask_BC", "advantages_B", "truncated_B")
+  a = {k: batch[k] for k in keys}
+  b = {k: v[:, :-2] if v.ndim == 2 else v for k, v in a.items()}
+  fresh = lambda: train_step.create_train_state(p, MODEL, optim, mesh)
+  plain = train_step.make_train_step(MODEL, loss_config(beta=0.0), optim, mesh)
+  want, want_m, _ = plain(fresh(), a)
+
+  step = train_step.make_train_step(MODEL, loss_config(beta=0.0), optim, mesh)
+  state = fresh()
+  layout = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in a.items()}
+  step.precompile(state, layout)
+  step.precompile(state, layout)  # the same layout again: nothing more
+  got, got_m, _ = step(state, a)
+  assert step.num_traces == 1
+  assert float(got_m["loss"]) == float(want_m["loss"])
+  for x, y in zip(jax.tree.leaves(host(got["params"])), jax.tree.leaves(host(want["params"]))):
+    np.testing.assert_array_equal(x, y)
+  step(got, b)
+  assert step.num_traces == 2
+
 def test_cosine_schedule_counts_every_update_of_mu(params, data):
   """With μ = 2 the schedule runs over train.steps × μ updates: the lr of the last update is
   the schedule's at update 2·steps − 1 (> 0), not 0 from halfway on."""
