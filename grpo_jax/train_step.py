@@ -515,7 +515,7 @@ class TrainStep:
                            block_bytes=optim_cfg.logprob_block_bytes)
     self.num_traces = 0  # programs traced (compiled): one per batch layout
     self._jitted = {}
-    self._ahead = {}  # layout key -> Future of its compiled program (precompile)
+    self._ahead = set()  # layout keys whose program precompile has started
 
   # --- the traced program ----------------------------------------------------------------------
 
@@ -708,31 +708,26 @@ class TrainStep:
                 max_turns=self.max_turns)
     need_ref = self._needs_ref(batch)
     batch = hosts.put(batch, batch_shardings(batch, self.mesh))  # several processes: global
-    return self._program_for(batch, need_ref)(state, ref_params if need_ref else None, batch)
+    return self.jitted(batch, need_ref)(state, ref_params if need_ref else None, batch)
 
   def precompile(self, state, batch_spec, ref_params=None):
     """Starts compiling, in a background thread, the program for batches of batch_spec's
-    layout (name -> jax.ShapeDtypeStruct, as __call__ will get them); __call__ with a batch of
-    that layout waits for it instead of compiling. The thread is mostly idle-core work (XLA
-    compiles on one thread, outside Python's lock): a run's first step overlaps its compile
-    with sampling this way. A spec that no batch turns out to have costs that compile only."""
+    layout (name -> jax.ShapeDtypeStruct, as __call__ will get them): a run's first step
+    overlaps its compile with sampling this way (on 2 cores the two mostly take turns; README,
+    Speed). __call__ needs nothing more: jax.jit runs the executable that `.lower().compile()`
+    made for the same program, and a call made while that compile runs waits for it instead of
+    compiling again (tests/train_step_test.py counts the compiles). If the background compile
+    fails, the call compiles and reports the error. A layout no batch turns out to have costs
+    that compile only."""
     need_ref = self._needs_ref(batch_spec)
     key = self._key(batch_spec, need_ref)
     if key in self._ahead:
       return
+    self._ahead.add(key)
     fn = self.jitted(batch_spec, need_ref)
     # Abstract values: the thread holds no buffers (the step donates the state meanwhile).
     state, ref = jax.tree.map(_abstract, (state, ref_params if need_ref else None))
-    self._ahead[key] = _background().submit(lambda: fn.lower(state, ref, batch_spec).compile())
-
-  def _program_for(self, batch, with_ref: bool):
-    ahead = self._ahead.get(self._key(batch, with_ref))
-    if ahead is not None:
-      try:
-        return ahead.result()
-      except Exception:  # noqa: BLE001 - compiled again by jit, which reports the error
-        pass
-    return self.jitted(batch, with_ref)
+    _background().submit(lambda: fn.lower(state, ref, batch_spec).compile())
 
 
 def _abstract(x):

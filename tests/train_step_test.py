@@ -17,6 +17,7 @@ MODEL = qwen.QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num
                         tie_word_embeddings=True, qkv_bias=True)
 B, P, C, G = 32, 6, 8, 4
 EOS = MODEL.vocab_size - 1
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax.monitoring
 
 
 def loss_config(**kw):
@@ -540,11 +541,10 @@ def test_compile_cache_is_keyed_by_shape(params, data):
   assert step.num_traces == 2 and len(step._jitted) == 2
 
 
-
 def test_a_precompiled_layout_runs_its_batches_with_the_same_numbers(params, data):
   """precompile compiles a layout's program in the background; a batch of that layout runs
-  that program (traced once) and gets what a step compiling on the call gets; a batch of
-  another layout compiles its own."""
+  that program (traced and compiled once: the call waits for it) and gets what a step
+  compiling on the call gets; a batch of another layout compiles its own."""
   batch, _ = data
   optim = optim_config(grad_accum_steps=1)
   mesh, p = _on_one_device(params, optim)
@@ -558,15 +558,26 @@ def test_a_precompiled_layout_runs_its_batches_with_the_same_numbers(params, dat
   step = train_step.make_train_step(MODEL, loss_config(beta=0.0), optim, mesh)
   state = fresh()
   layout = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in a.items()}
-  step.precompile(state, layout)
-  step.precompile(state, layout)  # the same layout again: nothing more
-  got, got_m, _ = step(state, a)
-  assert step.num_traces == 1
-  assert float(got_m["loss"]) == float(want_m["loss"])
-  for x, y in zip(jax.tree.leaves(host(got["params"])), jax.tree.leaves(host(want["params"]))):
-    np.testing.assert_array_equal(x, y)
-  step(got, b)
+  compiled = []
+  listener = lambda name, secs, **_: compiled.append(name == _BACKEND_COMPILE)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    step.precompile(state, layout)
+    step.precompile(state, layout)  # the same layout again: nothing more
+    # Called at once, while the program compiles: the call waits for it, no second compile.
+    got, got_m, _ = step(state, a)
+    assert sum(compiled) == 1
+    assert step.num_traces == 1
+    assert float(got_m["loss"]) == float(want_m["loss"])
+    for x, y in zip(jax.tree.leaves(host(got["params"])),
+                    jax.tree.leaves(host(want["params"]))):
+      np.testing.assert_array_equal(x, y)
+    step(got, b)
+    assert sum(compiled) == 2
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
   assert step.num_traces == 2
+
 
 def test_cosine_schedule_counts_every_update_of_mu(params, data):
   """With μ = 2 the schedule runs over train.steps × μ updates: the lr of the last update is

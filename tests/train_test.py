@@ -299,7 +299,6 @@ def test_dynamic_sampling_trains_on_informative_groups_first(tmp_path, monkeypat
       assert s["advantage"] > 0 if _informs(r["question"]) else s["advantage"] == 0
 
 
-
 def test_the_first_steps_compile_ahead_layout_is_the_batch_at_max_new_tokens():
   """rollout.batch_layout (what the first step compiles while it samples) is the layout of the
   real train batch whose longest completion reaches max_new_tokens, and only of that one."""
@@ -307,8 +306,9 @@ def test_the_first_steps_compile_ahead_layout_is_the_batch_at_max_new_tokens():
   config.sampling.update(max_new_tokens=40, num_generations=4)
   config.loss.mask_truncated_completions = True
   tok = tokenizer_lib.load_tokenizer(str(fixtures.REAL_TOKENIZER))
+  long_question = "Tom has 3 apples and buys 4 more bags of 6 apples. " * 3
   rows = [{"question": "What is 2 + 3?", "answer": "#### 5"},
-          {"question": "Tom has 3 apples and buys 4 more bags of 6 apples. " * 3, "answer": "#### 27"}]
+          {"question": long_question, "answer": "#### 27"}]
   layout = rollout.batch_layout(config, tok, rows, num_rewards=2)
   prompts = rollout.encode(config, tok, rows)
   rng = np.random.default_rng(0)
@@ -320,8 +320,10 @@ def test_the_first_steps_compile_ahead_layout_is_the_batch_at_max_new_tokens():
   lengths_B = np.array([3, 40, 17, 8, 1, 39, 22, 5])
   assert real(lengths_B) == {k: (v.shape, v.dtype) for k, v in layout.items()}
   longest = max(map(len, prompts.ids))
-  assert layout["prompt_BP"].shape == (8, min(b for b in config.data.prompt_buckets if b >= longest))
+  bucket = min(b for b in config.data.prompt_buckets if b >= longest)
+  assert layout["prompt_BP"].shape == (8, bucket)
   assert real(np.minimum(lengths_B, 30))["completion_BC"][0] == (8, 32)
+
 
 def _flip_a_bit(step_dir: Path):
   """Flips one bit in the middle of the step's largest file (an array data file), as bit rot."""
