@@ -1,13 +1,15 @@
 """The persistent compilation cache: which directory a setting means, and that a program
-compiled once is loaded from it by a later compile (the same numbers), and not when it is off."""
+compiled once is loaded from it by a later compile (the same numbers), and not when it is off;
+and the XLA options of CPU programs (LLVM -O1), read by XLA and computing what NumPy does."""
 import os
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import compile_cache
+from grpo_jax import compile_cache, sharding
 
 
 def test_settings_name_the_directory(monkeypatch, tmp_path):
@@ -83,9 +85,6 @@ def test_a_compiled_program_is_loaded_by_the_next_compile(tmp_path, hits,
 
 
 def test_cpu_programs_compile_at_llvm_o1_and_other_platforms_keep_their_defaults():
-  from types import SimpleNamespace
-
-  from grpo_jax import sharding
   opts = compile_cache.compiler_options(sharding.make_mesh((1, 2, 1)))
   assert opts == {"xla_backend_optimization_level": 1} == compile_cache.compiler_options()
   gpu_mesh = SimpleNamespace(devices=np.array([SimpleNamespace(platform="gpu")], dtype=object))
