@@ -30,9 +30,8 @@ Memory figures: `python3 benchmarks/memory.py --config=configs/gsm8k.py:<preset>
   the preset's train step and sampler ahead of time on `hardware.devices` fake CPU devices
   (no weights) at its largest shapes (prompts at the largest bucket, 512; completions at
   max_new_tokens) and prints XLA's peak per device (arguments + outputs − donated + temporaries)
-  against hardware.memory_gb_per_device, then preset_fits=yes|no. GB = 1e9 bytes; measured
-  2026-11-25 (train step: 2026-11-23's figures were 10.86, 15.36 and 19.42 GB before the
-  training forward ran each group's prompt and completions in one pass). The CPU compiler
+  against hardware.memory_gb_per_device, then preset_fits=yes|no. GB = 1e9 bytes (earlier
+  figures: experiments/speed_history.md). The CPU compiler
   stands in for the accelerator's: it upcasts bf16 matmul operands to fp32 (over-counting by
   a few GB), while a TPU may pad small minor dimensions (0.5b's head_dim of 64) to its 128
   lanes, which the CPU figures leave out. GSM8K's longest prompt
@@ -46,11 +45,11 @@ tiny — offline, CPU, minutes: a 2-layer 128-wide Qwen2 with random weights, a 
   every 10 steps, at most 1,000 steps); GRPO with dynamic sampling then has to lift it:
     python -m grpo_jax.main --config=configs/gsm8k.py:tiny --workdir=runs/tiny
   Hardware: a CPU (memory: train step 0.13 GB, sampler 0.07 GB; 4 GB declared).
-  Measured on the 2-core CPU (2026-11-23, commit 3ce33fd, experiments/tiny_seeds_report/, the
-  sweep tool over seeds 0-4): held-out greedy accuracy gain +40.5 ± 7.2 points (mean ± std;
-  lowest +29.9), from 18.4-36.5% after the warm start; 2.9-4.7 minutes a run with two runs
-  sharing the CPU.
-  Learning rate: experiments/tiny_seeds.md (redone over seeds) and tiny_lr_sweep.md.
+  Runtime: a few minutes alone on 2 cores (the warm start's length depends on the seed).
+  Expected: held-out greedy accuracy gain +34.1 ± 7.4 points over seeds 0-4 (mean ± std;
+  lowest +25.4), from `python -m grpo_jax.sweep experiments/tiny_seeds.py
+  --workdir=runs/tiny_seeds --parallel=2` and `python -m grpo_jax.report runs/tiny_seeds`.
+  Per-seed tables and their history: experiments/tiny_seeds.md; learning rate: tiny_lr_sweep.md.
 """
 
 from ml_collections import config_dict
@@ -232,7 +231,7 @@ def _tiny(c: config_dict.ConfigDict) -> None:
   c.rewards.weights = (1.0,)
   c.loss.loss_type = "grpo"
   c.loss.beta = 0.0
-  c.optim.lr = 3e-5                 # 1e-4 plateaued lower (+13 points at step 200); see README
+  c.optim.lr = 3e-5                 # see experiments/tiny_lr_sweep.md and tiny_seeds.md
   c.optim.b2 = 0.99
   c.optim.grad_accum_steps = 1
   c.optim.max_grad_norm = 1.0
