@@ -26,9 +26,10 @@ JAX_COMPILATION_CACHE_MAX_SIZE sets another cap.
 The options: `compiler_options(mesh)` goes to every jax.jit of a large program (sampler, train
 step, log-prob and reward-model passes). On the CPU it compiles with LLVM at -O1 instead of XLA's
 -O3: the matmuls are library calls either way, and what LLVM optimises is the fusions around
-them. Measured on benchmarks/trl_step.py's small workload (README, Speed): compiles 10–20%
-shorter, steps no slower. Results differ from -O3's in the last bits (fused multiply-adds are
-formed differently), as between any two compilers. Other platforms get None: their defaults.
+them. Measured on benchmarks/trl_step.py's small workload (experiments/speed_history.md):
+compiles 10–20% shorter, steps no slower. Results differ from -O3's in the last bits (fused
+multiply-adds are formed differently), as between any two compilers. Other platforms get None:
+their defaults.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 needs. With one process every function here is the plain single-process operation, with no
 collective, so nothing else in grpo_jax branches on the process count.
 
-How a multi-host run divides the work (see README, "Several hosts"):
+How a multi-host run divides the work (see docs/platforms.md, "Several hosts"):
 - every process reads the dataset index and draws the same data order; each samples and scores
   its own contiguous share of a step's prompts (`share`), on the devices it owns;
 - the numbers that leave a host (completion ids, lengths, rewards: kilobytes) are gathered, so
