@@ -155,7 +155,8 @@ def measure_train_step(config, cfg, valid, mesh, prompt_len):
   with_ref = grpo.needs_reference(config.loss)
   ref = train_step.abstract_reference(cfg, optim, mesh) if with_ref else None
   t0 = time.time()
-  compiled = step.jitted(batch, with_ref).lower(state, ref, batch).compile()
+  hp = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), step.hparams)
+  compiled = step.program(batch, with_ref).lower(state, hp, ref, batch).compile()
   peak, line = peak_bytes(compiled)
   print(f"  train step, {rows} rows × ({prompt_len} + {s.max_new_tokens}) tokens, "
         f"grad_accum_steps={optim.grad_accum_steps}, reference "
@@ -172,8 +173,7 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
   from grpo_jax import sampler as sampler_lib, sharding  # pylint: disable=import-outside-toplevel
   from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
   optim, s = resolved_optim(config), config.sampling
-  model = qwen.Qwen(cfg, dtype=jnp.dtype(optim.compute_dtype),
-                    param_dtype=jnp.dtype(optim.param_dtype))
+  model = qwen.build(cfg, dtype=optim.compute_dtype, param_dtype=optim.param_dtype)
   smp = sampler_lib.Sampler(
       model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
       max_new_tokens=s.max_new_tokens, stop_ids=(0,), buckets=(prompt_len,),
@@ -192,10 +192,10 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
     b_pad = -(-b // mult) * mult
     tok = jax.ShapeDtypeStruct((b_pad, prompt_len), jnp.int32, sharding=row_sh(2))
     t0 = time.time()
-    prefill = smp._prefill.lower(params, tok, tok, g, prompt_len + s.max_new_tokens).compile()
+    lowered = smp.lower_prefill(params, tok, tok, g, prompt_len + s.max_new_tokens)
+    prefill = lowered.compile()
     p_peak, p_line = peak_bytes(prefill)
-    cache, st = prefill.out_info if hasattr(prefill, "out_info") else jax.eval_shape(
-        smp._prefill, params, tok, tok, g, prompt_len + s.max_new_tokens)
+    cache, st = lowered.out_info
     cache = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                          cache, prefill.output_shardings[0])
     st = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), st,
@@ -205,8 +205,8 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep)
     row_ids = jax.ShapeDtypeStruct((r, 2), jnp.int32, sharding=row_sh(2))
     active = jax.ShapeDtypeStruct((r,), jnp.bool_, sharding=row_sh(1))
-    decode = smp._decode.lower(params, cache, st, key, row_ids, active,
-                               smp._settings(settings), s.max_new_tokens).compile()
+    decode = smp.lower_decode(params, cache, st, key, row_ids, active, s.max_new_tokens,
+                              **settings).compile()
     d_peak, d_line = peak_bytes(decode)
     cache_gb = device_bytes(cache) / GB
     peak = max(p_peak, d_peak) + resident

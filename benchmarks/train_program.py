@@ -26,11 +26,12 @@ from grpo_jax import hosts, train_step  # noqa: E402
 
 
 def timed_program(runs):
-  def call(self, state, batch, ref_params=None):
+  def call(self, state, batch, ref_params=None, hparams=None):
     batch = hosts.put(batch, train_step.batch_shardings(batch, self.mesh))
-    fn = self.jitted(batch, self._needs_ref(batch))
+    fn = self.program(batch, self.needs_ref(batch))
+    hp = self.hparams if hparams is None else hparams
     t0 = time.perf_counter()
-    lowered = fn.lower(state, ref_params, batch)
+    lowered = fn.lower(state, hp, ref_params, batch)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     print(f"train program: trace + lower {t1 - t0:.2f} s, compile "
@@ -41,7 +42,7 @@ def timed_program(runs):
       for name, ref in refs.items():
         st = jax.block_until_ready(jax.tree.map(jnp.copy, state))  # the program donates it
         t = time.perf_counter()
-        _, metrics, _ = jax.block_until_ready(compiled(st, ref, batch))
+        _, metrics, _ = jax.block_until_ready(compiled(st, hp, ref, batch))
         print(f"run, {name}: {time.perf_counter() - t:.2f} s (loss/kl "
               f"{float(metrics['loss/kl']):.3g})", flush=True)
     sys.stdout.flush()

@@ -319,8 +319,13 @@ def log_importance_ratio(logp_BC, old_logp_BC, mask_BC, level):
   raise ValueError(f"importance_sampling_level={level!r} is not one of {IS_LEVELS}")
 
 
-def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights_BC, cfg):
+def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights_BC, cfg,
+               hp=None):
   """The weighted-sum loss of one (micro-)batch, and its metric sums.
+
+  hp: the train step's hyperparameter arrays ('beta', 'clip_low' = 1 - epsilon, 'clip_high' =
+  1 + epsilon_high; train_step.hparams), which take the place of cfg's values; the program's
+  structure (whether there is a KL term at all) still follows cfg.beta.
 
   old_logp_BC None → on-policy: stop_gradient(logp), so the ratio is exactly 1 (μ = 1).
   ref_logp_BC is read only when cfg.beta > 0.
@@ -337,7 +342,11 @@ def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights
                                       cfg.importance_sampling_level)
   ratio_BC = jnp.exp(log_ratio_BC)
   adv_B1 = advantages_B[:, None].astype(jnp.float32)
-  clipped_BC = jnp.clip(ratio_BC, 1.0 - cfg.epsilon, 1.0 + cfg.epsilon_high)
+  if hp is None:
+    beta, low, high = cfg.beta, 1.0 - cfg.epsilon, 1.0 + cfg.epsilon_high
+  else:
+    beta, low, high = hp["beta"], hp["clip_low"], hp["clip_high"]
+  clipped_BC = jnp.clip(ratio_BC, low, high)
   capped_BC = ratio_BC if cfg.delta is None else jnp.minimum(ratio_BC, cfg.delta)
   policy_BC = -jnp.minimum(capped_BC * adv_B1, clipped_BC * adv_B1)
   policy_loss = jnp.sum(weights_BC * policy_BC)
@@ -347,12 +356,12 @@ def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights
     kl = jnp.sum(weights_BC * kl_estimate(logp_BC, ref_logp_BC, cfg.kl_estimator))
   else:
     kl = jnp.zeros((), jnp.float32)
-  loss = policy_loss + cfg.beta * kl
+  loss = policy_loss + beta * kl
 
   # DAPO's clip metrics: a token is clipped when the clipped branch is the active one.
   ratio_BC = jax.lax.stop_gradient(ratio_BC)
-  low_BC = (ratio_BC < 1.0 - cfg.epsilon) & (adv_B1 < 0)
-  high_BC = (ratio_BC > 1.0 + cfg.epsilon_high) & (adv_B1 > 0)
+  low_BC = (ratio_BC < low) & (adv_B1 < 0)
+  high_BC = (ratio_BC > high) & (adv_B1 > 0)
   on_BC = mask_BC > 0
   sums = {
       "loss/policy": jax.lax.stop_gradient(policy_loss),

@@ -70,7 +70,9 @@ background thread ahead of the batch (a run's first step: while it samples).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +83,6 @@ from ml_collections import config_dict
 
 from grpo_jax import compile_cache, grpo, hosts, logprobs, sharding
 from grpo_jax.models import qwen
-from grpo_jax.rewards.options import DTYPES
 
 SCHEDULES = ("constant", "cosine")
 
@@ -130,17 +131,19 @@ def validate_optim_config(cfg) -> None:
   if not (isinstance(cfg.logprob_block_bytes, int) and cfg.logprob_block_bytes >= 4):
     raise ValueError(f"optim.logprob_block_bytes={cfg.logprob_block_bytes!r} must be an int >= 4")
   for name in ("param_dtype", "compute_dtype"):
-    if cfg[name] not in DTYPES:
-      raise ValueError(f"optim.{name}={cfg[name]!r} is not one of {DTYPES}")
+    if cfg[name] not in qwen.DTYPES:
+      raise ValueError(f"optim.{name}={cfg[name]!r} is not one of {qwen.DTYPES}")
 
 
-def learning_rate_schedule(cfg) -> optax.Schedule:
-  """Linear warmup from 0, then constant or cosine decay to 0 at total_steps."""
-  warmup = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
+def learning_rate_schedule(cfg, lr=None) -> optax.Schedule:
+  """Linear warmup from 0, then constant or cosine decay to 0 at total_steps. lr: the peak
+  (default cfg.lr; an array inside the step, where it is a hyperparameter)."""
+  lr = cfg.lr if lr is None else lr
+  warmup = optax.linear_schedule(0.0, lr, cfg.warmup_steps)
   if cfg.schedule == "constant":
-    after = optax.constant_schedule(cfg.lr)
+    after = optax.constant_schedule(lr)
   else:
-    after = optax.cosine_decay_schedule(cfg.lr, cfg.total_steps - cfg.warmup_steps)
+    after = optax.cosine_decay_schedule(lr, cfg.total_steps - cfg.warmup_steps)
   return optax.join_schedules([warmup, after], [cfg.warmup_steps])
 
 
@@ -151,9 +154,12 @@ def decay_mask(params):
   return jax.tree_util.tree_map_with_path(one, params)
 
 
-def make_optimizer(cfg) -> optax.GradientTransformation:
-  validate_optim_config(cfg)
-  adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2,
+def make_optimizer(cfg, lr=None) -> optax.GradientTransformation:
+  """AdamW with the schedule, after global-norm clipping; cfg an optimizer config (validated)
+  or an OptimSpec. The state's structure does not depend on lr."""
+  if not isinstance(cfg, OptimSpec):
+    validate_optim_config(cfg)
+  adamw = optax.adamw(learning_rate_schedule(cfg, lr), b1=cfg.b1, b2=cfg.b2,
                       weight_decay=cfg.weight_decay, mask=decay_mask)
   if cfg.max_grad_norm:
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
@@ -374,11 +380,11 @@ def make_batch(rollout, loss_cfg, *, group_size, reward_weights):
 # Forward to completion log-probs.
 
 
-def _model(model_cfg, optim_cfg, mesh):
-  # The residual stream is pinned to the batch split (see qwen.Qwen.act_sharding).
-  return qwen.Qwen(model_cfg, dtype=jnp.dtype(optim_cfg.compute_dtype),
-                   param_dtype=jnp.dtype(optim_cfg.param_dtype), remat=optim_cfg.remat,
-                   act_sharding=NamedSharding(mesh, P(sharding.BATCH_AXES)))
+def build_model(model_cfg, optim_cfg, mesh):
+  """The training forward's model: compute and param dtypes and remat from the optimizer
+  config; the residual stream pinned to the batch split (see qwen.Qwen.act_sharding)."""
+  return qwen.build(model_cfg, dtype=optim_cfg.compute_dtype, param_dtype=optim_cfg.param_dtype,
+                    remat=optim_cfg.remat, mesh=mesh)
 
 
 def completion_logprobs(model, params, tokens_BS, attn_mask_BS, C, *, temperature, valid,
@@ -438,7 +444,7 @@ def make_logprob_fn(model_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_
   prompt, see completion_logprobs; TrainStep.micro_layout gives the step's pair). For tests and
   benchmarks: the train step computes its own."""
   validate_optim_config(optim_cfg)
-  model = _model(model_cfg, optim_cfg, mesh)
+  model = build_model(model_cfg, optim_cfg, mesh)
   accum = optim_cfg.grad_accum_steps
   param_sh = state_shardings(model_cfg, optim_cfg, mesh)["params"]
   row_sh = NamedSharding(mesh, P(sharding.BATCH_AXES))
@@ -456,7 +462,107 @@ def make_logprob_fn(model_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_
 
 
 # ------------------------------------------------------------------------------------------------
-# The step.
+# The step: one pure function of (state, batch, hparams, ref_params) and a static spec.
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+  """The static part of a loss config (grpo.default_loss_config): what shapes the program.
+  beta, epsilon and epsilon_high are kept for reading; the program takes them from hparams."""
+  loss_type: str
+  beta: float
+  kl_estimator: str
+  epsilon: float
+  epsilon_high: float
+  delta: float | None
+  importance_sampling_level: str
+  num_iterations: int
+  scale_rewards: str
+  reward_aggregation: str
+  mask_truncated_completions: bool
+
+  @staticmethod
+  def of(cfg) -> LossSpec:
+    return LossSpec(**{f.name: cfg[f.name] for f in dataclasses.fields(LossSpec)})
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSpec:
+  """The static part of an optimizer config (default_optim_config); lr comes from hparams."""
+  lr: float
+  warmup_steps: int
+  schedule: str
+  total_steps: int
+  weight_decay: float
+  b1: float
+  b2: float
+  max_grad_norm: float
+  grad_accum_steps: int
+  param_dtype: str
+  compute_dtype: str
+  remat: bool
+  logprob_block_bytes: int
+
+  @staticmethod
+  def of(cfg) -> OptimSpec:
+    return OptimSpec(**{f.name: cfg[f.name] for f in dataclasses.fields(OptimSpec)})
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+  """Everything static about a train step: the program is a function of the spec, and jit
+  compiles one per (spec, batch layout). Build it with `StepSpec.build`.
+
+  temperature: the sampling temperature (log-probs are those of logits / temperature).
+  valid: head rows in the softmax (the tokenizer's size).
+  max_completion_length: dr_grpo's constant C (None: the batch's completion width).
+  group_size, num_rewards: rollout batches (advantages are computed in the step).
+  objective: 'grpo' or 'sft' (the warm start: mean NLL of the completion tokens).
+  max_turns: flow_grpo's static bound on a row's turns (grpo.flow_grpo_weights).
+  with_ref: whether the program takes reference params (β > 0 and no ref_logp_BC given).
+  """
+  model: qwen.QwenConfig
+  loss: LossSpec
+  optim: OptimSpec
+  mesh: Any
+  temperature: float = 1.0
+  valid: int = 0
+  max_completion_length: int | None = None
+  group_size: int | None = None
+  num_rewards: int | None = None
+  objective: str = "grpo"
+  max_turns: int | None = None
+  with_ref: bool = False
+
+  @staticmethod
+  def build(model_cfg, loss_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_size=None,
+            max_completion_length=None, group_size=None, num_rewards=None, objective="grpo",
+            max_turns=None) -> StepSpec:
+    """Validates the settings (ValueError naming the first bad one) and freezes them."""
+    if objective not in OBJECTIVES:
+      raise ValueError(f"objective={objective!r} is not one of {OBJECTIVES}")
+    grpo.validate_loss_config(loss_cfg)
+    validate_optim_config(optim_cfg)
+    if not temperature > 0:
+      raise ValueError(f"temperature={temperature!r} must be > 0")
+    if objective == "grpo" and loss_cfg.loss_type == "flow_grpo" and not (
+        isinstance(max_turns, int) and max_turns >= 1):
+      raise ValueError(f"loss.loss_type='flow_grpo' needs max_turns, an int >= 1 (the bound on "
+                       f"a row's turns), got max_turns={max_turns!r}")
+    return StepSpec(model_cfg, LossSpec.of(loss_cfg), OptimSpec.of(optim_cfg), mesh,
+                    float(temperature), int(valid_vocab_size or model_cfg.vocab_size),
+                    max_completion_length, group_size, num_rewards, objective, max_turns)
+
+
+def hparams(loss_cfg, optim_cfg, reward_weights=()) -> dict[str, np.ndarray]:
+  """The step's array settings, which a vmapped sweep varies per member: float32 scalars (and
+  the reward weights). The clip bounds are formed here in float64 and rounded once, as Python
+  folds `1.0 - epsilon` when it is a constant."""
+  f32 = lambda x: np.asarray(x, np.float32)
+  return {"lr": f32(optim_cfg.lr), "beta": f32(loss_cfg.beta),
+          "clip_low": f32(1.0 - float(loss_cfg.epsilon)),
+          "clip_high": f32(1.0 + float(loss_cfg.epsilon_high)),
+          "reward_weights": f32(tuple(map(float, reward_weights)))}
 
 
 def same_params(params, ref_params, dtype):
@@ -475,259 +581,295 @@ def _metric_merge(a, b):
           jnp.maximum(a[k], b[k]) if k == "ratio/max" else a[k] + b[k] for k in a}
 
 
-class TrainStep:
-  """`step(state, batch, ref_params=None) → (state, metrics, advantages_B)`; module docstring.
+def micro_layout(spec: StepSpec, rows: int) -> tuple[int, int]:
+  """(unit, group) for a group-major rollout batch of `rows` rows: micro-batches take runs of
+  `unit` rows (_split_micro), and every `group` consecutive rows of one share a prompt, which
+  then runs once for them (completion_logprobs; 1: none).
 
-  temperature: the sampling temperature (log-probs are those of logits / temperature).
-  valid_vocab_size: head rows in the softmax (the tokenizer's size; default: all).
-  max_completion_length: dr_grpo's constant C (default: the batch's completion width).
-  group_size, reward_weights: for rollout batches (advantages are computed in the step).
-  objective: 'grpo' or 'sft' (the warm start: mean NLL of the completion tokens).
-  max_turns: loss.loss_type='flow_grpo''s static bound on the turns of a row (the batch's
-  turn_ids_BC lie in [0, max_turns) on loss tokens); its per-turn token counts are a
-  [B, C, max_turns] one-hot reduction (grpo.flow_grpo_weights). Required by flow_grpo only.
+  Whole groups (G, G) where each micro-batch's prompts split evenly over the data × fsdp
+  devices: the prompt runs once per group whatever grad_accum_steps is. Else rows a, a +
+  accum, … (1, G / accum) where accum divides G with at least 2 rows left; else (1, 1).
+  Example: 96 prompts × G = 8 on 8 devices: accum 4 → (8, 8) (3 prompts per device and
+  micro-batch); accum 8 → (1, 1) (96 prompts do not split into 8 × 8).
+  """
+  g, accum = spec.group_size or 1, spec.optim.grad_accum_steps
+  n_dev = int(np.prod([spec.mesh.shape[a] for a in sharding.BATCH_AXES]))
+  prompts = rows // g
+  if g > 1 and prompts % (accum * n_dev) == 0:
+    return g, g
+  if g % accum or g // accum < 2 or prompts % n_dev:
+    return 1, 1
+  return 1, g // accum
+
+
+def _normalisers(spec, mask_BC, unit=1, group=1):
+  """What the loss divides by, over the whole batch (so micro-batching never changes it), and
+  the micro-batch layout (micro_layout)."""
+  return {"tokens": mask_BC.sum(), "sequences": mask_BC.shape[0],
+          "max_completion_length": spec.max_completion_length or mask_BC.shape[1],
+          "unit": unit, "group": group}
+
+
+def _loss(spec, model, hp, params, ref_params, mb, norm, ref_is_policy):
+  """One micro-batch's share of the loss; aux: metric sums, log-probs, reference log-probs.
+  ref_is_policy: a traced bool, whether ref_params equal params as the forward uses them."""
+  C = mb["completion_mask_BC"].shape[1]
+  kw = dict(temperature=spec.temperature, valid=spec.valid,
+            block_bytes=spec.optim.logprob_block_bytes, group=norm["group"])
+  logp_BC, entropy_BC = completion_logprobs(model, params, mb["tokens_BS"], mb["attn_mask_BS"],
+                                            C, **kw)
+  mask_BC = mb["mask_BC"]
+  if spec.objective == "sft":
+    loss = -jnp.sum(mask_BC * logp_BC) / jnp.maximum(norm["tokens"], 1.0)
+    sums, ref_BC = {}, None
+  else:
+    ref_BC = mb.get("ref_logp_BC")
+    if grpo.needs_reference(spec.loss) and ref_BC is None:
+      # While the policy is the reference (a run's first step), its log-probs are the
+      # reference's: taken as they are, the KL term is exactly 0 with its exact gradient, and
+      # the reference forward is skipped. (A second forward would differ from the policy's in
+      # rounding, and that noise, with all advantages 0, is a whole gradient that Adam turns
+      # into lr-sized steps.)
+      ref_BC = jax.lax.cond(
+          ref_is_policy, lambda: jax.lax.stop_gradient(logp_BC),
+          lambda: jax.lax.stop_gradient(completion_logprobs(
+              model, ref_params, mb["tokens_BS"], mb["attn_mask_BS"], C, **kw)[0]))
+    weights_BC = grpo.token_weights(mask_BC, spec.loss.loss_type,
+                                    num_sequences=norm["sequences"], num_tokens=norm["tokens"],
+                                    max_completion_length=norm["max_completion_length"],
+                                    turn_ids_BC=mb.get("turn_ids_BC"), max_turns=spec.max_turns)
+    loss, sums = grpo.loss_terms(logp_BC, mb.get("old_logp_BC"), ref_BC, mb["advantages_B"],
+                                 mask_BC, weights_BC, spec.loss, hp=hp)
+  sums["loss"] = jax.lax.stop_gradient(loss)
+  sums["entropy/sum"] = jnp.sum(jax.lax.stop_gradient(entropy_BC) * mask_BC)
+  return loss, (sums, jax.lax.stop_gradient(logp_BC), ref_BC)
+
+
+def _grads(spec, hp, params, ref_params, batch, norm):
+  """Gradients summed over grad_accum_steps micro-batches, metric sums, [B, C] log-probs and
+  reference log-probs (None unless computed)."""
+  model = build_model(spec.model, spec.optim, spec.mesh)
+  ref_is_policy = False if ref_params is None else same_params(params, ref_params, model.dtype)
+  accum, mesh = spec.optim.grad_accum_steps, spec.mesh
+  keys = ("tokens_BS", "attn_mask_BS", "advantages_B", "old_logp_BC", "ref_logp_BC", "mask_BC",
+          "completion_mask_BC", "turn_ids_BC")
+  unit = norm["unit"]
+  micro = {k: _split_micro(batch[k], accum, mesh, unit) for k in keys if k in batch}
+  grad_fn = jax.grad(lambda p, mb: _loss(spec, model, hp, p, ref_params, mb, norm, ref_is_policy),
+                     has_aux=True)
+  param_sh = state_shardings(spec.model, spec.optim, mesh)["params"]
+  constrain = lambda g: jax.lax.with_sharding_constraint(g, param_sh)
+  if accum == 1:
+    grads, (sums, logp, ref) = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
+    return constrain(grads), sums, logp, ref
+
+  # One traced copy of the backward pass: scan from zero gradients and identity metric sums.
+  grads0, (sums0, _, _) = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
+  grads0 = constrain(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), grads0))
+  sums0 = {k: jnp.full(v.shape, _METRIC_IDENTITY.get(k, 0), v.dtype) for k, v in sums0.items()}
+
+  def body(carry, mb):
+    g_acc, s_acc = carry
+    g, (s, logp, ref) = grad_fn(params, mb)
+    return (constrain(jax.tree.map(jnp.add, g_acc, g)), _metric_merge(s_acc, s)), (logp, ref)
+  (grads, sums), (logp, ref) = jax.lax.scan(body, (grads0, sums0), micro)
+  return grads, sums, _join_micro(logp, unit), None if ref is None else _join_micro(ref, unit)
+
+
+def _update(spec, hp, state, ref_params, batch, norm):
+  """One optimizer update; skipped (state unchanged) if the loss or gradient is not finite."""
+  params = state["params"]
+  grads, sums, logp, ref = _grads(spec, hp, params, ref_params, batch, norm)
+  grad_norm = optax.tree.norm(grads)
+  ok = jnp.isfinite(grad_norm) & jnp.isfinite(sums["loss"])
+  optimizer = make_optimizer(spec.optim, lr=hp["lr"])
+
+  def apply(st):
+    updates, opt_state = optimizer.update(grads, st["opt_state"], st["params"])
+    return {"params": optax.apply_updates(st["params"], updates), "opt_state": opt_state}
+  # A cond, not where(ok, new, old) per leaf: with the select, XLA copied the donated
+  # optimizer moments to keep the old ones beside the new (their size again in temporaries).
+  new_state = jax.lax.cond(ok, apply, lambda st: st,
+                           {"params": params, "opt_state": state["opt_state"]})
+  new_state["step"] = state["step"] + ok.astype(jnp.int32)
+  tokens = norm["tokens"]
+  metrics = {} if spec.objective == "sft" else grpo.finalize_metrics(sums, tokens)
+  metrics.update({
+      "loss": sums["loss"],
+      "entropy": sums["entropy/sum"] / jnp.maximum(tokens, 1.0),
+      "grad_norm": grad_norm,
+      "lr": learning_rate_schedule(spec.optim, lr=hp["lr"])(state["step"]),
+      "step/skipped": 1.0 - ok.astype(jnp.float32),
+  })
+  return new_state, metrics, logp, ref
+
+
+def train_step(state, batch, hparams, ref_params=None, *, spec: StepSpec):
+  """One whole GRPO update, pure: (state, batch, hparams, ref_params) → (state, metrics,
+  advantages_B). `spec` is static; `hparams` (see `hparams`) are arrays, so `jax.vmap` of this
+  function over a leading K axis of state, batch, hparams and ref_params is a sweep of K runs.
+  See the module docstring for the batch layouts."""
+  hp = hparams
+  metrics, layout = {}, (1, 1)
+  if is_rollout(batch):
+    batch, stats = make_batch(batch, spec.loss, group_size=spec.group_size,
+                              reward_weights=hp["reward_weights"])
+    metrics.update({f"advantages/{k}": v for k, v in stats.items()})
+    layout = micro_layout(spec, batch["tokens_BS"].shape[0])
+  lc = spec.loss
+  mask_BC = (grpo.loss_mask(batch["completion_mask_BC"], batch.get("truncated_B"),
+                            lc.mask_truncated_completions) if spec.objective == "grpo"
+             else batch["completion_mask_BC"].astype(jnp.float32))
+  batch = dict(batch, mask_BC=mask_BC)
+  B = mask_BC.shape[0]
+  norm = _normalisers(spec, mask_BC, *layout)
+  state, m, logp_BC, ref_BC = _update(spec, hp, state, ref_params, batch, norm)
+  if spec.objective == "grpo" and lc.num_iterations > 1:
+    # Updates 2..μ: old log-probs are the first update's (the params before any update).
+    later = dict(batch, old_logp_BC=batch.get("old_logp_BC", logp_BC))
+    if ref_BC is not None:
+      later["ref_logp_BC"] = ref_BC
+
+    def body(st, _):
+      st, m_it, _, _ = _update(spec, hp, st, None, later, norm)
+      return st, m_it
+    state, ms = jax.lax.scan(body, state, None, length=lc.num_iterations - 1)
+    m = jax.tree.map(lambda x: x[-1], ms)
+  metrics.update(m)
+  tokens = norm["tokens"]
+  metrics.update({"tokens/completion": tokens, "tokens/completion_per_seq": tokens / B,
+                  "tokens/total": batch["attn_mask_BS"].astype(jnp.float32).sum()})
+  adv_B = batch.get("advantages_B", jnp.zeros((B,), jnp.float32)).astype(jnp.float32)
+  if spec.objective == "grpo":
+    metrics.update({"advantages/mean": adv_B.mean(), "advantages/std": adv_B.std(),
+                    "advantages/min": adv_B.min(), "advantages/max": adv_B.max()})
+  return state, metrics, adv_B
+
+
+# --- host side: checks, placement, one compiled program per layout ------------------------------
+
+
+def _layout_key(batch, with_ref: bool, k):
+  return (with_ref, k) + tuple(sorted((name, _shape(v), str(v.dtype) if hasattr(v, "dtype")
+                                       else str(np.asarray(v).dtype))
+                                      for name, v in batch.items()))
+
+
+def _stacked(x, k):
+  """A host value with a leading K axis, for a ShapeDtypeStruct or an array."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct((k,) + x.shape, x.dtype)
+  return x
+
+
+class TrainStep:
+  """`step(state, batch, ref_params=None) → (state, metrics, advantages_B)`: `train_step`
+  compiled once per batch layout with explicit shardings and the state donated, after
+  host-side checks of the batch (a bad batch raises and the state survives).
+
+  `step.members(state_K, batches, hparams_K, ref_K)` runs K > 1 runs as one program: the same
+  `train_step` under jax.vmap over a leading K axis of everything.
+
+  Keyword arguments as StepSpec.build; reward_weights and the configs' lr, beta, epsilon and
+  epsilon_high are the default hparams.
   """
 
   def __init__(self, model_cfg, loss_cfg, optim_cfg, mesh, *, temperature=1.0,
                valid_vocab_size=None, max_completion_length=None, group_size=None,
                reward_weights=None, objective="grpo", max_turns=None):
-    if objective not in OBJECTIVES:
-      raise ValueError(f"objective={objective!r} is not one of {OBJECTIVES}")
-    grpo.validate_loss_config(loss_cfg)
-    validate_optim_config(optim_cfg)
-    if not temperature > 0:
-      raise ValueError(f"temperature={temperature!r} must be > 0")
-    if objective == "grpo" and loss_cfg.loss_type == "flow_grpo" and not (
-        isinstance(max_turns, int) and max_turns >= 1):
-      raise ValueError(f"loss.loss_type='flow_grpo' needs max_turns, an int >= 1 (the bound on "
-                       f"a row's turns), got max_turns={max_turns!r}")
-    self.max_turns = max_turns
-    self.model_cfg, self.loss_cfg, self.optim_cfg, self.mesh = (model_cfg, loss_cfg, optim_cfg,
-                                                                mesh)
-    self.objective, self.group_size = objective, group_size
-    self.reward_weights = None if reward_weights is None else tuple(map(float, reward_weights))
-    self.max_completion_length = max_completion_length
-    self.state_sh = state_shardings(model_cfg, optim_cfg, mesh)
-    self.model = _model(model_cfg, optim_cfg, mesh)
-    self.optimizer = make_optimizer(optim_cfg)
-    self.logprob_kw = dict(temperature=float(temperature),
-                           valid=valid_vocab_size or model_cfg.vocab_size,
-                           block_bytes=optim_cfg.logprob_block_bytes)
+    self.spec = StepSpec.build(
+        model_cfg, loss_cfg, optim_cfg, mesh, temperature=temperature,
+        valid_vocab_size=valid_vocab_size, max_completion_length=max_completion_length,
+        group_size=group_size, num_rewards=None if reward_weights is None else len(
+            reward_weights), objective=objective, max_turns=max_turns)
+    self.hparams = hparams(loss_cfg, optim_cfg, () if reward_weights is None else reward_weights)
+    self.model_cfg, self.mesh = model_cfg, mesh
+    self.state_sh = state_shardings(model_cfg, self.spec.optim, mesh)
     self.num_traces = 0  # programs traced (compiled): one per batch layout
-    self._jitted = {}
+    self._programs = {}
     self._ahead = set()  # layout keys whose program precompile has started
 
-  # --- the traced program ----------------------------------------------------------------------
-
-  def _loss(self, params, ref_params, mb, norm, ref_is_policy):
-    """One micro-batch's share of the loss; aux: metric sums, log-probs, reference log-probs.
-    ref_is_policy: a traced bool, whether ref_params equal params as the forward uses them."""
-    C = mb["completion_mask_BC"].shape[1]
-    kw = dict(self.logprob_kw, group=norm["group"])
-    logp_BC, entropy_BC = completion_logprobs(self.model, params, mb["tokens_BS"],
-                                              mb["attn_mask_BS"], C, **kw)
-    mask_BC = mb["mask_BC"]
-    if self.objective == "sft":
-      loss = -jnp.sum(mask_BC * logp_BC) / jnp.maximum(norm["tokens"], 1.0)
-      sums, ref_BC = {}, None
-    else:
-      ref_BC = mb.get("ref_logp_BC")
-      if grpo.needs_reference(self.loss_cfg) and ref_BC is None:
-        # While the policy is the reference (a run's first step), its log-probs are the
-        # reference's: taken as they are, the KL term is exactly 0 with its exact gradient, and
-        # the reference forward is skipped. (A second forward would differ from the policy's in
-        # rounding, and that noise, with all advantages 0, is a whole gradient that Adam turns
-        # into lr-sized steps.)
-        ref_BC = jax.lax.cond(
-            ref_is_policy, lambda: jax.lax.stop_gradient(logp_BC),
-            lambda: jax.lax.stop_gradient(completion_logprobs(
-                self.model, ref_params, mb["tokens_BS"], mb["attn_mask_BS"], C, **kw)[0]))
-      weights_BC = grpo.token_weights(mask_BC, self.loss_cfg.loss_type,
-                                      num_sequences=norm["sequences"], num_tokens=norm["tokens"],
-                                      max_completion_length=norm["max_completion_length"],
-                                      turn_ids_BC=mb.get("turn_ids_BC"),
-                                      max_turns=self.max_turns)
-      loss, sums = grpo.loss_terms(logp_BC, mb.get("old_logp_BC"), ref_BC, mb["advantages_B"],
-                                   mask_BC, weights_BC, self.loss_cfg)
-    sums["loss"] = jax.lax.stop_gradient(loss)
-    sums["entropy/sum"] = jnp.sum(jax.lax.stop_gradient(entropy_BC) * mask_BC)
-    return loss, (sums, jax.lax.stop_gradient(logp_BC), ref_BC)
-
-  def _grads(self, params, ref_params, batch, norm):
-    """Gradients summed over grad_accum_steps micro-batches, metric sums, [B, C] log-probs and
-    reference log-probs (None unless computed)."""
-    ref_is_policy = (False if ref_params is None
-                     else same_params(params, ref_params, self.model.dtype))
-    accum, mesh = self.optim_cfg.grad_accum_steps, self.mesh
-    keys = ("tokens_BS", "attn_mask_BS", "advantages_B", "old_logp_BC", "ref_logp_BC", "mask_BC",
-            "completion_mask_BC", "turn_ids_BC")
-    unit = norm["unit"]
-    micro = {k: _split_micro(batch[k], accum, mesh, unit) for k in keys if k in batch}
-    grad_fn = jax.grad(lambda p, mb: self._loss(p, ref_params, mb, norm, ref_is_policy),
-                       has_aux=True)
-    constrain = lambda g: jax.lax.with_sharding_constraint(g, self.state_sh["params"])
-    if accum == 1:
-      grads, (sums, logp, ref) = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
-      return constrain(grads), sums, logp, ref
-
-    # One traced copy of the backward pass: scan from zero gradients and identity metric sums.
-    grads0, (sums0, _, _) = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
-    grads0 = constrain(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), grads0))
-    sums0 = {k: jnp.full(v.shape, _METRIC_IDENTITY.get(k, 0), v.dtype) for k, v in sums0.items()}
-
-    def body(carry, mb):
-      g_acc, s_acc = carry
-      g, (s, logp, ref) = grad_fn(params, mb)
-      return (constrain(jax.tree.map(jnp.add, g_acc, g)), _metric_merge(s_acc, s)), (logp, ref)
-    (grads, sums), (logp, ref) = jax.lax.scan(body, (grads0, sums0), micro)
-    return grads, sums, _join_micro(logp, unit), None if ref is None else _join_micro(ref, unit)
-
-  def _update(self, state, ref_params, batch, norm):
-    """One optimizer update; skipped (state unchanged) if the loss or gradient is not finite."""
-    params = state["params"]
-    grads, sums, logp, ref = self._grads(params, ref_params, batch, norm)
-    grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(grad_norm) & jnp.isfinite(sums["loss"])
-
-    def apply(st):
-      updates, opt_state = self.optimizer.update(grads, st["opt_state"], st["params"])
-      return {"params": optax.apply_updates(st["params"], updates), "opt_state": opt_state}
-    # A cond, not where(ok, new, old) per leaf: with the select, XLA copied the donated
-    # optimizer moments to keep the old ones beside the new (their size again in temporaries).
-    new_state = jax.lax.cond(ok, apply, lambda st: st,
-                             {"params": params, "opt_state": state["opt_state"]})
-    new_state["step"] = state["step"] + ok.astype(jnp.int32)
-    tokens = norm["tokens"]
-    metrics = {} if self.objective == "sft" else grpo.finalize_metrics(sums, tokens)
-    metrics.update({
-        "loss": sums["loss"],
-        "entropy": sums["entropy/sum"] / jnp.maximum(tokens, 1.0),
-        "grad_norm": grad_norm,
-        "lr": learning_rate_schedule(self.optim_cfg)(state["step"]),
-        "step/skipped": 1.0 - ok.astype(jnp.float32),
-    })
-    return new_state, metrics, logp, ref
-
-  def _program(self, state, ref_params, batch):
-    self.num_traces += 1
-    metrics, layout = {}, (1, 1)
-    if is_rollout(batch):
-      batch, stats = make_batch(batch, self.loss_cfg, group_size=self.group_size,
-                                reward_weights=self.reward_weights)
-      metrics.update({f"advantages/{k}": v for k, v in stats.items()})
-      layout = self.micro_layout(batch["tokens_BS"].shape[0])
-    lc = self.loss_cfg
-    mask_BC = (grpo.loss_mask(batch["completion_mask_BC"], batch.get("truncated_B"),
-                              lc.mask_truncated_completions) if self.objective == "grpo"
-               else batch["completion_mask_BC"].astype(jnp.float32))
-    batch = dict(batch, mask_BC=mask_BC)
-    B = mask_BC.shape[0]
-    norm = self._normalisers(mask_BC, *layout)
-    state, m, logp_BC, ref_BC = self._update(state, ref_params, batch, norm)
-    if self.objective == "grpo" and lc.num_iterations > 1:
-      # Updates 2..μ: old log-probs are the first update's (the params before any update).
-      later = dict(batch, old_logp_BC=batch.get("old_logp_BC", logp_BC))
-      if ref_BC is not None:
-        later["ref_logp_BC"] = ref_BC
-
-      def body(st, _):
-        st, m_it, _, _ = self._update(st, None, later, norm)
-        return st, m_it
-      state, ms = jax.lax.scan(body, state, None, length=lc.num_iterations - 1)
-      m = jax.tree.map(lambda x: x[-1], ms)
-    metrics.update(m)
-    tokens = norm["tokens"]
-    metrics.update({"tokens/completion": tokens, "tokens/completion_per_seq": tokens / B,
-                    "tokens/total": batch["attn_mask_BS"].astype(jnp.float32).sum()})
-    adv_B = batch.get("advantages_B", jnp.zeros((B,), jnp.float32)).astype(jnp.float32)
-    if self.objective == "grpo":
-      metrics.update({"advantages/mean": adv_B.mean(), "advantages/std": adv_B.std(),
-                      "advantages/min": adv_B.min(), "advantages/max": adv_B.max()})
-    return state, metrics, adv_B
-
-  def _normalisers(self, mask_BC, unit=1, group=1):
-    """What the loss divides by, over the whole batch (so micro-batching never changes it), and
-    the micro-batch layout (micro_layout)."""
-    return {"tokens": mask_BC.sum(), "sequences": mask_BC.shape[0],
-            "max_completion_length": self.max_completion_length or mask_BC.shape[1],
-            "unit": unit, "group": group}
-
   def micro_layout(self, rows: int) -> tuple[int, int]:
-    """(unit, group) for a group-major rollout batch of `rows` rows: micro-batches take runs of
-    `unit` rows (_split_micro), and every `group` consecutive rows of one share a prompt, which
-    then runs once for them (completion_logprobs; 1: none).
+    return micro_layout(self.spec, rows)
 
-    Whole groups (G, G) where each micro-batch's prompts split evenly over the data × fsdp
-    devices: the prompt runs once per group whatever grad_accum_steps is. Else rows a, a +
-    accum, … (1, G / accum) where accum divides G with at least 2 rows left; else (1, 1).
-    Example: 96 prompts × G = 8 on 8 devices: accum 4 → (8, 8) (3 prompts per device and
-    micro-batch); accum 8 → (1, 1) (96 prompts do not split into 8 × 8).
-    """
-    g, accum = self.group_size or 1, self.optim_cfg.grad_accum_steps
-    n_dev = int(np.prod([self.mesh.shape[a] for a in sharding.BATCH_AXES]))
-    prompts = rows // g
-    if g > 1 and prompts % (accum * n_dev) == 0:
-      return g, g
-    if g % accum or g // accum < 2 or prompts % n_dev:
-      return 1, 1
-    return 1, g // accum
+  @property
+  def num_programs(self) -> int:
+    """Compiled programs held: one per batch layout (and K) seen."""
+    return len(self._programs)
 
-  def _prompt_sharing(self, rows: int) -> int:
-    """Rows per micro-batch that share a prompt (micro_layout's group)."""
-    return self.micro_layout(rows)[1]
-
-  # --- host side -------------------------------------------------------------------------------
-
-  @staticmethod
-  def _key(batch, with_ref: bool):
-    return (with_ref,) + tuple(sorted((k, _shape(v), str(np.asarray(v).dtype) if not hasattr(
-        v, "dtype") else str(v.dtype)) for k, v in batch.items()))
-
-  def jitted(self, batch, with_ref: bool):
-    """The compiled program for this batch layout (cached by keys, shapes and dtypes)."""
-    key = self._key(batch, with_ref)
-    if key not in self._jitted:
-      rep = sharding.replicated(self.mesh)
-      row_sh = NamedSharding(self.mesh, P(sharding.BATCH_AXES))
-      self._jitted[key] = jax.jit(
-          self._program,
-          in_shardings=(self.state_sh, self.state_sh["params"] if with_ref else None,
-                        batch_shardings(batch, self.mesh)),
-          out_shardings=(self.state_sh, rep, row_sh), donate_argnums=0,
-          compiler_options=compile_cache.compiler_options(self.mesh))
-    return self._jitted[key]
-
-  def _needs_ref(self, batch) -> bool:
-    return (self.objective == "grpo" and grpo.needs_reference(self.loss_cfg)
+  def needs_ref(self, batch) -> bool:
+    return (self.spec.objective == "grpo" and grpo.needs_reference(self.spec.loss)
             and "ref_logp_BC" not in batch)
 
-  def __call__(self, state, batch, ref_params=None):
-    check_batch(batch, self.loss_cfg, self.optim_cfg, self.mesh, self.objective,
-                has_ref_params=ref_params is not None, group_size=self.group_size,
-                num_rewards=None if self.reward_weights is None else len(self.reward_weights),
-                max_turns=self.max_turns)
-    need_ref = self._needs_ref(batch)
+  def check(self, batch, has_ref_params: bool) -> None:
+    s = self.spec
+    check_batch(batch, s.loss, s.optim, s.mesh, s.objective, has_ref_params=has_ref_params,
+                group_size=s.group_size, num_rewards=s.num_rewards, max_turns=s.max_turns)
+
+  def program(self, batch, with_ref: bool, k: int | None = None):
+    """The jitted program for this batch layout (cached by keys, shapes, dtypes and K; k None:
+    one run, k ≥ 2: k runs under jax.vmap, every argument with a leading K axis)."""
+    key = _layout_key(batch, with_ref, k)
+    if key not in self._programs:
+      spec = dataclasses.replace(self.spec, with_ref=with_ref)
+
+      def traced(state, hp, ref, b):
+        self.num_traces += 1
+        one = functools.partial(train_step, spec=spec)
+        if k is None:
+          return one(state, b, hp, ref)
+        return jax.vmap(one)(state, b, hp, ref)
+      if k is None:
+        rep = sharding.replicated(self.mesh)
+        row_sh = NamedSharding(self.mesh, P(sharding.BATCH_AXES))
+        self._programs[key] = jax.jit(
+            traced, in_shardings=(self.state_sh, rep,
+                                  self.state_sh["params"] if with_ref else None,
+                                  batch_shardings(batch, self.mesh)),
+            out_shardings=(self.state_sh, rep, row_sh), donate_argnums=0,
+            compiler_options=compile_cache.compiler_options(self.mesh))
+      else:  # the members' shardings follow their inputs
+        self._programs[key] = jax.jit(traced, donate_argnums=0,
+                                      compiler_options=compile_cache.compiler_options(self.mesh))
+    return self._programs[key]
+
+  def __call__(self, state, batch, ref_params=None, hparams=None):
+    self.check(batch, ref_params is not None)
+    need_ref = self.needs_ref(batch)
     batch = hosts.put(batch, batch_shardings(batch, self.mesh))  # several processes: global
-    return self.jitted(batch, need_ref)(state, ref_params if need_ref else None, batch)
+    hp = self.hparams if hparams is None else hparams
+    return self.program(batch, need_ref)(state, hp, ref_params if need_ref else None, batch)
+
+  def members(self, state_K, batches, hparams_K, ref_K=None):
+    """K runs at once: batches is K host batches of one layout (pad_batches), hparams_K the
+    members' hparams stacked, state_K and ref_K their states stacked on a leading K axis."""
+    for b in batches:
+      self.check(b, ref_K is not None)
+    k = len(batches)
+    batch_K = {name: np.stack([b[name] for b in batches]) for name in batches[0]}
+    need_ref = self.needs_ref(batch_K)
+    return self.program(batch_K, need_ref, k)(state_K, hparams_K,
+                                              ref_K if need_ref else None, batch_K)
 
   def precompile(self, state, batch_spec, ref_params=None):
     """Starts compiling, in a background thread, the program for batches of batch_spec's
     layout (name -> jax.ShapeDtypeStruct, as __call__ will get them): a run's first step
-    overlaps its compile with sampling this way (on 2 cores the two mostly take turns; README,
-    Speed). __call__ needs nothing more: jax.jit runs the executable that `.lower().compile()`
-    made for the same program, and a call made while that compile runs waits for it instead of
-    compiling again (tests/train_step_test.py counts the compiles). If the background compile
-    fails, the call compiles and reports the error. A layout no batch turns out to have costs
-    that compile only."""
-    need_ref = self._needs_ref(batch_spec)
-    key = self._key(batch_spec, need_ref)
+    overlaps its compile with sampling this way. __call__ needs nothing more: jax.jit runs the
+    executable that `.lower().compile()` made for the same program, and a call made while that
+    compile runs waits for it instead of compiling again (tests/train_step_test.py counts the
+    compiles). If the background compile fails, the call compiles and reports the error. A
+    layout no batch turns out to have costs that compile only."""
+    need_ref = self.needs_ref(batch_spec)
+    key = _layout_key(batch_spec, need_ref, None)
     if key in self._ahead:
       return
     self._ahead.add(key)
-    fn = self.jitted(batch_spec, need_ref)
+    fn = self.program(batch_spec, need_ref)
     # Abstract values: the thread holds no buffers (the step donates the state meanwhile).
     state, ref = jax.tree.map(_abstract, (state, ref_params if need_ref else None))
-    _background().submit(lambda: fn.lower(state, ref, batch_spec).compile())
+    hp = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                      self.hparams)
+    _background().submit(lambda: fn.lower(state, hp, ref, batch_spec).compile())
 
 
 def _abstract(x):
@@ -742,13 +884,14 @@ def _background() -> concurrent.futures.ThreadPoolExecutor:
 def make_grad_fn(model_cfg, loss_cfg, optim_cfg, mesh, batch, **step_kw):
   """Jitted (params, batch) → (loss, grads) of the train step's first update, for tests."""
   step = TrainStep(model_cfg, loss_cfg, optim_cfg, mesh, **step_kw)
-  check_batch(batch, loss_cfg, optim_cfg, mesh, max_turns=step.max_turns)
+  spec, hp = step.spec, step.hparams
+  check_batch(batch, loss_cfg, optim_cfg, mesh, max_turns=spec.max_turns)
 
   def fn(params, batch):
     mask_BC = grpo.loss_mask(batch["completion_mask_BC"], batch.get("truncated_B"),
                              loss_cfg.mask_truncated_completions)
-    grads, sums, _, _ = step._grads(params, None, dict(batch, mask_BC=mask_BC),
-                                    step._normalisers(mask_BC))
+    grads, sums, _, _ = _grads(spec, hp, params, None, dict(batch, mask_BC=mask_BC),
+                               _normalisers(spec, mask_BC))
     return sums["loss"], grads
   param_sh = step.state_sh["params"]
   return jax.jit(fn, in_shardings=(param_sh, batch_shardings(batch, mesh)),

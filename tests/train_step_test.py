@@ -538,7 +538,7 @@ def test_compile_cache_is_keyed_by_shape(params, data):
   state = train_step.create_train_state(p, MODEL, optim, mesh)
   for x in (a, b, a, b, a):
     state, _, _ = step(state, x)
-  assert step.num_traces == 2 and len(step._jitted) == 2
+  assert step.num_traces == 2 and step.num_programs == 2
 
 
 def test_a_precompiled_layout_runs_its_batches_with_the_same_numbers(params, data):
@@ -678,3 +678,45 @@ def test_reference_equal_to_the_policy_gives_exactly_zero_kl_and_gradient(params
   _, m2, _ = step(train_step.create_train_state(p, MODEL, optim, mesh), flat, moved)
   assert step.num_traces == 1
   assert float(m2["loss/kl"]) > 0 and float(m2["grad_norm"]) > 0
+
+
+def test_members_program_is_each_members_own_step(params, data):
+  """step.members (train_step under jax.vmap over a leading K axis) gives member k what its own
+  step gives it: its rewards, lr, β and clip bounds enter as arrays (train_step.hparams). On
+  CPU the vmapped matmuls may round otherwise, so: within 1e-5 relative, params within 1e-6."""
+  batch = _shared_prompts(data[0])
+  rng = np.random.default_rng(11)
+  optim = optim_config(grad_accum_steps=1)
+  mesh, p = _on_one_device(params, optim)
+  cfgs = [(loss_config(), optim, (1.0, 0.5)),
+          (loss_config(beta=0.1, epsilon=0.1, epsilon_high=0.3), optim_config(
+              grad_accum_steps=1, lr=3e-4), (2.0, 1.0))]
+  step = train_step.make_train_step(MODEL, cfgs[0][0], optim, mesh, group_size=G,
+                                    reward_weights=cfgs[0][2])
+  ref = jax.tree.map(lambda x: x * 0.9, p)
+  rolls = [_rollout_from(batch, rng.normal(size=(B, 2)).astype(np.float32)) for _ in cfgs]
+  hps = [train_step.hparams(lc, oc, w) for lc, oc, w in cfgs]
+  want = [step(train_step.create_train_state(p, MODEL, optim, mesh), r, ref, h)
+          for r, h in zip(rolls, hps)]
+  state_K = train_step_stack([train_step.create_train_state(p, MODEL, optim, mesh)] * 2)
+  got_state, got_m, got_adv = step.members(state_K, rolls, train_step_stack(hps),
+                                           train_step_stack([ref, ref]))
+  assert step.num_programs == 2  # one program for one run, one for two
+  for k, (w_state, w_m, w_adv) in enumerate(want):
+    np.testing.assert_allclose(np.asarray(got_adv)[k], np.asarray(w_adv), rtol=1e-6, atol=1e-7)
+    for name in ("loss", "loss/policy", "loss/kl", "clip/high_frac", "grad_norm", "lr"):
+      np.testing.assert_allclose(float(got_m[name][k]), float(w_m[name]), rtol=1e-5,
+                                 atol=1e-8, err_msg=f"member {k}: {name}")
+    for a, b in zip(jax.tree.leaves(jax.tree.map(lambda x: x[k], got_state["params"])),
+                    jax.tree.leaves(w_state["params"])):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+  # The members' settings reached the program: lr as given, and loss = policy + β·KL with each
+  # member's own β (0.05 and 0.1).
+  assert float(got_m["lr"][1]) == pytest.approx(3e-4)
+  for k, beta in enumerate((0.05, 0.1)):
+    m = {name: float(v[k]) for name, v in got_m.items()}
+    assert m["loss"] - m["loss/policy"] == pytest.approx(beta * m["loss/kl"], rel=1e-4)
+
+
+def train_step_stack(trees):
+  return jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *trees)

@@ -468,6 +468,22 @@ def not_causal_message(cfg: QwenConfig) -> str:
           "with a KV cache. Use a causal language model checkpoint to sample from.")
 
 
+DTYPES = ("float32", "bfloat16")  # the names every dtype setting of the project takes
+
+
+def build(cfg: QwenConfig, *, dtype="float32", param_dtype="float32", remat: bool = False,
+          mesh=None) -> Qwen:
+  """The one way the project builds the model: compute and param dtypes (names from DTYPES or
+  dtypes), remat, and with a mesh the residual stream pinned to the batch split over the
+  ('data', 'fsdp') axes (see Qwen.act_sharding). The sampler, the train step, the model
+  rewards and export all take their module from here."""
+  act = None
+  if mesh is not None:
+    act = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+  return Qwen(cfg, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(param_dtype), remat=remat,
+              act_sharding=act)
+
+
 def head_kernel(params, cfg: QwenConfig) -> Array:
   """The [D, V] output projection: the embedding transposed when tied."""
   if cfg.tie_word_embeddings:

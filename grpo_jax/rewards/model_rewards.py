@@ -63,7 +63,7 @@ def _load(checkpoint: str, tokenizer: str, dtype: str, field: str, is_causal: bo
   params, cfg = weights.load_checkpoint(checkpoint, param_dtype=jdtype)
   if is_causal is not None:
     cfg = dataclasses.replace(cfg, is_causal=is_causal)
-  model = qwen.Qwen(cfg, dtype=jdtype, param_dtype=jdtype)
+  model = qwen.build(cfg, dtype=jdtype, param_dtype=jdtype)
   return params, cfg, model, tokenizer_lib.load_tokenizer(tokenizer or checkpoint)
 
 

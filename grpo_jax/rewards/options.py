@@ -19,7 +19,7 @@ import ml_collections
 
 T = TypeVar("T")
 
-DTYPES = ("float32", "bfloat16")  # every dtype setting of the project (optim.* too)
+DTYPES = ("float32", "bfloat16")  # = models.qwen.DTYPES; not imported: no jax here
 ATTENTION = ("auto", "causal", "bidirectional")
 # The forms in which math_accuracy looks for a response's final answer, in its default order
 # (see math_accuracy.py: 'last_number' reads the whole text, the others are span finders).
