@@ -1,9 +1,19 @@
 """Rollouts: prompts → G sampled completions each → rewards, and the batch the train step takes.
 
-    part, reward_m, sampler_m, (t_sample, t_reward) = sample_and_score(
-        config, sampler, tokenizer, params, rows, rewards, key)
-    rollout_batch = part.device_batch(pad_id, buckets=(48, 64), multiple=16,
-                                      with_truncated=False)
+    single = SingleTurn(config, tokenizer, sampler)       # or grpo_jax.agent.rollout.Agent
+    part, reward_m, sampler_m, (t_sample, t_reward) = single.sample(params, rows, rewards, key)
+    rollout_batch = part.train_batch(config, pad_id)
+    accuracy = single.evaluate(params, eval_rows, accuracy_reward(config))
+
+The one rollout interface (SingleTurn here, the multi-turn Agent in grpo_jax.agent.rollout):
+  sample(params, rows, rewards, key, ref_params=None) -> (Rollouts, reward metrics, sampler or
+      agent metrics, (seconds sampling, seconds scoring))
+  evaluate(params, rows, reward, ref_params=None) -> greedy pass@1
+  sft_examples(rows) -> (prompt ids, completion ids, loss masks or None): the warm start's data
+  batch_layout(rows, num_rewards) -> the likely train batch's layout, or None
+  completion_width, max_turns: what the train step's spec takes from it
+and, where a sweep's K runs share one program (single-turn only), sample_members and
+evaluate_members over params with a leading K axis.
 
 Host side only: strings (templating, decoding, reward parsing) live here; the device sees the
 padded integer arrays of `Rollouts.device_batch`, uploaded once.
@@ -19,7 +29,7 @@ import time
 import jax
 import numpy as np
 
-from grpo_jax import data, grpo, hosts
+from grpo_jax import data, grpo, hosts, sft
 from grpo_jax.rewards import build_rewards, merge_metrics, score
 
 
@@ -115,6 +125,69 @@ class Rollouts:
     return self.device_batch(pad_id, buckets=config.data.prompt_buckets,
                              multiple=config.train.pad_multiple,
                              with_truncated=config.loss.mask_truncated_completions)
+
+
+class SingleTurn:
+  """The single-turn rollout: G completions per prompt from one prefill (the module docstring
+  lists the interface it shares with grpo_jax.agent.rollout.Agent)."""
+
+  max_turns = None  # one turn: flow_grpo's per-turn weights do not apply
+
+  def __init__(self, config, tokenizer, sampler):
+    self.config, self.tokenizer, self.sampler = config, tokenizer, sampler
+    self.completion_width = config.sampling.max_new_tokens
+
+  def sample(self, params, rows, rewards, key, ref_params=None):
+    del ref_params  # single-turn rollouts have no frozen role
+    return sample_and_score(self.config, self.sampler, self.tokenizer, params, rows, rewards,
+                            key)
+
+  def evaluate(self, params, rows, reward, ref_params=None) -> float:
+    del ref_params
+    return evaluate(self.config, self.sampler, self.tokenizer, params, rows, reward)
+
+  def sft_examples(self, rows):
+    """(prompt ids, completion ids, None): the reference solutions, every token trained on."""
+    tok = self.tokenizer
+    prompts = data.encode_prompts(tok, prompt_texts(self.config, tok, rows))
+    stop = tok.convert_tokens_to_ids(tok.eos_token)
+    completions = [tok(sft.reference_completion(r["answer"]), add_special_tokens=False).input_ids
+                   + [stop] for r in rows]
+    return prompts, completions, None
+
+  def batch_layout(self, rows, num_rewards: int):
+    return batch_layout(self.config, self.tokenizer, rows, num_rewards)
+
+  def sample_members(self, params_K, rows_K, rewards_K, keys_K):
+    """One round of sample for each of K runs at once (a sweep's members, params stacked on a
+    leading K axis): rows_K[k] None for a member that sits this round out (its result None).
+    The members' prompts and rewards are their own; the settings that shape the program are
+    shared (grpo_jax.train.check_vmappable)."""
+    t0 = time.perf_counter()
+    prompts = [None if rows is None else encode(self.config, self.tokenizer, rows)
+               for rows in rows_K]
+    outs = self.sampler.generate_members(
+        params_K, [None if p is None else p.ids for p in prompts],
+        num_samples=self.config.sampling.num_generations, keys_K=keys_K)
+    return [None if rows is None else score_samples(self.config, self.tokenizer, rows, p, out,
+                                                    rewards, t0)
+            for rows, p, out, rewards in zip(rows_K, prompts, outs, rewards_K)]
+
+  def evaluate_members(self, params_K, rows_K, reward) -> list[float]:
+    """evaluate for each of K runs at once, each on its own rows (of one length)."""
+    bs = self.config.train.eval_batch_size
+    correct = np.zeros(len(rows_K), int)
+    for i in range(0, len(rows_K[0]), bs):
+      chunks = [rows[i:i + bs] for rows in rows_K]
+      prompts = [encode(self.config, self.tokenizer, chunk) for chunk in chunks]
+      outs = self.sampler.generate_members(params_K, [p.ids for p in prompts], num_samples=1,
+                                           greedy=True)
+      for k, (chunk, p, out) in enumerate(zip(chunks, prompts, outs)):
+        texts = self.tokenizer.batch_decode([t[:n] for t, n in zip(out.tokens, out.lengths)],
+                                            skip_special_tokens=True)
+        scores = reward.fn(p.texts, texts, group_size=1, **reward_columns(chunk, 1))
+        correct[k] += sum(s == 1.0 for s in scores)
+    return [c / max(len(rows), 1) for c, rows in zip(correct, rows_K)]
 
 
 def batch_layout(config, tokenizer, rows, num_rewards: int) -> dict[str, jax.ShapeDtypeStruct]:

@@ -1,6 +1,6 @@
 """Jitted batched sampling from a functional Qwen model: prefill once, tile ×G, decode in a loop.
 
-    sampler = Sampler(qwen.Qwen(cfg), max_new_tokens=256, stop_ids=[151645, 151643],
+    sampler = Sampler(qwen.build(cfg), max_new_tokens=256, stop_ids=[151645, 151643],
                       buckets=(128, 256), valid_vocab_size=151665, pad_id=151643, mesh=mesh)
     out = sampler.generate(params, [[151644, 8948, ...], [151644, ...]], num_samples=8,
                            key=jax.random.key(step), temperature=1.0, top_p=0.95)
@@ -119,7 +119,7 @@ class Sampler:
                pad_id: int = 0, mesh=None, dtype=None, vocab_chunk: int = 8192,
                top_p_draws: int = 8):
     if isinstance(model, qwen.QwenConfig):
-      model = qwen.Qwen(model, dtype=jnp.float32 if dtype is None else dtype)
+      model = qwen.build(model, dtype=jnp.float32 if dtype is None else dtype)
     elif not isinstance(model, qwen.Qwen):
       raise TypeError(f"model must be a qwen.Qwen or a qwen.QwenConfig, got {type(model)}")
     self.model, cfg = model, model.cfg
@@ -158,6 +158,7 @@ class Sampler:
                            compiler_options=opts)
     self._append = jax.jit(self._append_impl, donate_argnums=(1,), compiler_options=opts)
     self._next_logprobs = jax.jit(self._next_logprobs_impl, compiler_options=opts)
+    self._members = None  # generate_members' programs, built on first use
 
   # --- device side -------------------------------------------------------------------------
 
@@ -449,3 +450,77 @@ class Sampler:
                         jnp.asarray(conv.prompt_mask), metrics)
 
   __call__ = generate
+
+  def lower_prefill(self, params, tokens_BP, mask_BP, num_samples: int, capacity: int):
+    """The prefill program lowered for these (abstract) arguments: ahead-of-time memory and
+    cost analysis (benchmarks/memory.py). Its out_info holds the cache and decode state."""
+    return self._prefill.lower(params, tokens_BP, mask_BP, num_samples, capacity)
+
+  def lower_decode(self, params, cache, state, key, row_ids_R2, active_R, max_tokens: int,
+                   **settings):
+    """The decode program lowered for these (abstract) arguments and sampling settings."""
+    return self._decode.lower(params, cache, state, key, row_ids_R2, active_R,
+                              self._settings(settings), max_tokens)
+
+  def generate_members(self, params_K, prompts_K, *, num_samples, keys_K=None, greedy=False):
+    """generate for K runs of a sweep at once: params_K stacked on a leading K axis; the
+    prefill and decode programs under jax.vmap over the members' params and keys.
+
+    prompts_K: per member a list of token-id lists (all of one length B), or None for a member
+    that sits this call out (it samples another member's prompts, thrown away). Returns per
+    member a SampleOutput (its prompt fields None), or None. As generate: rows b*G + g, each
+    row's key fold_in(fold_in(key, b), g); every member's prompts left-padded to one bucket
+    (the largest any member needs), which changes no number. One process only."""
+    g = int(num_samples)
+    if self._members is None:
+      opts = compile_cache.compiler_options(self.mesh)
+      prefill = lambda p, t, m, g, c: jax.vmap(
+          lambda p, t, m: self._prefill_impl(p, t, m, g, c))(p, t, m)
+      decode = lambda p, cache, st, rng, ids, act, sp, c: jax.vmap(
+          lambda p, cache, st, rng: self._decode_impl(p, cache, st, rng, ids, act, sp, c))(
+              p, cache, st, rng)
+      self._members = (jax.jit(prefill, static_argnums=(3, 4), compiler_options=opts),
+                       jax.jit(decode, static_argnums=(6, 7), donate_argnums=(1,),
+                               compiler_options=opts))
+    prefill, decode = self._members
+    sits_out = [p is None for p in prompts_K]
+    given = [p for p in prompts_K if p is not None]
+    prompts_K = [p if p is not None else given[0] for p in prompts_K]
+    rows_K = [self._as_token_lists(p, None) for p in prompts_K]
+    b = len(rows_K[0])
+    own_buckets = [data.bucket_length(max(len(r) for r in rows), self.buckets)
+                   for rows in rows_K]
+    bucket = max(own_buckets)
+    b_pad = -(-b // self._batch_multiple()) * self._batch_multiple()
+    tokens, masks = zip(*[data.pad_to_bucket([rows[min(i, b - 1)] for i in range(b_pad)],
+                                             (bucket,), self.pad_id) for rows in rows_K])
+    row_ids = np.stack([np.repeat(np.arange(b_pad), g), np.tile(np.arange(g), b_pad)], 1)
+    active = np.zeros((b_pad * g,), bool)
+    active[:b * g] = True
+    sp = self._settings({"greedy": True} if greedy else {})
+    if keys_K is None:
+      keys_K = [jax.random.key(0)] * len(prompts_K)
+    start = time.perf_counter()
+    cache, state = prefill(params_K, jnp.asarray(np.stack(tokens)),
+                           jnp.asarray(np.stack(masks).astype(np.int32)), g,
+                           bucket + self.max_new_tokens)
+    jax.block_until_ready(state)
+    prefill_s = time.perf_counter() - start
+    out, _, _ = decode(params_K, cache, state, jnp.stack(keys_K),
+                       jnp.asarray(row_ids.astype(np.int32)), jnp.asarray(active), sp,
+                       self.max_new_tokens)
+    out = jax.device_get(out)
+    seconds = time.perf_counter() - start
+    results = []
+    for k in range(len(prompts_K)):
+      lengths = out["lengths"][k, :b * g]
+      results.append(SampleOutput(out["tokens"][k, :b * g], lengths, out["truncated"][k, :b * g],
+                                  out["logprobs"][k, :b * g], None, None, {
+          "sampler/tokens_per_s": int(lengths.sum()) / seconds,
+          "sampler/seconds": seconds,
+          "sampler/prefill_seconds": prefill_s,
+          "sampler/decode_steps": int(out["steps"][k]),
+          "sampler/cut_extra_rounds": int(out["extra_rounds"][k]),
+          "sampler/prompt_bucket": own_buckets[k],  # what the member's own run pads to
+      }))
+    return [None if out_k else r for r, out_k in zip(results, sits_out)]

@@ -17,7 +17,7 @@ import numpy as np
 
 from tqdm.auto import tqdm
 
-from grpo_jax import data, hosts, rollout, train_step
+from grpo_jax import data, hosts, train_step
 from grpo_jax.errors import warn
 
 _CALCULATOR = re.compile(r"<<[^<>]{0,200}>>")
@@ -47,15 +47,6 @@ def sft_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequ
           "completion_mask_BC": loss_BC}
 
 
-def examples(config, tok, rows):
-  """(prompt ids, completion ids, None): the reference solutions, every token trained on."""
-  prompts = data.encode_prompts(tok, rollout.prompt_texts(config, tok, rows))
-  stop = tok.convert_tokens_to_ids(tok.eos_token)
-  completions = [tok(reference_completion(r["answer"]), add_special_tokens=False).input_ids
-                 + [stop] for r in rows]
-  return prompts, completions, None
-
-
 def sft_optim_config(config):
   """Adam at sft.lr (AdamW without decay, clipping or schedule), otherwise the run's optim."""
   optim = config.optim.copy_and_resolve_references()
@@ -73,7 +64,7 @@ def run_sft(config, trainer, params, rows, eval_rows=()):
   find any reward (experiments/tiny_seeds.md). Returns the params.
   """
   s, tok = config.sft, trainer.tokenizer
-  max_completion = trainer.agent.room if trainer.agent else config.sampling.max_new_tokens
+  max_completion = trainer.rollout.completion_width
   optim = sft_optim_config(config)
   step = train_step.TrainStep(trainer.cfg, config.loss, optim, trainer.mesh, objective="sft")
   state = train_step.create_train_state(params, trainer.cfg, optim, trainer.mesh)
@@ -84,7 +75,7 @@ def run_sft(config, trainer, params, rows, eval_rows=()):
   acc = None
   for i in bar:
     batch_rows = [rows[j] for j in order.next_indices()]
-    prompts, completions, masks = trainer.sft_examples(batch_rows)
+    prompts, completions, masks = trainer.rollout.sft_examples(batch_rows)
     batch = sft_batch(prompts, completions, tok.pad_token_id, buckets=config.data.prompt_buckets,
                       multiple=config.train.pad_multiple, max_completion=max_completion,
                       loss_masks=masks)

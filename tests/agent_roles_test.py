@@ -135,12 +135,12 @@ def test_server_roles_get_the_transcript_as_chat_messages(tiny):
                    server=dict(base_url=server.url, model="frozen-7b", max_retries=0))
     from grpo_jax.rewards import build_rewards
     rewards = build_rewards(config.rewards)
-    part, _, m, _ = agent.sample_and_score(params, rows, rewards, jax.random.key(2), g=2)
+    part, _, m, _ = agent.sample(params, rows, rewards, jax.random.key(2), g=2)
     body = server.bodies[-1]  # the last generator request
     # A server that fails: no answer (scored as ""), the verifier's missing reply is a No.
     down = _agent(tiny, generator="server", verifier="server", generator_prompt="[500]",
                   verifier_prompt="[500]", server=dict(base_url=server.url, max_retries=0))
-    part_down, _, m_down, _ = down.sample_and_score(params, rows, rewards, jax.random.key(2), g=2)
+    part_down, _, m_down, _ = down.sample(params, rows, rewards, jax.random.key(2), g=2)
   assert part_down.texts == [""] * 6 and m_down["agent/generator/missing"] == 6
   assert m_down["agent/verifier/missing"] > 0 and m_down["agent/end/verifier_frac"] == 0
   assert part.texts == ["<answer>42</answer>"] * 6

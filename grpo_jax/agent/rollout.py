@@ -1,9 +1,11 @@
 """Batched multi-turn rollouts: all B·G trajectories advance turn by turn in batched sampler calls.
 
     agent = Agent(config, tokenizer, sampler)
-    part, reward_m, agent_m, (t_sample, t_reward) = agent.sample_and_score(params, rows, rewards,
-                                                                          key)
-    part.device_batch(...)   # the train step's rollout layout, with loss_mask_BC and turn_ids_BC
+    part, reward_m, agent_m, (t_sample, t_reward) = agent.sample(params, rows, rewards, key)
+    part.train_batch(config, pad_id)  # the train step's rollout layout, + loss_mask_BC, turn_ids_BC
+
+Agent implements grpo_jax.rollout's one rollout interface (sample, evaluate, sft_examples,
+batch_layout, completion_width, max_turns), as rollout.SingleTurn does for single turns.
 
 One turn: `Sampler.extend` samples every live row's action (at most agent.action_tokens) from
 where its conversation stands; the host decodes the actions and steps each row's environment
@@ -36,6 +38,7 @@ from grpo_jax import data, rollout
 from grpo_jax.agent import env as env_lib
 from grpo_jax.agent import roles as roles_lib
 from grpo_jax.agent import tools as tools_lib
+from grpo_jax.agent import traces as traces_lib
 from grpo_jax.rewards import score
 
 _SENTINEL = ("\x01A\x01", "\x01O\x01")
@@ -110,6 +113,16 @@ class Agent:
     self.room = room + self.roles.row_room
     self.cache_room = self.room + self.roles.peek_room
     self.stop_ids = set(sampler.stop_ids)
+    self.completion_width = self.room  # a trajectory's completion: its actions and observations
+    self.max_turns = a.max_turns
+
+  def sft_examples(self, rows):
+    """The warm start's traces: solutions that call the tools (grpo_jax.agent.traces)."""
+    return traces_lib.examples(self, rows)
+
+  def batch_layout(self, rows, num_rewards: int):
+    """None: a trajectory's width is known only once it has run, so nothing compiles ahead."""
+    del rows, num_rewards
 
   def new_env(self) -> env_lib.ToolEnv:
     return env_lib.ToolEnv(self.tools, self.config.agent.max_turns,
@@ -227,9 +240,10 @@ class Agent:
                             rewards_BR, loss_mask_BC=loss_mask, turn_ids_BC=turn_ids,
                             trajectories=[trajectory_text(r) for r in records])
 
-  def sample_and_score(self, params, rows, rewards, key, g=None, ref_params=None):
-    """rollout.sample_and_score for trajectories: (Rollouts, reward metrics, agent metrics,
-    (seconds sampling and stepping environments, seconds scoring))."""
+  def sample(self, params, rows, rewards, key, ref_params=None, g=None):
+    """rollout.SingleTurn.sample for trajectories: (Rollouts, reward metrics, agent metrics,
+    (seconds sampling and stepping environments, seconds scoring)); ref_params feed a
+    'reference' role."""
     g = g or self.config.sampling.num_generations
     prompts, records, sample_s, env_s = self.run(params, rows, g, key, ref_params=ref_params)
     t1 = time.perf_counter()
