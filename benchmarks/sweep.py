@@ -5,12 +5,14 @@
 The runs are an lr sweep (8 rates, seed 0) sharing one warm start, as `python -m grpo_jax.sweep
 --vmap` runs it: the warm start is computed once (a prefix run, not timed) and each run starts
 from a copy of its step-0 checkpoint. Timed: the 8 separate `python -m grpo_jax.main` processes
-one after another, then the one `python -m grpo_jax.vmapped` process running all 8; each arm
+one after another, then the one `python -m grpo_jax.train --spec` process running all 8; each arm
 includes its process start, compiles, sampling, rewards, updates, evals, checkpoints and the
 exported models. The separate runs pay the compiles 8 times; the vmapped one once, and batches
 the members' small matmuls.
 
-Prints `vmapped_sweep_speedup=<separate wall time / vmapped wall time>` and the largest
+Prints `vmapped_sweep_speedup=<separate wall time / vmapped wall time>` (end to end),
+`vmapped_step_speedup=<sum of the separate runs' median step times / the group's median step
+time>` (steady state: time/step_s, rollouts and update, the first step left out), and the largest
 difference between a member's metrics and the matching separate run's (timings aside; see
 tests/vmapped_test.py for why they are not bitwise).
 """
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -29,8 +32,9 @@ sys.path.insert(0, REPO)
 
 from grpo_jax import sweep, sweep_runner  # noqa: E402  (no jax: the runs are subprocesses)
 
-TIMING = ("time/sample_s", "time/reward_s", "time/train_s", "sampler/tokens_per_s",
-          "sampler/seconds", "sampler/prefill_seconds")  # vmapped.TIMING_METRICS
+TIMING = ("time/sample_s", "time/reward_s", "time/train_s", "time/step_s",
+          "sampler/tokens_per_s", "sampler/seconds",
+          "sampler/prefill_seconds")  # train.TIMING_METRICS (not imported: no jax here)
 
 
 def _main_cmd(workdir, args):
@@ -90,7 +94,7 @@ def main():
     json.dump({"config": "configs/gsm8k.py:tiny",
                "members": [{"workdir": d, "args": args} for d, args in zip(v_dirs, members)]}, f)
   t0 = time.perf_counter()
-  _run([sys.executable, "-m", "grpo_jax.vmapped", f"--spec={spec}"], log)
+  _run([sys.executable, "-m", "grpo_jax.train", f"--spec={spec}"], log)
   t_v = time.perf_counter() - t0
   print(f"{a.k} runs vmapped in one process: {t_v:.1f} s", flush=True)
 
@@ -108,7 +112,20 @@ def main():
   print(f"load average at start {load:.1f} on {os.cpu_count()} cores; {a.steps} GRPO steps each")
   print(f"largest member-vs-separate metric difference: {worst_abs:.3g} absolute (at {where}); "
         f"largest relative where the absolute exceeds 1e-6: {worst_rel:.3g}")
+  step_sep = sum(_median_step(d) for d in sep_dirs)
+  step_v = _median_step(v_dirs[0])
+  print(f"steady step: {a.k} separate runs {step_sep:.2f} s (sum of medians), vmapped "
+        f"{step_v:.2f} s (median)")
   print(f"vmapped_sweep_speedup={t_sep / t_v:.2f}")
+  print(f"vmapped_step_speedup={step_sep / step_v:.2f}")
+
+
+def _median_step(workdir) -> float:
+  """The median time/step_s of a run's GRPO steps after its first (which compiles)."""
+  steps = [r["time/step_s"] for r in _metrics(workdir) if "time/step_s" in r][1:]
+  if not steps:
+    raise SystemExit(f"{workdir}: fewer than 2 GRPO steps with time/step_s; use --steps >= 2")
+  return statistics.median(steps)
 
 
 if __name__ == "__main__":

@@ -40,8 +40,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from grpo_jax.errors import UserError
+# The runner's names, here so that sweep files and tests find them in one place.
+from grpo_jax.sweep_runner import PREFIX_DIR, Runner, SweepError, cli_value  # noqa: F401
 
-PREFIX_DIR = "prefixes"
 
 # Keys whose value cannot change anything up to and including a run's step-0 checkpoint and its
 # step-0 eval (the warm start, the initial GRPO train state, the data position, the first line of
@@ -81,10 +82,6 @@ VMAP_VARIABLE = ("seed", "optim.lr", "loss.beta", "loss.epsilon", "loss.epsilon_
 # What a prefix run adds: stop after the step-0 checkpoint. A constant schedule because cosine
 # needs steps > 0 to validate; the schedule is post-warm-start, so the checkpoint is the same.
 PREFIX_OVERRIDES = {"train.steps": 0, "optim.schedule": "constant"}
-
-
-class SweepError(UserError):
-  """A sweep file, its overrides or its working directory cannot be used as given."""
 
 
 # --- sweeps as data -----------------------------------------------------------------------------
@@ -158,13 +155,6 @@ def run_name(overrides: dict) -> str:
   if len(name) > 200:
     name = name[:183] + "," + hashlib.sha256(name.encode()).hexdigest()[:16]
   return name
-
-
-def cli_value(value) -> str:
-  """The text of --config.k=<value> that ml_collections parses back to value."""
-  if isinstance(value, (list, tuple)):
-    return repr(tuple(value))
-  return value if isinstance(value, str) else repr(value)
 
 
 # --- the plan: prefixes and runs ----------------------------------------------------------------
@@ -302,7 +292,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if args.parallel < 1:
     parser.error(f"--parallel {args.parallel} must be >= 1")
-  from grpo_jax import sweep_runner  # after parsing: --help stays fast
 
   try:
     sweep = load_sweep(args.sweep_file)
@@ -313,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = load_config(sweep.config)
     check_overrides(base, runs)
     groups = vmap_groups([r for r in runs if r.kind == "run"], base) if args.vmap else None
-    runner = sweep_runner.Runner(sweep, runs, args.workdir, parallel=args.parallel,
+    runner = Runner(sweep, runs, args.workdir, parallel=args.parallel,
                                  main_module=args.main_module, sweep_file=args.sweep_file,
                                  vmap_groups=groups)
     if args.dry_run:

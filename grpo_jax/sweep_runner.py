@@ -35,8 +35,9 @@ import time
 
 from tqdm.auto import tqdm
 
-from grpo_jax import sweep as sweep_lib
+from grpo_jax.errors import UserError
 
+PREFIX_DIR = "prefixes"
 SWEEP_FILE = "sweep.json"
 RUN_FILE = "sweep_run.json"
 LOG_FILE = "log.txt"
@@ -46,6 +47,17 @@ METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"    # checkpoint.SUBDIR; not imported: it would load jax and orbax
 STOP_GRACE_S = 300             # how long stopped runs get to save their checkpoint
 POLL_S = 0.5
+
+
+class SweepError(UserError):
+  """A sweep file, its overrides or its working directory cannot be used as given."""
+
+
+def cli_value(value) -> str:
+  """The text of --config.k=<value> that ml_collections parses back to value."""
+  if isinstance(value, (list, tuple)):
+    return repr(tuple(value))
+  return value if isinstance(value, str) else repr(value)
 
 
 def read_json(path):
@@ -130,7 +142,7 @@ def _last_line(path: str) -> str:
 
 @dataclasses.dataclass
 class Group:
-  """--vmap: runs that share one process and one vmapped program (grpo_jax.vmapped)."""
+  """--vmap: runs that share one process and one vmapped program (grpo_jax.train.run_group)."""
   members: list
 
   @property
@@ -171,18 +183,18 @@ class Runner:
     same = (rec.get("config") == self.sweep.config
             and rec.get("args") == json.loads(json.dumps(r.args)))
     if not same:
-      raise sweep_lib.SweepError(
+      raise SweepError(
           f"{self.run_dir(r)} was run with --config={rec.get('config')} and overrides "
           f"{rec.get('args')}, this sweep gives it --config={self.sweep.config} and {r.args}: "
           "use another --workdir, or delete that run's directory to redo it")
 
   def command(self, r) -> list[str]:
     if isinstance(r, Group):
-      return [self.python, "-m", "grpo_jax.vmapped",
+      return [self.python, "-m", "grpo_jax.train",
               f"--spec={os.path.join(self.workdir, r.dir, 'spec.json')}"]
     return ([self.python, "-m", self.main_module, f"--config={self.sweep.config}",
              f"--workdir={self.run_dir(r)}"]
-            + [f"--config.{k}={sweep_lib.cli_value(v)}" for k, v in r.args.items()])
+            + [f"--config.{k}={cli_value(v)}" for k, v in r.args.items()])
 
   # --- records ----------------------------------------------------------------------------------
 
@@ -233,7 +245,7 @@ class Runner:
       return None if None in states else all(states)
     if r.prefix is None:
       return True
-    s = self.status[os.path.join(sweep_lib.PREFIX_DIR, r.prefix)]
+    s = self.status[os.path.join(PREFIX_DIR, r.prefix)]
     return True if s == "done" else None if s == "failed" else False
 
   def _start_group(self, group):

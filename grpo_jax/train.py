@@ -1,19 +1,38 @@
-"""The GRPO program: `run(config, workdir)` builds the run, then loops: rollouts (host:
-sample, decode, reward) → one compiled train step (advantages, reference pass, μ updates) →
-metrics, samples, eval and checkpoints at their cadence; plots, summary and the exported model
-at the end.
+"""The GRPO program, one loop for K >= 1 runs.
+
+    run(config, workdir)                  # one run: what `python -m grpo_jax.main` does
+    run_group(configs, workdirs)          # K runs of a sweep as one program (`sweep --vmap`)
+    python -m grpo_jax.train --spec=group.json   # run_group from a spec file:
+    # {"config": "configs/gsm8k.py:tiny",
+    #  "members": [{"workdir": "runs/x/optim.lr=1e-05", "args": {"optim.lr": 1e-05}}, ...]}
+
+Each step: rollouts (host: sample, decode, reward; rollout.SingleTurn or the agent) → one
+compiled train step (train_step.train_step: advantages, reference pass, μ updates) → metrics,
+samples, eval and checkpoints at their cadence; plots, summary and the exported model at the end.
+
+K runs share the device side: their states are stacked on a leading K axis and the sampler's
+prefill and decode and the train step run under jax.vmap, each member's lr, β, ε, ε_high and
+reward weights entering as arrays (train_step.hparams). A plain run (K = 1) keeps its state as
+it is, so it pays for no stacking. The host side stays per run: data order, rewards and their
+health, dynamic-sampling rounds (a round is sampled for every member when any needs one; each
+keeps only the rounds its own run would take), metrics, samples, checkpoints and final model in
+its own workdir, exactly as a separate run writes them. Members may differ only in VARIABLE
+(check_vmappable); a member's numbers equal its separate run's within rounding
+(tests/vmapped_test.py says how close).
 
 Resuming is automatic: a workdir holding a checkpoint continues from it. Every source of
 randomness is a pure function of (seed, step) and the data order of (seed, epoch), so on one
 machine a resumed run reproduces an uninterrupted one bit for bit.
 
-Files in the workdir: see README ("What a run writes").
+Files in the workdir: see README ("Outputs and resume").
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
+import json
 import os
 import signal
 import sys
@@ -25,10 +44,12 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
+import numpy as np
+
 from grpo_jax import (checkpoint, compile_cache, data, grpo, hosts, inputs, logging_io, plots,
-                      rollout, sampler as sampler_lib, sft, sharding, storage,
+                      rollout, sampler as sampler_lib, sft, sharding, storage, sweep,
                       tokenizer as tokenizer_lib, train_step, validate)
-from grpo_jax.agent import rollout as agent_rollout, traces as agent_traces
+from grpo_jax.agent import rollout as agent_rollout
 from grpo_jax.errors import UserError
 from grpo_jax.models import qwen, weights
 from grpo_jax.rewards import Interrupted, MissingRewardsError, RewardHealth, build_rewards, probe
@@ -58,7 +79,7 @@ class Setup:
 
 def setup(config, workdir: str) -> Setup:
   """Validates the config, writes config.json, loads data and tokenizer, builds and probes the
-  rewards, reads the model config (no weights). Shared by run and grpo_jax.vmapped.
+  rewards, reads the model config (no weights): one member's host side.
 
   With several processes, process 0 writes the workdir's files (config.json, a synthetic
   dataset, the tiny tokenizer) and the others read them once it has."""
@@ -100,112 +121,264 @@ def setup(config, workdir: str) -> Setup:
                interrupt, cfg, generation_config)
 
 
-def run(config, workdir: str) -> dict:
-  s = setup(config, workdir)
-  workdir, train_rows, eval_rows, sft_eval_rows = (s.workdir, s.train_rows, s.eval_rows,
-                                                   s.sft_eval_rows)
-  tokenizer, stop_ids, rewards, interrupt = s.tokenizer, s.stop_ids, s.rewards, s.interrupt
-  cfg, generation_config = s.cfg, s.generation_config
-  mesh = sharding.make_mesh(tuple(config.mesh))
-  trainer = Trainer(config, cfg, mesh, tokenizer, stop_ids, interrupt=interrupt)
-  num_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
-  print(f"grpo_jax: {cfg.model_type} {cfg.num_layers}x{cfg.hidden_size}, "
-        f"{num_params / 1e6:.2f}M params, "
-        f"{len(train_rows)} train / {len(eval_rows)} eval prompts"
-        f"{f' / {len(sft_eval_rows)} warm-start validation' if sft_eval_rows else ''}, "
-        f"mesh {dict(mesh.shape)}, "
-        f"workdir {workdir}, "
-        f"compilation cache {jax.config.jax_compilation_cache_dir or 'off'}", flush=True)
+# --- which runs can share one program -----------------------------------------------------------
 
-  # The latest checkpoint whose files pass their checksums; damaged newer ones are skipped.
-  restored = checkpoint.resume(workdir, trainer.abstract_checkpoint())
-  if restored is None:
-    params = inputs.initial_params(config, cfg, mesh)
-    if config.sft.steps:
-      params = sft.run_sft(config, trainer, params, train_rows, sft_eval_rows)
-    state = trainer.init_state(params)
-    ref_params = trainer.reference(params) if grpo.needs_reference(config.loss) else None
-    del params  # the state and the reference are copies; the loaded params would only hold memory
-    start = 0
-    it = data.PromptIterator(len(train_rows), config.train.prompts_per_step, config.seed)
-  else:
-    state, ref_params = restored.state["train"], restored.state.get("ref")
-    start = restored.step
-    it = data.PromptIterator(len(train_rows), config.train.prompts_per_step, config.seed,
-                             position=restored.data_position)
-    print(f"grpo_jax: resumed from step {start}", flush=True)
+VARIABLE = sweep.VMAP_VARIABLE  # the settings members may differ in (flat, dotted config keys)
+# Metrics that measure the machine, not the run: they differ between any two runs.
+TIMING_METRICS = ("time/sample_s", "time/reward_s", "time/train_s", "time/step_s",
+                  "sampler/tokens_per_s", "sampler/seconds", "sampler/prefill_seconds")
 
-  resume_step = -1 if restored is None else start
-  main = hosts.is_main()  # the one process that writes the run's files
-  metrics_writer = logging_io.MetricsWriter(
-      workdir, resume_step=resume_step, tensorboard=config.train.tensorboard,
-      wandb=config.train.wandb) if main else logging_io.NullWriter()
-  samples_writer = (logging_io.SamplesWriter(workdir, resume_step=resume_step) if main
+
+class VmapError(UserError):
+  """Runs that cannot share one vmapped program."""
+
+
+def _flat(d, prefix=""):
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = tuple(v) if isinstance(v, list) else v
+  return out
+
+
+def check_vmappable(configs) -> None:
+  """Raises VmapError naming the first setting that keeps these configs out of one program:
+  anything but VARIABLE changes a shape or the host's control flow (G, prompts per step,
+  max_new_tokens, the temperature, which is static in the sampler and the log-probs)."""
+  flats = [_flat(c.to_dict()) for c in configs]
+  for key in sorted(set().union(*flats)):
+    values = [f.get(key) for f in flats]
+    if key not in VARIABLE and any(v != values[0] for v in values):
+      raise VmapError(
+          f"config.{key} differs between the runs of a vmapped group ({values}): it changes a "
+          f"shape or the control flow of the program, so they cannot share one; only "
+          f"{', '.join(VARIABLE)} may differ (run them without --vmap)")
+  if len({c.loss.beta != 0 for c in configs}) > 1:
+    raise VmapError(f"config.loss.beta is 0 for some runs and > 0 for others "
+                    f"({[c.loss.beta for c in configs]}): β > 0 adds a reference forward, so "
+                    "they cannot share one program")
+  if len({len(c.rewards.weights) for c in configs}) > 1:
+    raise VmapError("config.rewards.weights: the runs weight different numbers of rewards")
+  if len(configs) > 1 and configs[0].agent.enabled:
+    raise VmapError("config.agent.enabled: multi-turn agent rollouts are not vmapped; run them "
+                    "without --vmap")
+
+
+def _check_shared(members):
+  """What the shared sampler and train step bake in must agree (the tokenizer follows the
+  seed with the tiny preset)."""
+  m0 = members[0]
+  for m in members[1:]:
+    for what, a, b in (("model config", m.cfg, m0.cfg), ("stop ids", m.stop_ids, m0.stop_ids),
+                       ("pad id", m.tokenizer.pad_token_id, m0.tokenizer.pad_token_id),
+                       ("tokenizer size", len(m.tokenizer), len(m0.tokenizer))):
+      if a != b:
+        raise VmapError(f"{m.workdir} and {m0.workdir} differ in their {what} ({a} vs {b}): "
+                        "the shared sampler and train step cannot serve both")
+
+
+def pad_batches(batches, pad_id):
+  """Rollout-layout batches to one prompt width (left-padded) and completion width (right):
+  the extra columns are masked out, so each member's numbers stay its own."""
+  P_ = max(b["prompt_BP"].shape[1] for b in batches)
+  C = max(b["completion_BC"].shape[1] for b in batches)
+  out = []
+  for b in batches:
+    p, c = P_ - b["prompt_BP"].shape[1], C - b["completion_BC"].shape[1]
+    b = dict(b, prompt_BP=np.pad(b["prompt_BP"], ((0, 0), (p, 0)), constant_values=pad_id),
+             prompt_mask_BP=np.pad(b["prompt_mask_BP"], ((0, 0), (p, 0))),
+             completion_BC=np.pad(b["completion_BC"], ((0, 0), (0, c)), constant_values=pad_id))
+    for k in ("loss_mask_BC", "turn_ids_BC"):
+      if k in b:
+        b[k] = np.pad(b[k], ((0, 0), (0, c)))
+    out.append(b)
+  return out
+
+
+def stack(trees):
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def unstack(tree, k):
+  return jax.tree.map(lambda x: x[k], tree)
+
+
+# --- the runs' host sides -----------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Member:
+  """One run's host side: its Setup (data, tokenizer, rewards), data order, writers, checkpoints
+  and reward health; the device state lives with the group (Group)."""
+  setup: Setup
+  config: Any
+  it: data.PromptIterator | None = None
+  metrics: Any = None
+  samples: Any = None
+  ckpt: Any = None
+  health: Any = None
+  fresh: bool = False  # warm-started in this process (no checkpoint to resume from)
+  bad: int = 0  # consecutive skipped (non-finite) steps
+
+  @property
+  def workdir(self):
+    return self.setup.workdir
+
+  def open(self, start: int, main: bool) -> None:
+    """The run's writers and checkpointer, from `start` on (a fresh run: from scratch)."""
+    c, resume = self.config, -1 if self.fresh else start
+    self.metrics = logging_io.MetricsWriter(
+        self.workdir, resume_step=resume, tensorboard=c.train.tensorboard,
+        wandb=c.train.wandb) if main else logging_io.NullWriter()
+    self.samples = (logging_io.SamplesWriter(self.workdir, resume_step=resume) if main
                     else logging_io.NullWriter())
-  stop = {"requested": False}
-  previous = signal.signal(signal.SIGTERM,
-                           lambda *_: (stop.update(requested=True), interrupt.set()))
-  ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.train.keep_checkpoints)
+    self.ckpt = checkpoint.Checkpointer(self.workdir, max_to_keep=c.train.keep_checkpoints)
+    self.health = RewardHealth(self.setup.rewards, c.train.max_missing_reward_steps,
+                               log=lambda line: tqdm.write(line, file=sys.stderr))
 
-  def save(step):
-    ckpt_state = {"train": state}
-    if ref_params is not None:
-      ckpt_state["ref"] = ref_params
-    ckpt.save(step, ckpt_state, it.position())
+  def close(self) -> None:
+    if self.ckpt is not None:
+      self.ckpt.close()
+    if self.metrics is not None:
+      self.metrics.close()
+
+
+@dataclasses.dataclass
+class Group:
+  """The device side of K runs: train states, frozen references and hparams, stacked on a
+  leading K axis when K > 1; a plain run (K = 1) holds its own, unstacked."""
+  k: int
+  state: Any
+  ref: Any
+  hparams: Any
+
+  @staticmethod
+  def of(states, refs, hparams):
+    if len(states) == 1:
+      return Group(1, states[0], refs[0], hparams[0])
+    return Group(len(states), stack(states), None if refs[0] is None else stack(refs),
+                 stack(hparams))
+
+  def member(self, k):
+    """Member k's (state, ref) as its checkpoint holds them."""
+    if self.k == 1:
+      return self.state, self.ref
+    return unstack(self.state, k), None if self.ref is None else unstack(self.ref, k)
+
+
+# --- the loop -----------------------------------------------------------------------------------
+
+def run(config, workdir: str) -> dict:
+  """One run; returns its summary (on every process but the first: {})."""
+  return run_group([config], [workdir])[0]
+
+
+def run_group(configs, workdirs) -> list[dict]:
+  """K >= 1 runs as one program; returns their summaries (see the module docstring)."""
+  if len(configs) > 1:
+    check_vmappable(configs)
+  members = [Member(setup(c, w), c) for c, w in zip(configs, workdirs)]
+  if len(members) > 1:
+    _check_shared([m.setup for m in members])
+  m0, s0 = members[0], members[0].setup
+  config, cfg = m0.config, s0.cfg
+  mesh = sharding.make_mesh(tuple(config.mesh))
+  trainer = Trainer(config, cfg, mesh, s0.tokenizer, s0.stop_ids, interrupt=s0.interrupt)
+  num_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
+  if len(members) == 1:
+    print(f"grpo_jax: {cfg.model_type} {cfg.num_layers}x{cfg.hidden_size}, "
+          f"{num_params / 1e6:.2f}M params, "
+          f"{len(s0.train_rows)} train / {len(s0.eval_rows)} eval prompts"
+          f"{f' / {len(s0.sft_eval_rows)} warm-start validation' if s0.sft_eval_rows else ''}, "
+          f"mesh {dict(mesh.shape)}, workdir {s0.workdir}, "
+          f"compilation cache {jax.config.jax_compilation_cache_dir or 'off'}", flush=True)
+  else:
+    print(f"grpo_jax: {len(members)} runs as one program: "
+          + ", ".join(os.path.basename(m.workdir) for m in members), flush=True)
+
+  start, states, refs = _start(members, trainer, mesh)
+  main = hosts.is_main()  # the one process that writes the runs' files
+  for m in members:
+    m.open(start, main)
+    if len(members) > 1:  # a member that got further than the others redoes those steps
+      m.ckpt.delete_after(start)
+  group = Group.of(states, refs, [trainer.hparams(m.config) for m in members])
+  del states, refs  # the group's copies are the live ones
+  stop = {"requested": False}
+  previous = signal.signal(signal.SIGTERM, lambda *_: (
+      stop.update(requested=True), [m.setup.interrupt.set() for m in members]))
+
+  def save(step, only=None):
+    for k, m in enumerate(members):
+      if only is not None and m not in only:
+        continue
+      state, ref = group.member(k)
+      ckpt_state = {"train": state}
+      if ref is not None:
+        ckpt_state["ref"] = ref
+      m.ckpt.save(step, ckpt_state, m.it.position())
 
   done = start
   # What setup built lives for the run (data, tokenizer, modules): frozen out of the cyclic
-  # collector's view, a full collection walks only what the steps allocate. In the first step
-  # of benchmarks/trl_step.py's small workload (its programs trace then) the collector took
-  # 0.20 s over ~340,000 setup objects, 0.04 s with them frozen.
+  # collector's view, a full collection walks only what the steps allocate (0.20 s against
+  # 0.04 s per collection in benchmarks/trl_step.py's small workload).
   gc.freeze()
   try:
-    if restored is None:
-      acc = trainer.evaluate(state["params"], eval_rows, ref_params)
-      metrics_writer.write(0, {"eval/accuracy": acc})
-      print(f"grpo_jax: held-out greedy accuracy at GRPO step 0: {acc:.1%}", flush=True)
-      save(0)
-    bad = 0
-    health = RewardHealth(rewards, config.train.max_missing_reward_steps,
-                          log=lambda line: tqdm.write(line, file=sys.stderr))
-    bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps,
-               desc="grpo", dynamic_ncols=True, mininterval=2.0, disable=not main)
+    fresh = [m for m in members if m.fresh]
+    if fresh:  # the step-0 eval of runs warm-started here
+      accs = trainer.evaluate_group(group, [m.setup.eval_rows for m in members])
+      for m, acc in zip(members, accs):
+        if m.fresh:
+          m.metrics.write(0, {"eval/accuracy": acc})
+          where = "" if len(members) == 1 else f"{m.workdir}: "
+          print(f"grpo_jax: {where}held-out greedy accuracy at GRPO step 0: {acc:.1%}",
+                flush=True)
+      save(0, only=fresh)
+    c = config.train
+    bar = tqdm(range(start, c.steps), initial=start, total=c.steps,
+               desc="grpo" if len(members) == 1 else f"grpo x{len(members)}",
+               dynamic_ncols=True, mininterval=2.0, disable=not main)
     for step in bar:
-      position = it.position()
+      positions = [m.it.position() for m in members]
+      t_step = time.perf_counter()
       try:
-        new_state, m, samples = trainer.grpo_step(
-            state, ref_params, lambda: [train_rows[i] for i in it.next_indices()], rewards, step)
+        group, ms, samples = trainer.group_step(
+            group, [m.config for m in members], [m.setup.rewards for m in members],
+            [lambda m=m: [m.setup.train_rows[i] for i in m.it.next_indices()] for m in members],
+            step)
       except Interrupted:  # SIGTERM while a reward waited on its scorer: drop this step
-        it.restore(position)
+        for m, p in zip(members, positions):
+          m.it.restore(p)
         save(step)
         print(f"grpo_jax: SIGTERM: saved step {step}, exiting", flush=True)
         break
-      if m["step/skipped"]:  # the train step left the state unchanged
-        bad += 1
-        if bad >= config.train.max_bad_steps:
-          raise TooManyBadSteps(
-              f"{bad} consecutive non-finite steps up to step {step + 1} (train.max_bad_steps); "
-              f"try a lower optim.lr or optim.max_grad_norm. The last good checkpoint is in "
-              f"{checkpoint.checkpoint_dir(workdir)}")
-      else:
-        bad = 0
-      state = new_state
       done = step + 1
-      if config.train.eval_every and done % config.train.eval_every == 0 or done == (
-          config.train.steps):
-        m["eval/accuracy"] = trainer.evaluate(state["params"], eval_rows, ref_params)
-      metrics_writer.write(done, m)
-      samples_writer.write(done, samples)
-      postfix = {"reward": f"{m['reward/total/mean']:.3f}"}
-      if "reward/math_accuracy/mean" in m:
-        postfix["acc"] = f"{m['reward/math_accuracy/mean']:.2f}"
-      if "eval/accuracy" in m:
-        postfix["eval"] = f"{m['eval/accuracy']:.3f}"
-      bar.set_postfix(postfix)
-      if done % config.train.checkpoint_every == 0 or done == config.train.steps:
+      for m, m_k in zip(members, ms):
+        m_k["time/step_s"] = time.perf_counter() - t_step  # rollouts and update, for all K
+        if m_k["step/skipped"]:  # the train step left the state unchanged
+          m.bad += 1
+          if m.bad >= c.max_bad_steps:
+            where = "" if len(members) == 1 else f"{m.workdir}: "
+            raise TooManyBadSteps(
+                f"{where}{m.bad} consecutive non-finite steps up to step {done} "
+                f"(train.max_bad_steps); try a lower optim.lr or optim.max_grad_norm. The last "
+                f"good checkpoint is in {checkpoint.checkpoint_dir(m.workdir)}")
+        else:
+          m.bad = 0
+      if c.eval_every and done % c.eval_every == 0 or done == c.steps:
+        accs = trainer.evaluate_group(group, [m.setup.eval_rows for m in members])
+        for m_k, acc in zip(ms, accs):
+          m_k["eval/accuracy"] = acc
+      for m, m_k, samples_k in zip(members, ms, samples):
+        m.metrics.write(done, m_k)
+        m.samples.write(done, samples_k)
+      bar.set_postfix(_postfix(ms))
+      if done % c.checkpoint_every == 0 or done == c.steps:
         save(done)
       try:
-        health.update(done, m)  # warns; raises after too many steps with a reward missing
+        for m, m_k in zip(members, ms):
+          m.health.update(done, m_k)  # warns; raises after too many steps with a reward missing
       except MissingRewardsError:
         save(done)
         raise
@@ -215,59 +388,120 @@ def run(config, workdir: str) -> dict:
         break
   finally:
     gc.unfreeze()  # run() may be called again in this process (tests, sweeps)
-    ckpt.close()
-    metrics_writer.close()
+    for m in members:
+      m.close()
     signal.signal(signal.SIGTERM, previous)
 
   finished = done >= config.train.steps  # a SIGTERM in the last step still finishes the run
+  summaries = []
+  for k, m in enumerate(members):
+    summaries.append(_finish(m, group.member(k)[0]["params"], finished, done, main))
+  return summaries
+
+
+def _postfix(ms) -> dict:
+  if len(ms) > 1:
+    return {"reward": "/".join(f"{m['reward/total/mean']:.2f}" for m in ms)}
+  m, postfix = ms[0], {"reward": f"{ms[0]['reward/total/mean']:.3f}"}
+  if "reward/math_accuracy/mean" in m:
+    postfix["acc"] = f"{m['reward/math_accuracy/mean']:.2f}"
+  if "eval/accuracy" in m:
+    postfix["eval"] = f"{m['eval/accuracy']:.3f}"
+  return postfix
+
+
+def _finish(m: Member, params, finished: bool, done: int, main: bool) -> dict:
+  """The run's summary, plots and exported model."""
+  s = m.setup
   # Several processes: every one takes part in gathering the params, process 0 writes.
-  final_params = hosts.fetch(state["params"]) if finished and hosts.count() > 1 else (
-      state["params"])
+  final_params = hosts.fetch(params) if finished and hosts.count() > 1 else params
   if not main:
     return {}
-  summary = logging_io.write_summary(workdir, stopped_at=None if finished else done)
+  summary = logging_io.write_summary(s.workdir, stopped_at=None if finished else done)
   if finished:  # on SIGTERM every second counts; `python -m grpo_jax.plots` draws it later
-    plots.plot_metrics(workdir)
-  if generation_config is None:
-    generation_config = {"eos_token_id": stop_ids, "pad_token_id": tokenizer.pad_token_id}
-  if finished:
-    with storage.local_dir(storage.path(workdir) / "final_model") as out:
-      weights.save_checkpoint(final_params, cfg, out, generation_config=generation_config,
-                              tokenizer=tokenizer)
+    plots.plot_metrics(s.workdir)
+    gen = s.generation_config or {"eos_token_id": s.stop_ids,
+                                  "pad_token_id": s.tokenizer.pad_token_id}
+    with storage.local_dir(storage.path(s.workdir) / "final_model") as out:
+      weights.save_checkpoint(final_params, s.cfg, out, generation_config=gen,
+                              tokenizer=s.tokenizer)
   return summary
+
+
+def _start(members, trainer, mesh):
+  """Each member's state at one common step: resumed from its latest usable checkpoint, or
+  warm-started (a member without one). Returns (start step, states, references)."""
+  abstract = trainer.abstract_checkpoint()
+  if len(members) == 1:
+    # The latest checkpoint whose files pass their checksums; damaged newer ones are skipped.
+    restored = [checkpoint.resume(members[0].workdir, abstract)]
+    start = 0 if restored[0] is None else restored[0].step
+  else:
+    latest = [checkpoint.latest_step(m.workdir) for m in members]
+    start = min(s or 0 for s in latest)
+    restored = []
+    for m, s in zip(members, latest):
+      if s is None:
+        restored.append(None)
+        continue
+      try:
+        restored.append(checkpoint.restore(m.workdir, abstract, step=start))
+      except Exception as e:  # the step every member has is gone from this one
+        raise VmapError(f"{m.workdir}: no checkpoint at step {start}, where the group's other "
+                        f"members resume ({e})") from None
+  states, refs = [], []
+  for m, r in zip(members, restored):
+    c, s = m.config, m.setup
+    if r is None:
+      params = inputs.initial_params(c, s.cfg, mesh)
+      if c.sft.steps:
+        params = sft.run_sft(c, trainer, params, s.train_rows, s.sft_eval_rows)
+      states.append(trainer.init_state(params))
+      refs.append(trainer.reference(params) if grpo.needs_reference(c.loss) else None)
+      del params  # the state and the reference are copies
+      m.it = data.PromptIterator(len(s.train_rows), c.train.prompts_per_step, c.seed)
+      m.fresh = True
+    else:
+      states.append(r.state["train"])
+      refs.append(r.state.get("ref"))
+      m.it = data.PromptIterator(len(s.train_rows), c.train.prompts_per_step, c.seed,
+                                 position=r.data_position)
+      print(f"grpo_jax: {m.workdir if len(members) > 1 else ''}"
+            f"{': ' if len(members) > 1 else ''}resumed from step {r.step}", flush=True)
+  return start, states, refs
 
 
 # --- one GRPO step ------------------------------------------------------------------------------
 
 class Trainer:
-  """The compiled pieces of a run (sampler, train step) and one GRPO step."""
+  """The compiled pieces of a run (sampler, rollout, train step) and one GRPO step of K >= 1
+  runs (group_step; grpo_step for one)."""
 
   def __init__(self, config, cfg: qwen.QwenConfig, mesh, tokenizer, stop_ids, interrupt=None):
     self.config, self.cfg, self.mesh, self.tokenizer = config, cfg, mesh, tokenizer
-    optim = config.optim.copy_and_resolve_references()
-    if optim.schedule == "cosine" and not optim.total_steps:
-      # The schedule counts optimizer updates: μ per GRPO step.
-      optim.total_steps = config.train.steps * config.loss.num_iterations
-    self.optim = optim
     s, valid = config.sampling, tokenizer_lib.valid_vocab_size(tokenizer)
-    model = qwen.Qwen(cfg, dtype=jnp.dtype(optim.compute_dtype),
-                      param_dtype=jnp.dtype(optim.param_dtype))
     self.sampler = sampler_lib.Sampler(
-        model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+        qwen.build(cfg, dtype=config.optim.compute_dtype, param_dtype=config.optim.param_dtype),
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
         max_new_tokens=s.max_new_tokens, stop_ids=stop_ids,
         buckets=tuple(config.data.prompt_buckets), valid_vocab_size=valid,
         pad_id=tokenizer.pad_token_id, mesh=mesh)
-    # Multi-turn runs (config.agent.enabled): trajectories with tools instead of completions.
-    # `interrupt` (SIGTERM) stops a wait on an agent role's server.
-    self.agent = agent_rollout.Agent(config, tokenizer, self.sampler, interrupt) if (
-        config.agent.enabled) else None
+    # The one rollout interface (grpo_jax.rollout): single-turn completions, or for
+    # config.agent.enabled multi-turn trajectories with tools. `interrupt` (SIGTERM) stops a
+    # wait on an agent role's server.
+    self.rollout = (agent_rollout.Agent(config, tokenizer, self.sampler, interrupt)
+                    if config.agent.enabled else rollout.SingleTurn(config, tokenizer,
+                                                                    self.sampler))
+    self.optim = optim_settings(config)
     self.step_fn = train_step.TrainStep(
-        cfg, config.loss, optim, mesh, temperature=s.temperature, valid_vocab_size=valid,
-        max_completion_length=self.agent.room if self.agent else s.max_new_tokens,
-        group_size=s.num_generations, reward_weights=config.rewards.weights,
-        max_turns=config.agent.max_turns if self.agent else None)
+        cfg, config.loss, self.optim, mesh, temperature=s.temperature, valid_vocab_size=valid,
+        max_completion_length=self.rollout.completion_width, group_size=s.num_generations,
+        reward_weights=config.rewards.weights, max_turns=self.rollout.max_turns)
     self.accuracy = rollout.accuracy_reward(config)
-    self.base_key = jax.random.key(config.seed)
+
+  def hparams(self, config):
+    """A run's train-step hyperparameters (its lr, β, ε, ε_high and reward weights)."""
+    return train_step.hparams(config.loss, config.optim, config.rewards.weights)
 
   def init_state(self, params):
     return train_step.create_train_state(params, self.cfg, self.optim, self.mesh)
@@ -283,17 +517,13 @@ class Trainer:
     return abstract
 
   def evaluate(self, params, rows, ref_params=None) -> float:
-    if self.agent:  # ref_params: for an agent's 'reference' role
-      return self.agent.evaluate(params, rows, self.accuracy, ref_params)
-    return rollout.evaluate(self.config, self.sampler, self.tokenizer, params, rows,
-                            self.accuracy)
+    """Greedy pass@1 on rows (ref_params: for an agent's 'reference' role)."""
+    return self.rollout.evaluate(params, rows, self.accuracy, ref_params)
 
-  def sft_examples(self, rows):
-    """The warm start's (prompt ids, completion ids, loss masks): reference solutions, or for
-    an agent, traces that call its tools (grpo_jax.agent.traces)."""
-    if self.agent:
-      return agent_traces.examples(self.agent, rows)
-    return sft.examples(self.config, self.tokenizer, rows)
+  def evaluate_group(self, group: Group, rows_K) -> list[float]:
+    if group.k == 1:
+      return [self.evaluate(group.state["params"], rows_K[0], group.ref)]
+    return self.rollout.evaluate_members(group.state["params"], rows_K, self.accuracy)
 
   def _compiling_ahead(self, next_rows, state, ref_params, num_rewards):
     """next_rows, which also starts compiling the train program for its first rows' likely
@@ -302,45 +532,119 @@ class Trainer:
     def first_rows():
       rows = next_rows()
       try:
-        layout = rollout.batch_layout(self.config, self.tokenizer, rows, num_rewards)
+        layout = self.rollout.batch_layout(rows, num_rewards)
       except Exception:  # noqa: BLE001 - a head start only: sampling these rows reports it
         return rows
-      self.step_fn.precompile(state, layout, ref_params)
+      if layout is not None:
+        self.step_fn.precompile(state, layout, ref_params)
       return rows
 
     calls = iter([first_rows])
     return lambda: next(calls, next_rows)()
 
-  def grpo_step(self, state, ref_params, next_rows, rewards, step):
-    """One GRPO step: rollouts (host), then one compiled program on the device: advantages,
-    reference log-probs and the loss.num_iterations updates. next_rows() returns the next
-    train.prompts_per_step dataset rows. Returns (state, metrics, samples)."""
-    cfg = self.config
-    g = cfg.sampling.num_generations
-    key = jax.random.fold_in(self.base_key, step)
-    params = state["params"]
-    if self.agent:
-      sample_fn = lambda rows, k: self.agent.sample_and_score(params, rows, rewards, k,
-                                                              ref_params=ref_params)
-    else:
-      sample_fn = lambda rows, k: rollout.sample_and_score(cfg, self.sampler, self.tokenizer,
-                                                           params, rows, rewards, k)
-    if not (self.agent or self.step_fn.num_traces):
-      next_rows = self._compiling_ahead(next_rows, state, ref_params, len(rewards))
-    batch_r, m = rollout.collect(cfg, sample_fn, next_rows, key)
+  def group_step(self, group: Group, configs, rewards_K, next_rows_K, step):
+    """One GRPO step of K >= 1 runs: rollouts (host; one sampler call per round for all of
+    them), then one compiled program on the device (advantages, reference log-probs and the
+    loss.num_iterations updates). next_rows_K[k]() returns run k's next train.prompts_per_step
+    dataset rows. Returns (group, per run metrics, per run samples)."""
+    params, k = group.state["params"], group.k
+    colls = [rollout.Collection(c) for c in configs]
+    keys = [jax.random.fold_in(jax.random.key(c.seed), step) for c in configs]
+    next_rows_K = list(next_rows_K)
+    if k == 1 and not self.step_fn.num_traces:
+      next_rows_K[0] = self._compiling_ahead(next_rows_K[0], group.state, group.ref,
+                                             len(rewards_K[0]))
+    while any(c.wants_round() for c in colls):
+      want = [c.wants_round() for c in colls]
+      rows = [f() if w else None for f, w in zip(next_rows_K, want)]
+      round_keys = [c.round_key(key) for c, key in zip(colls, keys)]
+      if k == 1:
+        parts = [self.rollout.sample(params, rows[0], rewards_K[0], round_keys[0],
+                                     ref_params=group.ref)]
+      else:
+        parts = self.rollout.sample_members(params, rows, rewards_K, round_keys)
+      for c, part in zip(colls, parts):
+        if part is not None:
+          c.add(*part)
+    pools, ms = zip(*[c.result() for c in colls])
     t0 = time.perf_counter()
-    host = batch_r.train_batch(cfg, self.tokenizer.pad_token_id)
-    # Host arrays: checked here without a device round trip, then uploaded once, by the jitted
+    pad_id = self.tokenizer.pad_token_id
+    batches = [pool.train_batch(c, pad_id) for c, pool in zip(configs, pools)]
+    # Host arrays: checked without a device round trip, then uploaded once, by the jitted
     # step's input shardings (the batch split over data × fsdp).
-    state, train_m, adv_B = self.step_fn(state, host, ref_params)
-    train_m, adv_B = hosts.fetch((train_m, adv_B))
-    m.update({k: float(v) for k, v in train_m.items()})
-    m["time/train_s"] = time.perf_counter() - t0
-    k = min(cfg.train.samples_per_step, len(batch_r.rows))
-    texts = batch_r.trajectories or batch_r.texts
-    samples = [{"prompt": batch_r.prompts[p], "completion": texts[p * g],
-                "rewards": {r.name: float(batch_r.reward_BR[p * g, j])
-                            for j, r in enumerate(rewards)},
-                "advantage": float(adv_B[p * g]),
-                "gold": data.gold_answer(batch_r.rows[p]["answer"])} for p in range(k)]
-    return state, m, samples
+    if k == 1:
+      state, train_m, adv = self.step_fn(group.state, batches[0], group.ref, group.hparams)
+      train_m, adv = hosts.fetch((train_m, adv))
+      train_m, adv = [train_m], [adv]
+    else:
+      state, train_m, adv = self.step_fn.members(group.state, pad_batches(batches, pad_id),
+                                                 group.hparams, group.ref)
+      train_m, adv = jax.device_get((train_m, adv))
+      train_m = [{name: v[j] for name, v in train_m.items()} for j in range(k)]
+    train_s = time.perf_counter() - t0
+    ms = [dict(m_k) for m_k in ms]
+    for m_k, t_k in zip(ms, train_m):
+      m_k.update({name: float(v) for name, v in t_k.items()})
+      m_k["time/train_s"] = train_s
+    samples = [_samples(c, pool, adv_k, rewards)
+               for c, pool, adv_k, rewards in zip(configs, pools, adv, rewards_K)]
+    return dataclasses.replace(group, state=state), ms, samples
+
+  def grpo_step(self, state, ref_params, next_rows, rewards, step):
+    """One run's GRPO step (group_step with K = 1): next_rows() returns the next
+    train.prompts_per_step dataset rows. Returns (state, metrics, samples)."""
+    group = Group(1, state, ref_params, self.hparams(self.config))
+    group, ms, samples = self.group_step(group, [self.config], [rewards], [next_rows], step)
+    return group.state, ms[0], samples[0]
+
+
+def optim_settings(config):
+  """The run's optimizer settings: config.optim with the derived values filled in (cosine's
+  total_steps counts optimizer updates, μ per GRPO step). config itself is never rewritten."""
+  optim = config.optim.copy_and_resolve_references()
+  if optim.schedule == "cosine" and not optim.total_steps:
+    optim.total_steps = config.train.steps * config.loss.num_iterations
+  return optim
+
+
+def _samples(config, batch_r, adv_B, rewards):
+  """The samples file's records: the first completion of the first train.samples_per_step
+  prompts, with its rewards, advantage and gold answer."""
+  g = config.sampling.num_generations
+  k = min(config.train.samples_per_step, len(batch_r.rows))
+  texts = batch_r.trajectories or batch_r.texts
+  return [{"prompt": batch_r.prompts[p], "completion": texts[p * g],
+           "rewards": {r.name: float(batch_r.reward_BR[p * g, j]) for j, r in enumerate(rewards)},
+           "advantage": float(adv_B[p * g]),
+           "gold": data.gold_answer(batch_r.rows[p]["answer"])} for p in range(k)]
+
+
+# --- command line: a group from a spec file ------------------------------------------------------
+
+def load_spec(path):
+  """The group's configs and workdirs from a spec file (see the module docstring)."""
+  with open(path) as f:
+    spec = json.load(f)
+  configs = []
+  for member in spec["members"]:
+    c = sweep.load_config(spec["config"])
+    sweep.apply_overrides(c, member["args"])
+    configs.append(c)
+  return configs, [m["workdir"] for m in spec["members"]]
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m grpo_jax.train", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--spec", required=True, help="the group's JSON spec")
+  args = parser.parse_args(argv)
+  try:
+    run_group(*load_spec(args.spec))
+  except UserError as e:
+    print(f"grpo_jax.train: error: {e}", file=sys.stderr, flush=True)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,4 +1,4 @@
-"""A vmapped sweep's member k equals the separate run with its settings (grpo_jax.vmapped).
+"""A vmapped sweep's member k equals the separate run with its settings (train.run_group).
 
 The separate run is train.run (what `python -m grpo_jax.main` runs) on the tiny preset, cut to
 a 20-step warm start and 3 GRPO steps with β > 0; the group of two members starts from its
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from grpo_jax import logging_io, sweep, sweep_runner, train, vmapped
+from grpo_jax import logging_io, sweep, sweep_runner, train, train_step
 
 FIXED = {"sft.steps": 20, "sft.target_accuracy": 0.0, "train.steps": 3,
          "train.eval_examples": 16, "train.eval_every": 2, "train.checkpoint_every": 2,
@@ -45,13 +45,13 @@ def test_member_equals_its_separate_run(tmp_path):
   for d in (a, b):
     os.makedirs(d)
     sweep_runner.start_from_prefix(sep, d)  # as `sweep --vmap` hands each member its prefix
-  vmapped.run_group([_config(OTHER), _config(SEPARATE)], [a, b])
+  train.run_group([_config(OTHER), _config(SEPARATE)], [a, b])
 
   want, got = (logging_io.read_jsonl(os.path.join(d, "metrics.jsonl")) for d in (sep, b))
   assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
   for w, g in zip(want, got):
     assert set(w) == set(g)
-    for k in set(w) - set(vmapped.TIMING_METRICS):
+    for k in set(w) - set(train.TIMING_METRICS):
       assert g[k] == pytest.approx(w[k], rel=RTOL, abs=ATOL), (w["step"], k)
   assert "eval/accuracy" in got[2] and "eval/accuracy" in got[3]
   read = lambda d, f: open(os.path.join(d, f)).read()
@@ -71,18 +71,20 @@ def test_member_equals_its_separate_run(tmp_path):
 
 def test_settings_that_change_the_program_are_rejected():
   base = _config(FIXED)
-  with pytest.raises(vmapped.VmapError, match=r"config\.sampling\.temperature differs"):
-    vmapped.check_vmappable([base, _config({**FIXED, "sampling.temperature": 0.7})])
-  with pytest.raises(vmapped.VmapError, match=r"config\.train\.prompts_per_step differs"):
-    vmapped.check_vmappable([base, _config({**FIXED, "train.prompts_per_step": 8})])
-  with pytest.raises(vmapped.VmapError, match=r"config\.loss\.beta is 0 for some"):
-    vmapped.check_vmappable([base, _config({**FIXED, "loss.beta": 0.0})])
-  vmapped.check_vmappable([base, _config(OTHER), _config({**FIXED, "seed": 3})])
-  # A comparison inside the program that members answer differently is refused, not guessed.
-  lr = vmapped.PerMember("optim.lr", [1e-5, 0.0], 0)
-  with pytest.raises(vmapped.VmapError, match=r"config\.optim\.lr: the members"):
-    bool(lr > 0)
-  assert (1.0 - vmapped.PerMember("loss.epsilon", [0.2, 0.1], 0)).values == [0.8, 0.9]
+  with pytest.raises(train.VmapError, match=r"config\.sampling\.temperature differs"):
+    train.check_vmappable([base, _config({**FIXED, "sampling.temperature": 0.7})])
+  with pytest.raises(train.VmapError, match=r"config\.train\.prompts_per_step differs"):
+    train.check_vmappable([base, _config({**FIXED, "train.prompts_per_step": 8})])
+  with pytest.raises(train.VmapError, match=r"config\.loss\.beta is 0 for some"):
+    train.check_vmappable([base, _config({**FIXED, "loss.beta": 0.0})])
+  train.check_vmappable([base, _config(OTHER), _config({**FIXED, "seed": 3})])
+  # What members vary enters the program as arrays, formed in float64 and rounded once, as a
+  # separate run's Python constants are (1.0 - epsilon folded, then float32).
+  hp = [train_step.hparams(c.loss, c.optim, c.rewards.weights) for c in (base, _config(OTHER))]
+  assert [float(h["clip_low"]) for h in hp] == [np.float32(1.0 - 0.2), np.float32(1.0 - 0.1)]
+  assert [float(h["clip_high"]) for h in hp] == [np.float32(1.0 + 0.2)] * 2
+  assert [float(h["lr"]) for h in hp] == [np.float32(base.optim.lr), np.float32(1e-5)]
+  assert [h["reward_weights"].tolist() for h in hp] == [[1.0], [2.0]]
 
 
 def test_the_runner_groups_what_one_program_can_run():
