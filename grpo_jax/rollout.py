@@ -236,7 +236,7 @@ def _gather(part: Rollouts, reward_m, rewards):
 
 def score_samples(config, tokenizer, rows, prompts, out, rewards, t0):
   """sample_and_score's second half: the sampler's output (anything with tokens, lengths,
-  truncated, metrics; grpo_jax.vmapped hands in one member's share) decoded and scored; t0 is
+  truncated, metrics; SingleTurn.sample_members hands in one member's share) decoded and scored; t0 is
   when sampling began."""
   g = config.sampling.num_generations
   completion_ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
@@ -274,7 +274,7 @@ def collect(config, sample_fn, next_rows, key):
 
 class Collection:
   """collect's rounds as a state machine, so that a caller can drive several at once
-  (grpo_jax.vmapped samples a round for every member of a sweep that wants one)."""
+  (train.Trainer.group_step samples a round for every member of a sweep that wants one)."""
 
   def __init__(self, config):
     cfg = self.config = config

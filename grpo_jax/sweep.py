@@ -17,7 +17,7 @@ built with the helpers below (big_vision's get_hyper style):
 Each run is `python -m grpo_jax.main` in its own process and directory, named after its
 overrides (`optim.lr=1e-05,seed=0`); `fixed` applies to every run and is left out of names.
 Running the command again skips finished runs and resumes the others (sweep_runner.py).
-With --vmap, runs that differ only in grpo_jax.vmapped.VARIABLE run as one process, one vmapped
+With --vmap, runs that differ only in grpo_jax.train.VARIABLE run as one process, one vmapped
 program (sweep_runner.Group); each still writes its own directory.
 
 Shared warm start: runs that differ only in keys of POST_WARM_START (GRPO-phase settings) start
@@ -75,7 +75,7 @@ POST_WARM_START = frozenset({
     "sampling.num_generations", "sampling.top_k", "sampling.top_p", "sampling.min_p",
     "rewards.names", "rewards.weights",
 })
-# What may differ between the members of one vmapped program (grpo_jax.vmapped; here so the
+# What may differ between the members of one vmapped program (grpo_jax.train.run_group; here so the
 # runner groups runs without importing jax): the rest shapes the program or the host's loop.
 VMAP_VARIABLE = ("seed", "optim.lr", "loss.beta", "loss.epsilon", "loss.epsilon_high",
                  "rewards.weights")
@@ -284,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--no_share_prefix", action="store_true",
                       help="every run computes its own warm start")
   parser.add_argument("--vmap", action="store_true",
-                      help="run each group of runs that differ only in grpo_jax.vmapped.VARIABLE "
+                      help="run each group of runs that differ only in grpo_jax.train.VARIABLE "
                            "(seed, lr, beta, epsilon, reward weights) as one vmapped program")
   parser.add_argument("--dry_run", action="store_true", help="print the runs and commands only")
   parser.add_argument("--main_module", default="grpo_jax.main",
