@@ -12,8 +12,9 @@ The one rollout interface (SingleTurn here, the multi-turn Agent in grpo_jax.age
   sft_examples(rows) -> (prompt ids, completion ids, loss masks or None): the warm start's data
   batch_layout(rows, num_rewards) -> the likely train batch's layout, or None
   completion_width, max_turns: what the train step's spec takes from it
-and, where a sweep's K runs share one program (single-turn only), sample_members and
-evaluate_members over params with a leading K axis.
+and, where a sweep's K runs share one program (single-turn only), the module's
+sample_members and evaluate_members run K SingleTurns (one per run: its config and tokenizer)
+over params with a leading K axis.
 
 Host side only: strings (templating, decoding, reward parsing) live here; the device sees the
 padded integer arrays of `Rollouts.device_batch`, uploaded once.
@@ -158,36 +159,41 @@ class SingleTurn:
   def batch_layout(self, rows, num_rewards: int):
     return batch_layout(self.config, self.tokenizer, rows, num_rewards)
 
-  def sample_members(self, params_K, rows_K, rewards_K, keys_K):
-    """One round of sample for each of K runs at once (a sweep's members, params stacked on a
-    leading K axis): rows_K[k] None for a member that sits this round out (its result None).
-    The members' prompts and rewards are their own; the settings that shape the program are
-    shared (grpo_jax.train.check_vmappable)."""
-    t0 = time.perf_counter()
-    prompts = [None if rows is None else encode(self.config, self.tokenizer, rows)
-               for rows in rows_K]
-    outs = self.sampler.generate_members(
-        params_K, [None if p is None else p.ids for p in prompts],
-        num_samples=self.config.sampling.num_generations, keys_K=keys_K)
-    return [None if rows is None else score_samples(self.config, self.tokenizer, rows, p, out,
-                                                    rewards, t0)
-            for rows, p, out, rewards in zip(rows_K, prompts, outs, rewards_K)]
 
-  def evaluate_members(self, params_K, rows_K, reward) -> list[float]:
-    """evaluate for each of K runs at once, each on its own rows (of one length)."""
-    bs = self.config.train.eval_batch_size
-    correct = np.zeros(len(rows_K), int)
-    for i in range(0, len(rows_K[0]), bs):
-      chunks = [rows[i:i + bs] for rows in rows_K]
-      prompts = [encode(self.config, self.tokenizer, chunk) for chunk in chunks]
-      outs = self.sampler.generate_members(params_K, [p.ids for p in prompts], num_samples=1,
-                                           greedy=True)
-      for k, (chunk, p, out) in enumerate(zip(chunks, prompts, outs)):
-        texts = self.tokenizer.batch_decode([t[:n] for t, n in zip(out.tokens, out.lengths)],
-                                            skip_special_tokens=True)
-        scores = reward.fn(p.texts, texts, group_size=1, **reward_columns(chunk, 1))
-        correct[k] += sum(s == 1.0 for s in scores)
-    return [c / max(len(rows), 1) for c, rows in zip(correct, rows_K)]
+def sample_members(rollouts_K, params_K, rows_K, rewards_K, keys_K):
+  """One round of SingleTurn.sample for each of K runs at once (a sweep's members, params
+  stacked on a leading K axis), through the first one's sampler: rows_K[k] None for a member
+  that sits this round out (its result None). Each member's prompts, tokenizer and rewards are
+  its own; what shapes the program is shared (grpo_jax.train.check_vmappable)."""
+  t0 = time.perf_counter()
+  prompts = [None if rows is None else encode(r.config, r.tokenizer, rows)
+             for r, rows in zip(rollouts_K, rows_K)]
+  first = rollouts_K[0]
+  outs = first.sampler.generate_members(
+      params_K, [None if p is None else p.ids for p in prompts],
+      num_samples=first.config.sampling.num_generations, keys_K=keys_K)
+  return [None if rows is None else score_samples(r.config, r.tokenizer, rows, p, out, rewards,
+                                                  t0)
+          for r, rows, p, out, rewards in zip(rollouts_K, rows_K, prompts, outs, rewards_K)]
+
+
+def evaluate_members(rollouts_K, params_K, rows_K, reward) -> list[float]:
+  """SingleTurn.evaluate for each of K runs at once, each on its own rows (of one length), with
+  its own tokenizer."""
+  first = rollouts_K[0]
+  bs = first.config.train.eval_batch_size
+  correct = np.zeros(len(rows_K), int)
+  for i in range(0, len(rows_K[0]), bs):
+    chunks = [rows[i:i + bs] for rows in rows_K]
+    prompts = [encode(r.config, r.tokenizer, chunk) for r, chunk in zip(rollouts_K, chunks)]
+    outs = first.sampler.generate_members(params_K, [p.ids for p in prompts], num_samples=1,
+                                          greedy=True)
+    for k, (r, chunk, p, out) in enumerate(zip(rollouts_K, chunks, prompts, outs)):
+      texts = r.tokenizer.batch_decode([t[:n] for t, n in zip(out.tokens, out.lengths)],
+                                       skip_special_tokens=True)
+      scores = reward.fn(p.texts, texts, group_size=1, **reward_columns(chunk, 1))
+      correct[k] += sum(s == 1.0 for s in scores)
+  return [c / max(len(rows), 1) for c, rows in zip(correct, rows_K)]
 
 
 def batch_layout(config, tokenizer, rows, num_rewards: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -236,7 +242,7 @@ def _gather(part: Rollouts, reward_m, rewards):
 
 def score_samples(config, tokenizer, rows, prompts, out, rewards, t0):
   """sample_and_score's second half: the sampler's output (anything with tokens, lengths,
-  truncated, metrics; SingleTurn.sample_members hands in one member's share) decoded and scored; t0 is
+  truncated, metrics; sample_members hands in one member's share) decoded and scored; t0 is
   when sampling began."""
   g = config.sampling.num_generations
   completion_ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)

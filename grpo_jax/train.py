@@ -30,6 +30,7 @@ Files in the workdir: see README ("Outputs and resume").
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import gc
 import json
@@ -297,7 +298,9 @@ def run_group(configs, workdirs) -> list[dict]:
     print(f"grpo_jax: {len(members)} runs as one program: "
           + ", ".join(os.path.basename(m.workdir) for m in members), flush=True)
 
-  start, states, refs = _start(members, trainer, mesh)
+  # Each member's own view of the shared compiled pieces: its config, tokenizer and rollout.
+  trainers = [trainer] + [trainer.for_member(m.config, m.setup.tokenizer) for m in members[1:]]
+  start, states, refs = _start(members, trainers)
   main = hosts.is_main()  # the one process that writes the runs' files
   for m in members:
     m.open(start, main)
@@ -327,7 +330,7 @@ def run_group(configs, workdirs) -> list[dict]:
   try:
     fresh = [m for m in members if m.fresh]
     if fresh:  # the step-0 eval of runs warm-started here
-      accs = trainer.evaluate_group(group, [m.setup.eval_rows for m in members])
+      accs = evaluate_group(trainers, group, [m.setup.eval_rows for m in members])
       for m, acc in zip(members, accs):
         if m.fresh:
           m.metrics.write(0, {"eval/accuracy": acc})
@@ -343,8 +346,8 @@ def run_group(configs, workdirs) -> list[dict]:
       positions = [m.it.position() for m in members]
       t_step = time.perf_counter()
       try:
-        group, ms, samples = trainer.group_step(
-            group, [m.config for m in members], [m.setup.rewards for m in members],
+        group, ms, samples = group_step(
+            trainers, group, [m.setup.rewards for m in members],
             [lambda m=m: [m.setup.train_rows[i] for i in m.it.next_indices()] for m in members],
             step)
       except Interrupted:  # SIGTERM while a reward waited on its scorer: drop this step
@@ -367,7 +370,7 @@ def run_group(configs, workdirs) -> list[dict]:
         else:
           m.bad = 0
       if c.eval_every and done % c.eval_every == 0 or done == c.steps:
-        accs = trainer.evaluate_group(group, [m.setup.eval_rows for m in members])
+        accs = evaluate_group(trainers, group, [m.setup.eval_rows for m in members])
         for m_k, acc in zip(ms, accs):
           m_k["eval/accuracy"] = acc
       for m, m_k, samples_k in zip(members, ms, samples):
@@ -428,10 +431,10 @@ def _finish(m: Member, params, finished: bool, done: int, main: bool) -> dict:
   return summary
 
 
-def _start(members, trainer, mesh):
+def _start(members, trainers):
   """Each member's state at one common step: resumed from its latest usable checkpoint, or
   warm-started (a member without one). Returns (start step, states, references)."""
-  abstract = trainer.abstract_checkpoint()
+  abstract = trainers[0].abstract_checkpoint()
   if len(members) == 1:
     # The latest checkpoint whose files pass their checksums; damaged newer ones are skipped.
     restored = [checkpoint.resume(members[0].workdir, abstract)]
@@ -450,10 +453,10 @@ def _start(members, trainer, mesh):
         raise VmapError(f"{m.workdir}: no checkpoint at step {start}, where the group's other "
                         f"members resume ({e})") from None
   states, refs = [], []
-  for m, r in zip(members, restored):
+  for m, r, trainer in zip(members, restored, trainers):
     c, s = m.config, m.setup
     if r is None:
-      params = inputs.initial_params(c, s.cfg, mesh)
+      params = inputs.initial_params(c, s.cfg, trainer.mesh)
       if c.sft.steps:
         params = sft.run_sft(c, trainer, params, s.train_rows, s.sft_eval_rows)
       states.append(trainer.init_state(params))
@@ -474,8 +477,8 @@ def _start(members, trainer, mesh):
 # --- one GRPO step ------------------------------------------------------------------------------
 
 class Trainer:
-  """The compiled pieces of a run (sampler, rollout, train step) and one GRPO step of K >= 1
-  runs (group_step; grpo_step for one)."""
+  """The compiled pieces of a run (sampler, rollout, train step); grpo_step is one run's GRPO
+  step (group_step with K = 1)."""
 
   def __init__(self, config, cfg: qwen.QwenConfig, mesh, tokenizer, stop_ids, interrupt=None):
     self.config, self.cfg, self.mesh, self.tokenizer = config, cfg, mesh, tokenizer
@@ -499,6 +502,16 @@ class Trainer:
         reward_weights=config.rewards.weights, max_turns=self.rollout.max_turns)
     self.accuracy = rollout.accuracy_reward(config)
 
+  def for_member(self, config, tokenizer) -> Trainer:
+    """This trainer for another member of a vmapped group: the same sampler and train step
+    (compiled once for all), the member's own config, tokenizer and rollout (its prompts,
+    decoding and warm-start examples)."""
+    other = copy.copy(self)
+    other.config, other.tokenizer = config, tokenizer
+    other.rollout = rollout.SingleTurn(config, tokenizer, self.sampler)
+    other.accuracy = rollout.accuracy_reward(config)
+    return other
+
   def hparams(self, config):
     """A run's train-step hyperparameters (its lr, β, ε, ε_high and reward weights)."""
     return train_step.hparams(config.loss, config.optim, config.rewards.weights)
@@ -520,12 +533,7 @@ class Trainer:
     """Greedy pass@1 on rows (ref_params: for an agent's 'reference' role)."""
     return self.rollout.evaluate(params, rows, self.accuracy, ref_params)
 
-  def evaluate_group(self, group: Group, rows_K) -> list[float]:
-    if group.k == 1:
-      return [self.evaluate(group.state["params"], rows_K[0], group.ref)]
-    return self.rollout.evaluate_members(group.state["params"], rows_K, self.accuracy)
-
-  def _compiling_ahead(self, next_rows, state, ref_params, num_rewards):
+  def compiling_ahead(self, next_rows, state, ref_params, num_rewards):
     """next_rows, which also starts compiling the train program for its first rows' likely
     batch (their longest completion at max_new_tokens) while they are sampled: the first
     step then takes about the longer of sampling and compiling, not their sum."""
@@ -542,60 +550,73 @@ class Trainer:
     calls = iter([first_rows])
     return lambda: next(calls, next_rows)()
 
-  def group_step(self, group: Group, configs, rewards_K, next_rows_K, step):
-    """One GRPO step of K >= 1 runs: rollouts (host; one sampler call per round for all of
-    them), then one compiled program on the device (advantages, reference log-probs and the
-    loss.num_iterations updates). next_rows_K[k]() returns run k's next train.prompts_per_step
-    dataset rows. Returns (group, per run metrics, per run samples)."""
-    params, k = group.state["params"], group.k
-    colls = [rollout.Collection(c) for c in configs]
-    keys = [jax.random.fold_in(jax.random.key(c.seed), step) for c in configs]
-    next_rows_K = list(next_rows_K)
-    if k == 1 and not self.step_fn.num_traces:
-      next_rows_K[0] = self._compiling_ahead(next_rows_K[0], group.state, group.ref,
-                                             len(rewards_K[0]))
-    while any(c.wants_round() for c in colls):
-      want = [c.wants_round() for c in colls]
-      rows = [f() if w else None for f, w in zip(next_rows_K, want)]
-      round_keys = [c.round_key(key) for c, key in zip(colls, keys)]
-      if k == 1:
-        parts = [self.rollout.sample(params, rows[0], rewards_K[0], round_keys[0],
-                                     ref_params=group.ref)]
-      else:
-        parts = self.rollout.sample_members(params, rows, rewards_K, round_keys)
-      for c, part in zip(colls, parts):
-        if part is not None:
-          c.add(*part)
-    pools, ms = zip(*[c.result() for c in colls])
-    t0 = time.perf_counter()
-    pad_id = self.tokenizer.pad_token_id
-    batches = [pool.train_batch(c, pad_id) for c, pool in zip(configs, pools)]
-    # Host arrays: checked without a device round trip, then uploaded once, by the jitted
-    # step's input shardings (the batch split over data × fsdp).
-    if k == 1:
-      state, train_m, adv = self.step_fn(group.state, batches[0], group.ref, group.hparams)
-      train_m, adv = hosts.fetch((train_m, adv))
-      train_m, adv = [train_m], [adv]
-    else:
-      state, train_m, adv = self.step_fn.members(group.state, pad_batches(batches, pad_id),
-                                                 group.hparams, group.ref)
-      train_m, adv = jax.device_get((train_m, adv))
-      train_m = [{name: v[j] for name, v in train_m.items()} for j in range(k)]
-    train_s = time.perf_counter() - t0
-    ms = [dict(m_k) for m_k in ms]
-    for m_k, t_k in zip(ms, train_m):
-      m_k.update({name: float(v) for name, v in t_k.items()})
-      m_k["time/train_s"] = train_s
-    samples = [_samples(c, pool, adv_k, rewards)
-               for c, pool, adv_k, rewards in zip(configs, pools, adv, rewards_K)]
-    return dataclasses.replace(group, state=state), ms, samples
-
   def grpo_step(self, state, ref_params, next_rows, rewards, step):
     """One run's GRPO step (group_step with K = 1): next_rows() returns the next
     train.prompts_per_step dataset rows. Returns (state, metrics, samples)."""
     group = Group(1, state, ref_params, self.hparams(self.config))
-    group, ms, samples = self.group_step(group, [self.config], [rewards], [next_rows], step)
+    group, ms, samples = group_step([self], group, [rewards], [next_rows], step)
     return group.state, ms[0], samples[0]
+
+
+def evaluate_group(trainers, group: Group, rows_K) -> list[float]:
+  """Greedy pass@1 of each member on its rows (trainers: one per member, for_member)."""
+  if group.k == 1:
+    return [trainers[0].evaluate(group.state["params"], rows_K[0], group.ref)]
+  return rollout.evaluate_members([t.rollout for t in trainers], group.state["params"], rows_K,
+                                  trainers[0].accuracy)
+
+
+def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
+  """One GRPO step of K >= 1 runs (trainers: one per member, Trainer.for_member): rollouts
+  (host; one sampler call per round for all of them), then one compiled program on the device
+  (advantages, reference log-probs and the loss.num_iterations updates). next_rows_K[k]()
+  returns run k's next train.prompts_per_step dataset rows. Returns (group, per run metrics,
+  per run samples)."""
+  first, k = trainers[0], group.k
+  configs = [t.config for t in trainers]
+  params = group.state["params"]
+  colls = [rollout.Collection(c) for c in configs]
+  keys = [jax.random.fold_in(jax.random.key(c.seed), step) for c in configs]
+  next_rows_K = list(next_rows_K)
+  if k == 1 and not first.step_fn.num_traces:
+    next_rows_K[0] = first.compiling_ahead(next_rows_K[0], group.state, group.ref,
+                                           len(rewards_K[0]))
+  while any(c.wants_round() for c in colls):
+    want = [c.wants_round() for c in colls]
+    rows = [f() if w else None for f, w in zip(next_rows_K, want)]
+    round_keys = [c.round_key(key) for c, key in zip(colls, keys)]
+    if k == 1:
+      parts = [first.rollout.sample(params, rows[0], rewards_K[0], round_keys[0],
+                                    ref_params=group.ref)]
+    else:
+      parts = rollout.sample_members([t.rollout for t in trainers], params, rows, rewards_K,
+                                     round_keys)
+    for c, part in zip(colls, parts):
+      if part is not None:
+        c.add(*part)
+  pools, ms = zip(*[c.result() for c in colls])
+  t0 = time.perf_counter()
+  pad_id = first.tokenizer.pad_token_id
+  batches = [pool.train_batch(c, pad_id) for c, pool in zip(configs, pools)]
+  # Host arrays: checked without a device round trip, then uploaded once, by the jitted
+  # step's input shardings (the batch split over data × fsdp).
+  if k == 1:
+    state, train_m, adv = first.step_fn(group.state, batches[0], group.ref, group.hparams)
+    train_m, adv = hosts.fetch((train_m, adv))
+    train_m, adv = [train_m], [adv]
+  else:
+    state, train_m, adv = first.step_fn.members(group.state, pad_batches(batches, pad_id),
+                                                group.hparams, group.ref)
+    train_m, adv = jax.device_get((train_m, adv))
+    train_m = [{name: v[j] for name, v in train_m.items()} for j in range(k)]
+  train_s = time.perf_counter() - t0
+  ms = [dict(m_k) for m_k in ms]
+  for m_k, t_k in zip(ms, train_m):
+    m_k.update({name: float(v) for name, v in t_k.items()})
+    m_k["time/train_s"] = train_s
+  samples = [_samples(c, pool, adv_k, rewards)
+             for c, pool, adv_k, rewards in zip(configs, pools, adv, rewards_K)]
+  return dataclasses.replace(group, state=state), ms, samples
 
 
 def optim_settings(config):

@@ -100,3 +100,45 @@ def test_the_runner_groups_what_one_program_can_run():
                    ["optim.lr=0.0001,seed=0", "optim.lr=0.0001,seed=1", "optim.lr=1e-05,seed=0",
                     "optim.lr=1e-05,seed=1"],
                    ["sampling.temperature=0.7"]]
+
+
+def test_each_member_samples_and_scores_with_its_own_tokenizer(tmp_path):
+  """Members of a group have their own tokenizers (the tiny preset learns its BPE from each
+  run's problems): sample_members encodes each member's prompts and decodes its completions with
+  that member's tokenizer, never the first member's. The sampler is a stand-in that checks the
+  prompts it gets and returns each member the ids of one known answer in its own tokenizer."""
+  from grpo_jax import inputs, rollout, sampler as sampler_lib
+  from grpo_jax.rewards import build_rewards
+  configs, toks, rows = [], [], []
+  for seed in (0, 1):
+    c = _config({"seed": seed, "data.synthetic_train": 2000, "data.synthetic_test": 10,
+                 "sampling.num_generations": 2})
+    train_rows, _ = inputs.datasets(c, str(tmp_path / str(seed)))
+    tok, _ = inputs.tokenizer(c, str(tmp_path / str(seed)), train_rows)
+    configs.append(c), toks.append(tok), rows.append(train_rows[:2])
+  # An answer that member 1's first problem counts right, after its question's words, which
+  # the two tokenizers number differently (the same merges, learnt in another order).
+  answer = rows[1][0]["answer"].split("####")[-1].strip()
+  text = f"{rows[1][0]['question']} <answer>{answer}</answer>"
+  ids = [t(text, add_special_tokens=False).input_ids for t in toks]
+  assert ids[0] != ids[1], text  # the two tokenizers really differ on this text
+
+  class Stand_in:
+    def generate_members(self, params_K, prompts_K, *, num_samples, keys_K=None, greedy=False):
+      for c, tok, r, got in zip(configs, toks, rows, prompts_K):
+        assert [list(p) for p in got] == rollout.encode(c, tok, r).ids
+      outs = []
+      for member_ids in ids:
+        tokens = np.asarray([member_ids] * (2 * num_samples), np.int32)
+        lengths = np.full(2 * num_samples, len(member_ids), np.int32)
+        outs.append(sampler_lib.SampleOutput(tokens, lengths, np.zeros(len(tokens), bool),
+                                             None, None, None, {}))
+      return outs
+
+  singles = [rollout.SingleTurn(c, t, Stand_in()) for c, t in zip(configs, toks)]
+  rewards = [build_rewards(c.rewards) for c in configs]
+  parts = rollout.sample_members(singles, None, rows, rewards, [None, None])
+  for (part, _, _, _), tok in zip(parts, toks):
+    assert part.texts == [tok.decode(ids[toks.index(tok)], skip_special_tokens=True)] * 4
+  # Member 1's first prompt asks for answers[0]: its own decoding of its own ids scores 1.
+  assert parts[1][0].reward_BR[0, 0] == 1.0
