@@ -408,6 +408,22 @@ def _assert_no_escape(results: dict) -> None:
   for name, result in results.items():
     assert result["escaped"] == [], (name, result)
     assert result["layers"], f"{name}: nothing stopped it? {result}"
+  # The layers meant to stop each class, with and without the hook and the filter above them.
+  for name in ("daemon: fork, setsid, fork", "daemon: subprocess (_posixsubprocess)",
+               "daemon: libc through cffi"):
+    assert results[name]["layers"] == ["PID namespace (killed with the call)"], results[name]
+  assert "PID namespace" in results["kill the caller with kill"]["layers"]
+  assert "PID namespace" in results["kill the caller with a pidfd (no seccomp)"]["layers"]
+  assert "PID namespace" in results["read the caller's command line and environment"]["layers"]
+  assert results["read the caller's files"]["layers"] == ["mount namespace (absent)"]
+  assert {"mount namespace (absent)", "network namespace"} <= set(
+      results["connect to the caller's unix sockets (no seccomp)"]["layers"])
+  assert "network namespace" in results["network (no seccomp)"]["layers"]
+  remount = set(results["remount / and /dev/shm read-write (no seccomp)"]["layers"])
+  assert {"no capability", "read-only mounts"} <= remount
+  assert "locked mounts" in remount or "--disable-userns" in remount, remount
+  assert "tmpfs size" in results["fill the disk past the cap"]["layers"]
+  assert "audit hook" in results["switch off the audit hook from inside"]["layers"]
 
 
 def _driver_env() -> dict:
@@ -474,7 +490,5 @@ def test_the_attacks_fail_as_nobody():
     assert p.returncode == 0, p.stderr[-3000:]
     results = _attack_report(p.stdout.splitlines())
     _assert_no_escape(results)
-    # As nobody the child is nobody in a user namespace of its own, with no capability.
-    assert "PID namespace" in results["kill the caller with kill"]["layers"]
   finally:
     shutil.rmtree(copy, ignore_errors=True)

@@ -1,7 +1,7 @@
 """The escapes a policy's code could try against the python tool, run through the real entry
 point (sandbox.run_python) by a process that plays the trainer.
 
-    python3 tests/sandbox_attacks.py SECRET   # one JSON line per attack, then a table on stderr
+    python3 tests/sandbox_attacks.py SECRET   # a JSON line per attack; a table on stderr
 
 Run by tests/agent_sandbox_test.py as the caller (root in CI) and as nobody. The process is
 the trainer that the code attacks: its command line and environment hold SECRET, it owns a
@@ -58,7 +58,7 @@ def daemon():
 '''
 
 # The layer that each errno of a step points to.
-LAYERS = {"EPERM": "seccomp", "ESRCH": "PID namespace", "ENOENT": "mount namespace (absent)",
+LAYERS = {"EPERM": "seccomp", "ENETUNREACH": "network namespace", "ECONNREFUSED": "network namespace", "ESRCH": "PID namespace", "ENOENT": "mount namespace (absent)",
           "EROFS": "read-only mounts", "ENOSPC": "tmpfs size", "EFBIG": "RLIMIT_FSIZE",
           "EACCES": "file permissions", "ENOSYS": "seccomp (ENOSYS)",
           "PermissionError": "audit hook", "ModuleNotFoundError": "audit hook",
@@ -125,6 +125,12 @@ ATTACKS = {
           return fds[0].connect(address)
         attempt('connect(file socket)', lambda: connect(SOCKET_PATH))
         attempt('stat(file socket)', lambda: os.stat(SOCKET_PATH))
+        def connect_new(address):
+          s = socket.socket(socket.AF_UNIX)
+          s.settimeout(1)
+          return s.connect(address)
+        attempt('connect(file socket), new socket', lambda: connect_new(SOCKET_PATH))
+        attempt('connect(abstract socket)', lambda: connect_new(ABSTRACT))
         attempt('socketpair(AF_INET)', lambda: socket.socketpair(socket.AF_INET))
         report()
     """, dict(audit=False), "no_connection"),
@@ -146,9 +152,19 @@ ATTACKS = {
               'mount', None, path, None, 0x20 | 0x1000, None))  # MS_REMOUNT | MS_BIND
         attempt('mount(tmpfs on /dev/shm)', lambda: libc_call(
             'mount', b'none', b'/dev/shm', b'tmpfs', 0, None))
-        attempt('unshare(NEWUSER|NEWNS)', lambda: libc_call('unshare', 0x10000000 | 0x20000))
         for path in ('/x', '/dev/shm/x', '/dev/x', '/usr/x', '/tmp/x', '/var/tmp/x', '/proc/x'):
           attempt(f'write {path}', lambda: open(path, 'w').write('x'))
+        # All capabilities in a user namespace of its own: the mounts it inherits are locked.
+        attempt('unshare(NEWUSER|NEWNS)', lambda: libc_call('unshare', 0x10000000 | 0x20000))
+        if OUT['unshare(NEWUSER|NEWNS)'].startswith('ok'):
+          for path in (b'/', b'/dev', b'/usr'):
+            attempt(f'then mount_setattr({path}, rw)', lambda: libc_call(
+                'syscall', NR['mount_setattr'], -100, path, 0, ctypes.byref(Attr(0, 1, 0, 0)),
+                32))
+            attempt(f'then mount(remount {path} rw)', lambda: libc_call(
+                'mount', None, path, None, 0x20 | 0x1000, None))
+          for path in ('/x', '/usr/x'):
+            attempt(f'then write {path}', lambda: open(path, 'w').write('x'))
         report()
     """, dict(audit=False), "none"),
     "fill the disk past the cap": ("""
@@ -170,7 +186,10 @@ ATTACKS = {
         report(written=written)
     """, dict(audit=False, disk_bytes=16 << 20, max_file_bytes=8 << 20), "disk"),
     "ptrace, new namespaces and kernel interfaces": ("""
-        attempt('ptrace(ATTACH, parent)', lambda: libc_call('ptrace', 16, os.getppid(), None, None))
+        # PTRACE_SEIZE: attaches without stopping the tracee
+        attempt('ptrace(SEIZE, trainer)', lambda: libc_call('ptrace', 0x4206, TRAINER, None, None))
+        attempt('ptrace(SEIZE, parent)', lambda: libc_call('ptrace', 0x4206, os.getppid(), None,
+                                                           None))
         attempt('unshare(NEWUSER)', lambda: libc_call('unshare', 0x10000000))
         attempt('unshare(NEWNET)', lambda: libc_call('unshare', 0x40000000))
         attempt('keyctl(GET_KEYRING_ID)', lambda: libc_call('syscall', NR['keyctl'], 0, -3, 0))
@@ -208,8 +227,23 @@ ATTACKS = {
         report()
     """, dict(audit=True), "none"),
 }
-# Steps that are expected to succeed: they reach nothing outside the sandbox.
+# The same attacks without the seccomp filter: the namespaces and the missing capabilities
+# beneath it must hold by themselves.
+for _name in ("kill the caller with a pidfd", "connect to the caller's unix sockets", "network",
+              "remount / and /dev/shm read-write",
+              "ptrace, new namespaces and kernel interfaces"):
+  _body, _options, _check = ATTACKS[_name]
+  ATTACKS[_name + " (no seccomp)"] = (_body, {**_options, "seccomp": False}, _check)
+
+# Steps that are expected to succeed: they reach nothing outside the sandbox. Without the
+# filter some more succeed: a pidfd of the sandbox's own init and, as an ordinary user, ptrace
+# of it (same uid, same namespaces; seccomp refuses both), an AF_UNIX socket that can reach
+# nothing, nested namespaces (whose mounts are locked), the session keyring's id (keyctl has
+# no layer but seccomp: docs/sandbox.md).
 HARMLESS = {"interfaces", "kill(trainer group)"}
+HARMLESS_WITHOUT_SECCOMP = HARMLESS | {
+    "pidfd_open(parent)", "ptrace(SEIZE, parent)", "socket(AF_UNIX)", "unshare(NEWUSER|NEWNS)", "unshare(NEWUSER)",
+    "unshare(NEWNET)", "keyctl(GET_KEYRING_ID)"}
 
 
 def _pid_namespace_members(ns: str) -> list[int]:
@@ -230,14 +264,15 @@ def run_attack(name: str, ctx: dict) -> dict:
   """Runs one attack; {'attack', 'escaped', 'layers', 'steps', 'status'}."""
   body, options, check = ATTACKS[name]
   code = PRELUDE + textwrap.dedent(body)
-  for key in ("TRAINER", "PRIVATE", "PUBLIC", "SOCKET_PATH"):
+  for key in ("TRAINER", "PRIVATE", "PUBLIC", "SOCKET_PATH", "ABSTRACT"):
     code = code.replace(key, repr(ctx[key.lower()]))
   r = sandbox.run_python(code, timeout_s=5.0, **options)
   lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
   seen = json.loads(lines[-1]) if lines else {"steps": {}}
   steps = seen["steps"]
+  harmless = HARMLESS if options.get("seccomp", True) else HARMLESS_WITHOUT_SECCOMP
   escaped = [f"{step}: {what}" for step, what in steps.items()
-             if what.startswith("ok") and step not in HARMLESS]
+             if what.startswith("ok") and step not in harmless]
   if name == "network" and steps.get("interfaces") != "ok: ['lo']":
     escaped.append(f"interfaces {steps.get('interfaces')}")
   if check == "no_survivor":
@@ -264,13 +299,25 @@ def run_attack(name: str, ctx: dict) -> dict:
     escaped = []  # writing inside the cap is what the directory is for
     if seen.get("written", 0) > options["disk_bytes"]:
       escaped.append(f"wrote {seen['written']} bytes past the {options['disk_bytes']} cap")
-  layers = sorted({LAYERS.get(what.split(":")[0], what.split(":")[0])
-                   for what in steps.values() if not what.startswith("ok")})
+  def layer(step: str, what: str) -> str:
+    code = what.split(":")[0]
+    if step.startswith("/proc/") and code == "ENOENT":
+      return "PID namespace"  # the new /proc holds only the sandbox's processes
+    if step.startswith("connect(abstract") and code == "ECONNREFUSED":
+      return "network namespace"  # abstract names belong to a network namespace
+    if step.startswith("then") and code == "EPERM":
+      return "locked mounts"  # made in a parent user namespace: no child namespace may change them
+    if code in ("EINVAL", "EFAULT", "EBADF", "ENOTSUP"):
+      return "the kernel (bad arguments; seccomp alone refuses the call)"
+    if step.startswith("unshare") and code == "ENOSPC":
+      return "--disable-userns"  # no user namespace can be made inside the sandbox's
+    if code == "EPERM" and not options.get("seccomp", True):
+      return "no capability"
+    return LAYERS.get(code, code)
+  layers = sorted({layer(step, what) for step, what in steps.items() if not what.startswith("ok")})
   if check == "no_survivor" and "ns" in seen and any(
       what.startswith("ok") for step, what in steps.items() if step.startswith("fork")):
     layers.append("PID namespace (killed with the call)")
-  if name == "kill the caller with kill" and r.status == "killed":
-    layers.append("PID namespace (kill(-1) reached only the sandbox)")
   return {"attack": name, "escaped": escaped, "layers": layers, "steps": steps,
           "status": r.status, "stderr": r.stderr[-300:] if not steps else ""}
 
@@ -288,7 +335,8 @@ def main() -> None:
   os.chmod(home, 0o755)
   socket_path = os.path.join(home, "trainer.sock")
   servers = []
-  for address in (socket_path, "\0grpo_sandbox_trainer_" + secret):
+  abstract = f"\0grpo_sandbox_trainer_{os.getpid()}"
+  for address in (socket_path, abstract):
     server = socket.socket(socket.AF_UNIX)
     server.bind(address)
     server.listen()
@@ -296,12 +344,17 @@ def main() -> None:
     servers.append(server)
   os.chmod(socket_path, 0o777)
   ctx = dict(trainer=os.getpid(), private=private, public=public, socket_path=socket_path,
-             secret=secret, servers=servers)
+             abstract=abstract, secret=secret, servers=servers)
   try:
     sandbox.check("strict")
     names = sys.argv[2:] or list(ATTACKS)
+    uid = os.getuid()
+    print(f"| attack (trainer uid {uid}) | escaped | stopped by |\n|---|---|---|", file=sys.stderr)
     for name in names:
-      print(json.dumps(run_attack(name, ctx)), flush=True)
+      result = run_attack(name, ctx)
+      print(json.dumps(result), flush=True)
+      print(f"| {name} | {'; '.join(result['escaped']) or 'no'} | "
+            f"{', '.join(result['layers'])} |", file=sys.stderr, flush=True)
   finally:
     for server in servers:
       server.close()

@@ -195,7 +195,7 @@ def _python_dirs() -> list[str]:
   return dirs
 
 
-def _bwrap_args(root: bool, disk_bytes: int, main_fd: int, seccomp_fd: int) -> list[str]:
+def _bwrap_args(root: bool, disk_bytes: int, main_fd: int, seccomp_fd: int | None) -> list[str]:
   if root:
     # bwrap mounts as root (it can reach a Python under a 0700 /root); the child then drops to
     # nobody itself with the only two capabilities it keeps, before any model text is read.
@@ -229,8 +229,9 @@ def _bwrap_args(root: bool, disk_bytes: int, main_fd: int, seccomp_fd: int) -> l
            "--perms", "0644", "--file", str(main_fd), f"{WORKDIR}/main.py",
            "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORKDIR,
            "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORKDIR,
-           "--setenv", "TMPDIR", WORKDIR, "--setenv", "LANG", "C.UTF-8",
-           "--seccomp", str(seccomp_fd)]
+           "--setenv", "TMPDIR", WORKDIR, "--setenv", "LANG", "C.UTF-8"]
+  if seccomp_fd is not None:
+    args += ["--seccomp", str(seccomp_fd)]
   return args
 
 
@@ -357,7 +358,7 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
                memory_bytes: int = 1 << 30, max_output_bytes: int = 1 << 16,
                max_processes: int = 32, max_file_bytes: int = 8 << 20, max_open_files: int = 64,
                disk_bytes: int = 64 << 20, max_write_opens: int = 64, audit: bool = True,
-               mode: str = "strict") -> SandboxResult:
+               seccomp: bool = True, mode: str = "strict") -> SandboxResult:
   """Runs `code` as a Python program; its stdout/stderr, how it ended and how long it took.
 
   cpu_s defaults to one second more than timeout_s: the wall clock stops a busy loop, the CPU
@@ -366,7 +367,8 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
   sandboxes as root: all are nobody). disk_bytes is the size of the tmpfs working directory
   (RAM, freed with the call); max_file_bytes bounds each file. max_write_opens bounds the files
   the audit hook lets the code open for writing. audit=False leaves the hook out, so tests can
-  show that the kernel's layers hold on their own. mode='unsafe' skips the kernel's layers (no
+  show that the kernel's layers hold on their own; seccomp=False likewise the filter, so they
+  can show the namespaces and the missing capabilities beneath it. mode='unsafe' skips the kernel's layers (no
   bwrap; see check) and writes to a temporary directory of the host instead of a tmpfs.
   """
   if mode not in MODES:
@@ -382,8 +384,9 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
                   max_write_opens=max_write_opens, audit=audit, ready_fd=ready_w, mode=mode)
     source = code.encode("utf-8", "surrogatepass")
     if mode == "strict":
-      fds = [_memfd("main.py", source), _memfd("seccomp", seccomp_program())]
-      argv = _bwrap_args(root, disk_bytes, *fds) + [
+      fds = [_memfd("main.py", source)] + ([_memfd("seccomp", seccomp_program())] if seccomp
+                                           else [])
+      argv = _bwrap_args(root, disk_bytes, fds[0], fds[1] if seccomp else None) + [
           "--", sys.executable, "-I", "-u", CHILD_PATH, json.dumps(config)]
       cwd, env = "/", {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     else:
