@@ -186,6 +186,7 @@ def test_select_checks_the_python_tools_sandbox(capsys):
   assert "agent.sandbox='unsafe'" in capsys.readouterr().err  # at every start
   assert python("print(6 * 7)").text == "42"
   tools.select(["calculator"], sandbox_mode="unsafe")  # no python tool: nothing to warn about
+  tools.select(["python"], sandbox_mode="unsafe", check_sandbox=False)  # descriptions only
   assert capsys.readouterr().err == ""
   with pytest.raises(UserError, match="agent.sandbox='lax'"):
     tools.select(["python"], sandbox_mode="lax")

@@ -212,16 +212,18 @@ class Python:
 TOOLS = {"calculator": Calculator(), "python": Python()}
 
 
-def select(names: Sequence[str], timeout_s: float = 5.0, sandbox_mode: str = "strict") -> dict:
+def select(names: Sequence[str], timeout_s: float = 5.0, sandbox_mode: str = "strict",
+           check_sandbox: bool = True) -> dict:
   """{name: tool} for the named tools, their time limit set; an unknown name is a ValueError.
 
   With the python tool, its sandbox is checked here, at the start of a run: a missing layer
   raises sandbox.SandboxUnavailable naming it; sandbox_mode='unsafe' warns instead.
+  check_sandbox=False skips that, for callers that only read the descriptions.
   """
   unknown = [n for n in names if n not in TOOLS]
   if unknown:
     raise ValueError(f"unknown tools {unknown}; known tools: {', '.join(TOOLS)}")
-  if "python" in names:
+  if "python" in names and check_sandbox:
     sandbox.check(sandbox_mode)
   chosen = {}
   for n in names:
