@@ -399,10 +399,14 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
       argv = [sys.executable, "-I", "-u", CHILD, json.dumps(config)]
       cwd, env = workdir, {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
                            "LANG": "C.UTF-8"}
-    proc = subprocess.Popen(
-        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
-        pass_fds=(ready_w, *fds))
+    try:
+      proc = subprocess.Popen(
+          argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+          pass_fds=(ready_w, *fds))
+    except FileNotFoundError as e:
+      raise SandboxError(f"the sandbox's set-up failed: {e.filename} not found (bubblewrap "
+                         "installed? see sandbox.check)") from None
     os.close(ready_w)
     ready_w = -1
     for fd in fds:
