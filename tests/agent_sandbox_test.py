@@ -75,7 +75,8 @@ def test_normal_code_runs_in_its_namespaces():
       import os
       print(2 + 2)
       st = os.statvfs('.')
-      print(os.getcwd(), os.getuid(), os.getpid(), st.f_blocks * st.f_frsize, sorted(os.listdir('/')))
+      print(os.getcwd(), os.getuid(), os.getpid(), st.f_blocks * st.f_frsize,
+            sorted(os.listdir('/')))
   """, disk_bytes=8 << 20)
   assert (r.status, r.exit_code, r.signal, r.stderr) == ("ok", 0, None, "")
   four, rest = r.stdout.split("\n", 1)
@@ -110,7 +111,8 @@ def test_the_working_directory_allows_mkdir_rename_and_remove():
       os.remove('g')
       os.rmdir('e')
       with tempfile.NamedTemporaryFile() as t:  # TMPDIR is the working directory
-        print(os.path.dirname(t.name), sorted(os.listdir('.')) == ['main.py', os.path.basename(t.name)])
+        print(os.path.dirname(t.name),
+              sorted(os.listdir('.')) == ['main.py', os.path.basename(t.name)])
       print(sorted(os.listdir('.')))
   """)
   assert r.status == "ok", r.stderr
@@ -348,7 +350,8 @@ def test_a_sandbox_that_cannot_be_set_up_raises():
 def test_a_missing_layer_is_named_in_one_line(monkeypatch, tmp_path):
   monkeypatch.setattr(sandbox, "_checked", {})
   monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
-  with pytest.raises(UserError, match=r"^python tool: no bubblewrap: .*agent.sandbox='unsafe'") as e:
+  with pytest.raises(UserError,
+                     match=r"^python tool: no bubblewrap: .*agent.sandbox='unsafe'") as e:
     sandbox.check("strict")
   assert "\n" not in str(e.value)
   # A bwrap that the kernel refuses, as on a machine without unprivileged user namespaces.

@@ -58,7 +58,9 @@ def daemon():
 '''
 
 # The layer that each errno of a step points to.
-LAYERS = {"EPERM": "seccomp", "ENETUNREACH": "network namespace", "ECONNREFUSED": "network namespace", "ESRCH": "PID namespace", "ENOENT": "mount namespace (absent)",
+LAYERS = {"EPERM": "seccomp", "ENETUNREACH": "network namespace",
+          "ECONNREFUSED": "network namespace", "ESRCH": "PID namespace",
+          "ENOENT": "mount namespace (absent)",
           "EROFS": "read-only mounts", "ENOSPC": "tmpfs size", "EFBIG": "RLIMIT_FSIZE",
           "EACCES": "file permissions", "ENOSYS": "seccomp (ENOSYS)",
           "PermissionError": "audit hook", "ModuleNotFoundError": "audit hook",
@@ -242,7 +244,8 @@ for _name in ("kill the caller with a pidfd", "connect to the caller's unix sock
 # no layer but seccomp: docs/sandbox.md).
 HARMLESS = {"interfaces", "kill(trainer group)"}
 HARMLESS_WITHOUT_SECCOMP = HARMLESS | {
-    "pidfd_open(parent)", "ptrace(SEIZE, parent)", "socket(AF_UNIX)", "unshare(NEWUSER|NEWNS)", "unshare(NEWUSER)",
+    "pidfd_open(parent)", "ptrace(SEIZE, parent)", "socket(AF_UNIX)", "unshare(NEWUSER|NEWNS)",
+    "unshare(NEWUSER)",
     "unshare(NEWNET)", "keyctl(GET_KEYRING_ID)"}
 
 

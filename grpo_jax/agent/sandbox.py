@@ -368,8 +368,8 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
   (RAM, freed with the call); max_file_bytes bounds each file. max_write_opens bounds the files
   the audit hook lets the code open for writing. audit=False leaves the hook out, so tests can
   show that the kernel's layers hold on their own; seccomp=False likewise the filter, so they
-  can show the namespaces and the missing capabilities beneath it. mode='unsafe' skips the kernel's layers (no
-  bwrap; see check) and writes to a temporary directory of the host instead of a tmpfs.
+  can show the namespaces and the missing capabilities beneath it. mode='unsafe' skips the
+  kernel's layers (no bwrap; see check) and writes to a temporary directory of the host.
   """
   if mode not in MODES:
     raise ValueError(f"mode={mode!r}: use one of {MODES}")

@@ -78,7 +78,8 @@ def make_hook(root: str, max_write_opens: int):
   it off; code can still race or outwit it, which is why the kernel's layers are the boundary.
   """
   root = os.path.realpath(root)
-  realpath, fspath, isdir, encoding = os.path.realpath, os.fspath, os.path.isdir, sys.getfilesystemencoding()
+  realpath, fspath, isdir = os.path.realpath, os.fspath, os.path.isdir
+  encoding = sys.getfilesystemencoding()
   getpid, is_a, any_of, as_bool, integer, text = os.getpid, isinstance, any, bool, int, str
   refused, prefixes, refused_imports = frozenset(REFUSED), REFUSED_PREFIXES, frozenset(
       REFUSED_IMPORTS)
@@ -111,7 +112,8 @@ def make_hook(root: str, max_write_opens: int):
     if isdir(full) and not inside(full):  # a directory fd would let dir_fd= paths escape
       refuse(f"opening the directory {full!r}")
     parts = full.split("/")
-    if len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and integer(parts[2]) != getpid():
+    if (len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit()
+        and integer(parts[2]) != getpid()):
       refuse("reading another process's /proc entry")
 
   def hook(event: str, args: tuple) -> None:
