@@ -168,6 +168,10 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
       observation_tokens=32,        # a tool's output is cut to this many tokens
       tool_workers=8,               # tool calls run in parallel, at most this many at once
       tool_timeout_s=5.0,           # wall-clock limit of every tool call
+      # The python tool's sandbox (docs/sandbox.md): 'strict' needs bubblewrap, libseccomp and
+      # the kernel's namespaces, and refuses to start without them; 'unsafe' runs model code
+      # without those layers (warns at every start).
+      sandbox="strict",
       # The first user turn: the toolset K ({tools}: each tool's description with its call
       # syntax; {tool_names}: just the names) and the query.
       user_template="{tools}\n\n{question}",

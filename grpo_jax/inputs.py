@@ -28,7 +28,8 @@ def tokenizer(config, workdir, train_rows, build=True):
     if config.agent.enabled:  # the toolset's descriptions and the tool-call tags
       from grpo_jax.agent import env, tools  # pylint: disable=import-outside-toplevel
       names = tuple(config.agent.tools)
-      corpus += [env.toolset_text(tools.select(names)) + " " + ", ".join(names)] * 100
+      toolset = tools.select(names, check_sandbox=False)  # only the descriptions are read
+      corpus += [env.toolset_text(toolset) + " " + ", ".join(names)] * 100
       tags = ("<tool>", "</tool>")
     with storage.local_dir(storage.path(workdir) / "tokenizer") as out:
       name = tokenizer_lib.build_tiny_tokenizer(out, corpus, config.model.tiny.vocab_size,

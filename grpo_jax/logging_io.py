@@ -55,7 +55,7 @@ def read_jsonl(path: str) -> list[dict]:
   path = storage.path(path)
   if not path.exists():
     return []
-  lines = path.read_text().split("\n")
+  lines = storage.read_text(path).split("\n")
   records = []
   for number, line in enumerate(lines, start=1):
     if not line.strip():
@@ -134,6 +134,7 @@ class MetricsWriter:
       self._tb.flush()
 
   def close(self) -> None:
+    storage.compact(self.path)  # an object store's appended parts, folded into the file
     if self._tb is not None:
       self._tb.close()
     if self._wandb is not None:
@@ -211,6 +212,11 @@ class SamplesWriter:
       records.append(record)
     storage.append_text(self.path, "".join(json.dumps(r) + "\n" for r in records))
     storage.append_text(self.md_path, _render_steps(records))
+
+  def close(self) -> None:
+    """Folds an object store's appended parts into the files (they read the same before)."""
+    storage.compact(self.path)
+    storage.compact(self.md_path)
 
 
 def _render_steps(records: Sequence[Mapping[str, Any]]) -> str:

@@ -18,6 +18,8 @@ Ctrl-C (SIGINT) or SIGTERM stops the sweep: each run gets SIGTERM, which main an
 a checkpoint and exiting within seconds; a second Ctrl-C kills them. Runs are started in their
 own process group, so the terminal's Ctrl-C reaches the sweep alone and the runs get the
 SIGTERM they handle, not a SIGINT that would lose their progress since the last checkpoint.
+If the sweep itself dies (SIGKILL, a crash), the kernel sends each run SIGKILL
+(grpo_jax.die_with_parent): nothing is left running; rerunning the sweep resumes the runs.
 """
 
 from __future__ import annotations
@@ -248,6 +250,14 @@ class Runner:
     s = self.status[os.path.join(PREFIX_DIR, r.prefix)]
     return True if s == "done" else None if s == "failed" else False
 
+  def _popen(self, argv, log, env) -> subprocess.Popen:
+    """Starts a run in its own process group (a terminal's Ctrl-C reaches the sweep alone),
+    through grpo_jax.die_with_parent: the run gets SIGKILL if the sweep dies, even by SIGKILL,
+    so no orphan writes into a directory that a rerun starts again."""
+    wrapped = [self.python, "-m", "grpo_jax.die_with_parent", str(os.getpid()), *argv]
+    return subprocess.Popen(wrapped, stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
   def _start_group(self, group):
     d = os.path.join(self.workdir, group.dir)
     os.makedirs(d, exist_ok=True)
@@ -270,8 +280,7 @@ class Runner:
     log = open(os.path.join(d, LOG_FILE), "a")
     log.write(stamp)
     log.flush()
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)
+    proc = self._popen(argv, log, env)
     log.close()
     self.procs[group.dir] = (group, proc, time.monotonic())
     for r in group.members:
@@ -294,8 +303,7 @@ class Runner:
     log = open(os.path.join(d, LOG_FILE), "a")
     log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(argv)}\n")
     log.flush()
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)
+    proc = self._popen(argv, log, env)
     log.close()  # the child holds its own copy
     self.procs[r.dir] = (r, proc, time.monotonic())
     self.status[r.dir] = "running"

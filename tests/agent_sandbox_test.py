@@ -1,13 +1,22 @@
-"""The sandbox against the escapes a model's code could try: each is stopped within its limit,
-comes back as an error / killed / timeout result, and leaves the parent and the machine as they
-were. Where a layer can be shown alone, the code runs again without the audit hook
-(audit=False) so the OS layers (rlimits, nobody, network and mount namespaces) are seen to hold
-by themselves.
+"""The sandbox against the escapes a model's code could try.
+
+Two kinds of tests. The layer tests show each layer alone where it can be shown: the code runs
+without the audit hook (audit=False) so that the kernel's layers (PID, mount, network and user
+namespaces, seccomp, the tmpfs, rlimits) are seen to hold by themselves, and with it to see the
+tripwire fire. The attack tests run tests/sandbox_attacks.py, a process that plays the trainer
+(a secret in its command line, environment, files and sockets), once as the caller (root in
+CI) and once as nobody (the test drops to it with unshare and setpriv where it can, and says
+why it is skipped where it cannot); every attack must leave the trainer as it was.
 """
 import errno
 import json
 import os
+import shutil
 import signal
+import stat
+import subprocess
+import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -15,30 +24,17 @@ from pathlib import Path
 
 import pytest
 
+import sandbox_attacks
 from grpo_jax.agent import sandbox
+from grpo_jax.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 SLACK_S = 0.75  # start-up, kill and reap on a loaded 2-core machine
 ROOT = os.geteuid() == 0
-needs_root = pytest.mark.skipif(not ROOT, reason="privilege drop and network namespace need root")
 
 
 def _run(code: str, **kwargs) -> sandbox.SandboxResult:
   return sandbox.run_python(textwrap.dedent(code), **kwargs)
-
-
-def _group(pgid: int) -> list[int]:
-  """Live (non-zombie) processes in process group `pgid`, from /proc."""
-  members = []
-  for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-      stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-      continue
-    state, _, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
-    if int(pgrp) == pgid and state != "Z":
-      members.append(int(pid))
-  return members
 
 
 def _tasks_of(uid: int) -> int:
@@ -55,30 +51,41 @@ def _tasks_of(uid: int) -> int:
   return n
 
 
-def _assert_contained_afterwards(pgid: int | None = None, workdir: str | None = None) -> None:
-  """Nothing the code started is alive, its directory is gone, and the next call works."""
-  if pgid is not None:
-    deadline = time.monotonic() + 1.0  # SIGKILL is sent; dying takes a moment
-    while _group(pgid) and time.monotonic() < deadline:
+def _assert_contained_afterwards(pid_ns: str | None = None) -> None:
+  """Nothing the code started is alive, and the next call works."""
+  if pid_ns is not None:
+    deadline = time.monotonic() + 2.0  # SIGKILL is sent; dying takes a moment
+    while sandbox_attacks._pid_namespace_members(pid_ns) and time.monotonic() < deadline:
       time.sleep(0.02)
-    assert _group(pgid) == [], f"processes of the sandbox outlived it: {_group(pgid)}"
-  if workdir is not None:
-    assert not os.path.exists(workdir)
+    assert sandbox_attacks._pid_namespace_members(pid_ns) == [], "processes outlived the call"
   assert sandbox.run_python("print('fine')").stdout == "fine\n"
 
 
-def test_normal_code_runs_and_its_directory_is_removed():
+@pytest.fixture(scope="module", autouse=True)
+def strict_layers():
+  """Every test here needs the strict sandbox; where a layer is missing the module fails with
+  the one-line message naming it (CI installs bubblewrap)."""
+  sandbox.check("strict")
+
+
+# --- the layers ---------------------------------------------------------------------------------
+
+def test_normal_code_runs_in_its_namespaces():
   r = _run("""
       import os
       print(2 + 2)
-      print(os.getcwd(), os.getuid())
-  """)
+      st = os.statvfs('.')
+      print(os.getcwd(), os.getuid(), os.getpid(), st.f_blocks * st.f_frsize,
+            sorted(os.listdir('/')))
+  """, disk_bytes=8 << 20)
   assert (r.status, r.exit_code, r.signal, r.stderr) == ("ok", 0, None, "")
-  four, workdir, uid = r.stdout.split()
-  assert four == "4"
-  assert not os.path.exists(workdir)
-  if ROOT:
-    assert int(uid) == sandbox.NOBODY
+  four, rest = r.stdout.split("\n", 1)
+  workdir, uid, pid, size, top = rest.split(" ", 4)
+  assert four == "4" and workdir == sandbox.WORKDIR
+  assert int(uid) == sandbox.NOBODY
+  assert int(pid) == 2  # bwrap's init is 1: a PID namespace of its own
+  assert int(size) == 8 << 20  # the working directory is the capped tmpfs
+  assert "tmp" not in top and "home" not in top and "work" in top
 
 
 def test_errors_and_bad_source_are_results_not_exceptions():
@@ -86,25 +93,45 @@ def test_errors_and_bad_source_are_results_not_exceptions():
   r = _run("print('before')\n1 / 0")
   assert (r.status, r.exit_code, r.stdout) == ("error", 1, "before\n")
   assert r.stderr.strip().endswith("ZeroDivisionError: division by zero")
-  assert "sandbox_child" not in r.stderr  # the traceback shows only the program's frames
+  assert "sandbox_child" not in r.stderr and "child.py" not in r.stderr
   for code in ("x = = 1", "print(1)\x00", "print('\ud800')"):
     r = sandbox.run_python(code)
     assert r.status == "error" and "Error" in r.stderr, (code, r)
 
 
-def test_an_infinite_loop_times_out_and_the_group_is_killed():
+def test_the_working_directory_allows_mkdir_rename_and_remove():
+  r = _run("""
+      import os, tempfile
+      os.mkdir('d')
+      os.rename('d', 'e')
+      with open('e/f', 'w') as f:
+        f.write('written')
+      os.rename('e/f', 'g')
+      print(open('g').read(), sorted(os.listdir('.')))
+      os.remove('g')
+      os.rmdir('e')
+      with tempfile.NamedTemporaryFile() as t:  # TMPDIR is the working directory
+        print(os.path.dirname(t.name),
+              sorted(os.listdir('.')) == ['main.py', os.path.basename(t.name)])
+      print(sorted(os.listdir('.')))
+  """)
+  assert r.status == "ok", r.stderr
+  assert r.stdout.splitlines() == ["written ['e', 'g', 'main.py']", f"{sandbox.WORKDIR} True",
+                                   "['main.py']"]
+
+
+def test_an_infinite_loop_times_out_and_its_namespace_dies():
   start = time.monotonic()
   r = _run("""
       import os
-      print(os.getcwd(), os.getpgid(0), flush=True)
+      print(os.readlink('/proc/self/ns/pid'), flush=True)
       while True:
         pass
   """, timeout_s=1.0)
   wall = time.monotonic() - start
   assert (r.status, r.exit_code, r.signal) == ("timeout", None, signal.SIGKILL)
   assert 1.0 <= wall < 1.0 + SLACK_S, wall
-  workdir, pgid = r.stdout.split()
-  _assert_contained_afterwards(int(pgid), workdir)
+  _assert_contained_afterwards(r.stdout.strip())
 
 
 def test_the_cpu_limit_kills_a_busy_loop_before_the_wall_clock():
@@ -122,11 +149,11 @@ def test_fork_is_refused_by_the_audit_hook():
   assert r.status == "error" and "sandbox refused: os.fork" in r.stderr
 
 
-@needs_root
 def test_without_the_hook_rlimit_nproc_caps_a_fork_bomb():
-  # The kernel counts all of nobody's processes, so the cap is set 4 above what exists now.
-  cap = _tasks_of(sandbox.NOBODY) + 4
-  # A bounded bomb: children sleep, the parent counts forks until the kernel refuses one.
+  # As root the child is the machine's nobody, whose every process counts: the cap is set 4
+  # above what exists now. As an ordinary user the count is the sandbox's user namespace's:
+  # bwrap's init and the program are 2 of the 4.
+  base = _tasks_of(sandbox.NOBODY) if ROOT else 0
   r = _run("""
       import os, time
       children = 0
@@ -137,24 +164,25 @@ def test_without_the_hook_rlimit_nproc_caps_a_fork_bomb():
             os._exit(0)
           children += 1
       except OSError as e:
-        print(children, e.errno, os.getpgid(0), flush=True)
-  """, audit=False, max_processes=cap, timeout_s=5)
-  children, error, pgid = map(int, r.stdout.split())
-  assert r.status == "ok" and error == errno.EAGAIN
-  assert 1 <= children <= 3  # the program itself is one of the 4
-  _assert_contained_afterwards(pgid)  # the sleeping children died with the call
+        print(children, e.errno, os.readlink('/proc/self/ns/pid'), flush=True)
+  """, audit=False, max_processes=base + 4, timeout_s=5)
+  children, error, pid_ns = r.stdout.split()
+  assert r.status == "ok" and int(error) == errno.EAGAIN
+  assert 1 <= int(children) <= 3
+  _assert_contained_afterwards(pid_ns)  # the sleeping children died with the call
   # A real one (every process forks forever): held at the cap until the wall clock kills all.
   r = _run("""
       import os
-      print(os.getpgid(0), flush=True)
+      print(os.readlink('/proc/self/ns/pid'), flush=True)
       while True:
         try:
           os.fork()
         except OSError:
           pass
-  """, audit=False, max_processes=_tasks_of(sandbox.NOBODY) + 4, timeout_s=1.0, cpu_s=5)
+  """, audit=False, max_processes=(_tasks_of(sandbox.NOBODY) if ROOT else 0) + 4,
+           timeout_s=1.0, cpu_s=5)
   assert r.status == "timeout" and r.seconds < 1.0 + SLACK_S
-  _assert_contained_afterwards(int(r.stdout))
+  _assert_contained_afterwards(r.stdout.strip())
 
 
 def test_a_10_gb_allocation_fails_at_the_address_space_limit():
@@ -178,29 +206,50 @@ def test_a_10_gb_allocation_fails_at_the_address_space_limit():
     "d = os.open(os.path.dirname(P), os.O_RDONLY)\n"
     "os.open(os.path.basename(P), os.O_WRONLY | os.O_CREAT, dir_fd=d)",
 ])
-def test_writing_outside_the_directory_is_refused(write):
-  for target in (Path("/tmp"), REPO):
-    path = target / f"x_outside_{uuid.uuid4().hex}"
-    r = _run(f"import os\nP = {str(path)!r}\n{write}")
+def test_the_hook_refuses_writing_outside_the_directory(write):
+  for target in ("/", "/usr", "/dev/shm"):
+    r = _run(f"import os\nP = {target.rstrip('/') + '/x_outside'!r}\n{write}")
     assert r.status == "error" and "sandbox refused" in r.stderr, r
-    assert not path.exists()
 
 
-@needs_root
-def test_without_the_hook_the_file_system_is_read_only_but_the_directory():
-  for target in (Path("/tmp"), REPO):  # /tmp is world-writable: nobody alone would not stop it
-    path = target / f"x_outside_{uuid.uuid4().hex}"
-    r = _run(f"open({str(path)!r}, 'w')", audit=False)
-    assert r.status == "error" and "[Errno 30] Read-only file system" in r.stderr, r
-    assert not path.exists()
+def test_without_the_hook_everything_but_the_directory_is_read_only():
+  r = _run("""
+      import errno, json, os
+      seen = {}
+      for path in ('/x', '/usr/x', '/dev/x', '/dev/shm/x', '/proc/x', '/tmp/x', '/etc/x'):
+        try:
+          open(path, 'w')
+          seen[path] = 'written'
+        except OSError as e:
+          seen[path] = errno.errorcode[e.errno]
+      os.mkdir('d')
+      print(json.dumps(seen), os.getuid())
+  """, audit=False)
+  seen, uid = r.stdout.rsplit(" ", 1)
+  assert r.status == "ok" and int(uid) == sandbox.NOBODY
+  assert {p: e in ("EROFS", "ENOENT", "EACCES") for p, e in json.loads(seen).items()} == {
+      p: True for p in json.loads(seen)}, seen
+  for outside in ("/x", "/usr/x", "/dev/shm/x", "/tmp/x"):
+    assert not (os.path.exists(outside) and os.path.getmtime(outside) > time.time() - 60)
+
+
+def test_the_disk_is_bounded_by_the_tmpfs():
   r = _run("""
       import os
-      os.mkdir('d')
-      with open('d/f', 'w') as f:
-        f.write('written')
-      print(open('d/f').read(), os.getuid())
-  """, audit=False)
-  assert r.stdout.split() == ["written", str(sandbox.NOBODY)]
+      written = 0
+      try:
+        for i in range(10):
+          with open(f'f{i}', 'wb') as f:
+            for _ in range(4):
+              f.write(b'x' * (1 << 20))
+              f.flush()
+              written += 1 << 20
+      except OSError as e:
+        print(written, e.errno)
+  """, audit=False, disk_bytes=8 << 20, max_file_bytes=8 << 20)
+  written, error = map(int, r.stdout.split())
+  assert int(error) == errno.ENOSPC
+  assert 6 << 20 <= written <= 8 << 20
 
 
 @pytest.mark.parametrize("code", [
@@ -208,41 +257,74 @@ def test_without_the_hook_the_file_system_is_read_only_but_the_directory():
     "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)",
     "_socket = __import__('_socket')",
 ])
-def test_sockets_are_refused(code):
+def test_sockets_are_refused_by_the_hook(code):
   r = _run(code.replace("PORT", "80"))
   assert r.status == "error" and "sandbox refused" in r.stderr, r
 
 
-@needs_root
+def test_without_the_hook_seccomp_refuses_sockets_but_unix_socketpairs():
+  r = _run("""
+      import errno, socket
+      a, b = socket.socketpair()
+      a.sendall(b'pair works')
+      print(b.recv(100).decode())
+      for family in (socket.AF_INET, socket.AF_INET6, socket.AF_UNIX, socket.AF_NETLINK):
+        try:
+          socket.socket(family)
+          print('opened', family)
+        except OSError as e:
+          print(errno.errorcode[e.errno])
+  """, audit=False)
+  assert r.status == "ok", r.stderr
+  assert r.stdout.split("\n")[:5] == ["pair works", "EPERM", "EPERM", "EPERM", "EPERM"]
+
+
 def test_the_child_has_its_own_empty_network_namespace():
   def interfaces(text: str) -> set[str]:
     return {line.split(":")[0].strip() for line in text.strip().splitlines()[2:]}
   r = _run("print(open('/proc/self/net/dev').read())", audit=False)
   assert r.status == "ok" and interfaces(r.stdout) == {"lo"}
-  ours = interfaces(Path("/proc/self/net/dev").read_text())
-  if ours == {"lo"}:
-    pytest.skip("this machine has only a loopback, so the two cannot be told apart")
   # No IPv4 route at all (not even the header line), so no address can be reached.
   r = _run("print(open('/proc/self/net/route').read())", audit=False)
   assert r.status == "ok" and len(r.stdout.strip().splitlines()) <= 1
 
 
 @pytest.mark.parametrize("audit", [True, False])
-def test_the_parents_environment_is_not_visible(monkeypatch, audit):
+def test_the_parents_environment_and_command_line_are_not_visible(monkeypatch, audit):
   monkeypatch.setenv("GRPO_SANDBOX_TEST_SECRET", "hf_not_for_the_model")
-  r = _run("""
+  r = _run(f"""
       import json, os
-      try:
-        parent = open(f'/proc/{os.getppid()}/environ', 'rb').read().decode(errors='replace')
-      except OSError as e:
-        parent = f'refused: {e}'
-      print(json.dumps({'env': dict(os.environ), 'parent': parent}))
+      seen = {{}}
+      for pid in ['{os.getpid()}', str(os.getppid())] + os.listdir('/proc'):
+        for what in ('environ', 'cmdline'):
+          try:
+            seen[pid + what] = open(f'/proc/{{pid}}/{{what}}', 'rb').read().decode(errors='replace')
+          except OSError as e:
+            seen[pid + what] = f'refused: {{e}}'
+      print(json.dumps({{'env': dict(os.environ), 'seen': seen}}))
   """, audit=audit)
+  assert r.status == "ok", r.stderr
+  assert "hf_not_for_the_model" not in r.stdout and "pytest" not in r.stdout
   seen = json.loads(r.stdout)
-  assert "hf_not_for_the_model" not in r.stdout
-  assert set(seen["env"]) == {"PATH", "HOME", "TMPDIR", "LANG"}
-  if audit or ROOT:  # the hook, or the uid: nobody cannot read root's /proc/PID/environ
-    assert seen["parent"].startswith("refused"), seen["parent"][:200]
+  assert set(seen["env"]) == {"PATH", "HOME", "TMPDIR", "LANG", "PWD"}  # PWD: bwrap's --chdir
+  assert seen["seen"][f"{os.getpid()}environ"].startswith("refused")
+
+
+@pytest.mark.parametrize("code", [
+    "import os\nos.system('echo hi')",
+    "import os\nos.popen('echo hi').read()",
+    "import os\nos.execv('/bin/echo', ['echo', 'hi'])",
+    "import os\nos.posix_spawn('/bin/echo', ['echo', 'hi'], {})",
+    "import os\nos.kill(1, 0)",
+    "import subprocess\nsubprocess.run(['echo', 'hi'])",
+    "import ctypes\nctypes.CDLL(None).system(b'echo hi')",
+    "import importlib\nimportlib.import_module('_posixsubprocess')",
+    "import importlib\nimportlib.import_module('_cffi_backend')",
+])
+def test_processes_shells_signals_and_ctypes_are_refused_by_the_hook(code):
+  r = _run(code)
+  assert r.status == "error" and ("sandbox refused" in r.stderr or "halted" in r.stderr), r
+  assert "hi" not in r.stdout
 
 
 @pytest.mark.parametrize("code", [
@@ -258,21 +340,158 @@ def test_a_flood_of_output_is_stopped_at_the_bound(code):
   assert r.seconds < 3
 
 
-@pytest.mark.parametrize("code", [
-    "import subprocess\nsubprocess.run(['ls'])",
-    "import os\nos.system('echo hi')",
-    "import os\nos.popen('echo hi').read()",
-    "import os\nos.execv('/bin/echo', ['echo', 'hi'])",
-    "import os\nos.posix_spawn('/bin/echo', ['echo', 'hi'], {})",
-    "import os\nos.kill(1, 0)",
-    "import ctypes\nctypes.CDLL(None).system(b'echo hi')",
-])
-def test_processes_shells_signals_and_ctypes_are_refused(code):
-  r = _run(code)
-  assert r.status == "error" and "sandbox refused" in r.stderr, r
-  assert "hi" not in r.stdout
-
-
 def test_a_sandbox_that_cannot_be_set_up_raises():
-  with pytest.raises(sandbox.SandboxError, match="set-up failed"):
-    sandbox.run_python("print(1)", memory_bytes=1 << 20)  # too little even for the imports
+  with pytest.raises(sandbox.SandboxError, match="set-up failed: bwrap: --size"):
+    sandbox.run_python("print(1)", disk_bytes=0)
+
+
+# --- a missing layer refuses to start; 'unsafe' warns -------------------------------------------
+
+def test_a_missing_layer_is_named_in_one_line(monkeypatch, tmp_path):
+  monkeypatch.setattr(sandbox, "_checked", {})
+  monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
+  with pytest.raises(UserError,
+                     match=r"^python tool: no bubblewrap: .*agent.sandbox='unsafe'") as e:
+    sandbox.check("strict")
+  assert "\n" not in str(e.value)
+  # A bwrap that the kernel refuses, as on a machine without unprivileged user namespaces.
+  fake = tmp_path / "bwrap"
+  fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to creating new namespace, likely "
+                  "because the kernel does not allow non-privileged user namespaces.' >&2\n"
+                  "exit 1\n")
+  fake.chmod(0o755)
+  with pytest.raises(UserError, match=r"^python tool: no user or PID namespaces: bwrap: No "):
+    sandbox.check("strict")
+  with pytest.raises(UserError, match="agent.sandbox='lax'"):
+    sandbox.check("lax")
+
+
+def test_without_libseccomp_the_tool_refuses_to_start(monkeypatch):
+  monkeypatch.setattr(sandbox, "_checked", {})
+  sandbox.seccomp_program.cache_clear()
+  real = sandbox.ctypes.CDLL
+
+  def no_libseccomp(name, *args, **kwargs):
+    if "seccomp" in str(name):
+      raise OSError(f"{name}: cannot open shared object file")
+    return real(name, *args, **kwargs)
+  monkeypatch.setattr(sandbox.ctypes, "CDLL", no_libseccomp)
+  try:
+    with pytest.raises(UserError, match=r"^python tool: no seccomp: libseccomp.so.2"):
+      sandbox.check("strict")
+  finally:
+    sandbox.seccomp_program.cache_clear()
+
+
+def test_unsafe_runs_without_the_kernel_layers_and_warns(capsys):
+  sandbox.check("unsafe")
+  assert "grpo_jax: warning: agent.sandbox='unsafe'" in capsys.readouterr().err
+  r = sandbox.run_python("import os\nprint(os.getpid() > 2, os.getcwd() != '/work')", mode="unsafe")
+  assert (r.status, r.stdout) == ("ok", "True True\n")
+  assert "sandbox refused: os.fork" in sandbox.run_python("import os\nos.fork()",
+                                                          mode="unsafe").stderr
+
+
+# --- the attacks, as the caller and as nobody ---------------------------------------------------
+
+SECRET = "hf_" + uuid.uuid4().hex
+
+
+def _attack_report(lines: list[str]) -> dict:
+  results = {}
+  for line in lines:
+    if line.startswith("{"):
+      result = json.loads(line)
+      results[result["attack"]] = result
+  return results
+
+
+def _assert_no_escape(results: dict) -> None:
+  assert set(results) == set(sandbox_attacks.ATTACKS), "some attacks did not report"
+  for name, result in results.items():
+    assert result["escaped"] == [], (name, result)
+    assert result["layers"], f"{name}: nothing stopped it? {result}"
+  # The layers meant to stop each class, with and without the hook and the filter above them.
+  for name in ("daemon: fork, setsid, fork", "daemon: subprocess (_posixsubprocess)",
+               "daemon: libc through cffi"):
+    assert results[name]["layers"] == ["PID namespace (killed with the call)"], results[name]
+  assert "PID namespace" in results["kill the caller with kill"]["layers"]
+  assert "PID namespace" in results["kill the caller with a pidfd (no seccomp)"]["layers"]
+  assert "PID namespace" in results["read the caller's command line and environment"]["layers"]
+  assert results["read the caller's files"]["layers"] == ["mount namespace (absent)"]
+  assert {"mount namespace (absent)", "network namespace"} <= set(
+      results["connect to the caller's unix sockets (no seccomp)"]["layers"])
+  assert "network namespace" in results["network (no seccomp)"]["layers"]
+  remount = set(results["remount / and /dev/shm read-write (no seccomp)"]["layers"])
+  assert {"no capability", "read-only mounts"} <= remount
+  assert "locked mounts" in remount or "--disable-userns" in remount, remount
+  assert "tmpfs size" in results["fill the disk past the cap"]["layers"]
+  assert "audit hook" in results["switch off the audit hook from inside"]["layers"]
+
+
+def _driver_env() -> dict:
+  return {"PATH": "/usr/bin:/bin", "GRPO_TRAINER_TOKEN": SECRET, "LANG": "C.UTF-8"}
+
+
+def test_the_attacks_fail_as_the_caller():
+  p = subprocess.run([sys.executable, str(REPO / "tests" / "sandbox_attacks.py"), SECRET],
+                     env={**_driver_env(), "PYTHONPATH": str(REPO)}, capture_output=True,
+                     text=True, timeout=120, check=False)
+  assert p.returncode == 0, p.stderr[-3000:]  # the trainer is alive and finished
+  _assert_no_escape(_attack_report(p.stdout.splitlines()))
+
+
+def _blocking_ancestor(path: str) -> str | None:
+  """The highest directory above `path` that nobody cannot enter (a 0700 /root), if any."""
+  parts = Path(path).parts
+  for i in range(2, len(parts)):
+    d = os.path.join(*parts[:i])
+    if not os.stat(d).st_mode & stat.S_IXOTH:
+      return d
+  return None
+
+
+def test_the_attacks_fail_as_nobody():
+  """The same attacks with the trainer run as nobody (65534): the ordinary-user case."""
+  if not ROOT:
+    pytest.skip("the caller is already an ordinary user: "
+                "test_the_attacks_fail_as_the_caller is that run")
+  missing = [tool for tool in ("unshare", "setpriv", "mount") if shutil.which(tool) is None]
+  if missing:
+    pytest.skip(f"cannot drop to nobody: {', '.join(missing)} not installed (util-linux)")
+  # A copy of the package that nobody can read (the checkout may sit in a 0700 directory).
+  copy = tempfile.mkdtemp(prefix="grpo_sandbox_nobody_")
+  try:
+    for rel in ("grpo_jax/__init__.py", "grpo_jax/errors.py", "grpo_jax/agent/__init__.py",
+                "grpo_jax/agent/sandbox.py", "grpo_jax/agent/sandbox_child.py",
+                "tests/sandbox_attacks.py"):
+      os.makedirs(os.path.join(copy, os.path.dirname(rel)), exist_ok=True)
+      shutil.copy(REPO / rel, os.path.join(copy, rel))
+    for d, _, files in os.walk(copy):
+      os.chmod(d, 0o755)
+      for f in files:
+        os.chmod(os.path.join(d, f), 0o644)
+    # Python may sit under a 0700 /root: in a private mount namespace, a tmpfs over that
+    # directory holds just the Python installation, so nobody can run it; nothing else of the
+    # machine's changes.
+    prefix = os.path.realpath(sys.base_prefix)
+    script = ""
+    blocking = _blocking_ancestor(prefix)
+    if blocking is not None:
+      stage = os.path.join(copy, "stage")
+      os.mkdir(stage)
+      script = (f"mount --bind {prefix} {stage} && mount -t tmpfs -o mode=0755 none {blocking} "
+                f"&& mkdir -p {prefix} && mount --move {stage} {prefix} && ")
+    script += ('exec setpriv --reuid 65534 --regid 65534 --clear-groups --inh-caps=-all '
+               '--no-new-privs -- "$@"')
+    argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
+            sys.executable, os.path.join(copy, "tests", "sandbox_attacks.py"), SECRET]
+    p = subprocess.run(argv, env=_driver_env(), capture_output=True, text=True, timeout=120,
+                       check=False, cwd="/")
+    if p.returncode != 0 and "unshare failed" in p.stderr:
+      pytest.skip(f"cannot drop to nobody here: {p.stderr.strip()[-300:]}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    results = _attack_report(p.stdout.splitlines())
+    _assert_no_escape(results)
+  finally:
+    shutil.rmtree(copy, ignore_errors=True)

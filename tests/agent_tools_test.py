@@ -9,6 +9,7 @@ from fractions import Fraction
 import pytest
 
 from grpo_jax.agent import tools
+from grpo_jax.errors import UserError
 
 CALC = tools.TOOLS["calculator"]
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
@@ -108,6 +109,8 @@ def test_random_expressions_match_an_independent_evaluation():
     ("-" * 499 + "1", "-1"),
     ("1 ** (10 ** 100)", "1"),
     ("2 ** 100", str(2**100)),
+    ("9" * 500, "9" * 500),  # past a float's range, far inside MAX_BITS
+    ("1" + "0" * 400 + " - 1", "9" * 400),
 ])
 def test_worked_examples(expression, text):
   assert _observation(CALC(expression)) == (text, "ok")
@@ -173,6 +176,20 @@ def test_descriptions_give_the_call_syntax():
   assert "2 s at most" in tools.select(["python"], timeout_s=2.0)["python"].description
   with pytest.raises(ValueError, match="known tools: calculator, python"):
     tools.select(["abacus"])
+
+
+def test_select_checks_the_python_tools_sandbox(capsys):
+  assert tools.select(["python"])["python"].sandbox_mode == "strict"
+  assert "warning" not in capsys.readouterr().err
+  python = tools.select(["calculator", "python"], sandbox_mode="unsafe")["python"]
+  assert python.sandbox_mode == "unsafe"
+  assert "agent.sandbox='unsafe'" in capsys.readouterr().err  # at every start
+  assert python("print(6 * 7)").text == "42"
+  tools.select(["calculator"], sandbox_mode="unsafe")  # no python tool: nothing to warn about
+  tools.select(["python"], sandbox_mode="unsafe", check_sandbox=False)  # descriptions only
+  assert capsys.readouterr().err == ""
+  with pytest.raises(UserError, match="agent.sandbox='lax'"):
+    tools.select(["python"], sandbox_mode="lax")
 
 
 def test_the_python_tool_observations():

@@ -32,6 +32,9 @@ def _latest(workdir):
 
 
 def main(argv):
+  # Before calls.jsonl is written: a test that sees the call may send SIGTERM at once.
+  stop = {"now": False}
+  signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
   flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--"))
   workdir = flags.pop("workdir")
   flags.pop("config")
@@ -54,8 +57,6 @@ def main(argv):
     with open(metrics, "w") as f:
       f.write(json.dumps({"step": 0, "eval/accuracy": 0.1 + 0.01 * seed}) + "\n")
     resumed = 0
-  stop = {"now": False}
-  signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
   if os.environ.get("FAKE_WAIT"):
     while not stop["now"]:
       time.sleep(0.02)

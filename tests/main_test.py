@@ -87,3 +87,17 @@ def test_unknown_override_and_missing_config_file_are_named(tmp_path):
   assert_user_error(proc, "--config", "configs/nope.py")
   proc = run_main(tmp_path / "run", "--config=configs/gsm8k.py:tinyy")
   assert_user_error(proc, "unknown preset 'tinyy'")
+
+
+def test_the_python_tool_without_its_sandbox_refuses_to_start(tmp_path):
+  """A machine without bubblewrap (a PATH without bwrap): the run stops at start-up with the
+  one line naming the missing layer and the way out, before any step."""
+  empty = tmp_path / "bin"
+  empty.mkdir()
+  proc = subprocess.run(
+      [sys.executable, "-m", "grpo_jax.main", "--config=configs/gsm8k_agent.py:tiny",
+       f"--workdir={tmp_path / 'run'}", "--config.agent.tools=('python',)",
+       "--config.sft.steps=0", "--config.train.steps=1"],
+      cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu", "PATH": str(empty)},
+      capture_output=True, text=True, timeout=300)
+  assert_user_error(proc, "python tool: no bubblewrap", "agent.sandbox='unsafe'")

@@ -65,7 +65,10 @@ def test_a_gs_workdir_gets_the_files_a_local_one_gets(gcs, tmp_path):
   assert names == storage.files(gcs) == sorted(
       ["config.json", "metrics.jsonl", "samples.jsonl", "samples.md", "summary.json",
        "metrics.png"])
-  for name in names:
+  for name in names:  # with the parts appended to them (train.py leaves samples unclosed)
+    assert storage.read_bytes(storage.path(gcs) / name) == (local / name).read_bytes(), name
+  for name in ("samples.jsonl", "samples.md"):
+    storage.compact(storage.path(gcs) / name)
     assert (storage.path(gcs) / name).read_bytes() == (local / name).read_bytes(), name
   steps = [r["step"] for r in logging_io.read_jsonl(f"{gcs}/metrics.jsonl")]
   assert steps == [0, 1, 2, 3]  # the resume dropped the first step 2, as on a local disk
@@ -120,3 +123,62 @@ def test_tensorboard_on_gs_without_its_client_library_is_a_user_error(gcs, monke
   monkeypatch.setattr(record_writer, "GCS_ENABLED", False)
   with pytest.raises(UserError, match="config.train.tensorboard: .*google-cloud-storage"):
     logging_io.MetricsWriter(gcs, tensorboard=True)
+
+
+def _bytes_written(monkeypatch) -> list[int]:
+  """A counter of the bytes written to the in-memory store (every object write goes through
+  MemoryFile.write)."""
+  from fsspec.implementations import memory
+  written = [0]
+  write = memory.MemoryFile.write
+
+  def counting(self, data):
+    written[0] += len(data)
+    return write(self, data)
+  monkeypatch.setattr(memory.MemoryFile, "write", counting)
+  return written
+
+
+def test_appends_on_gs_write_bytes_linear_in_the_length(gcs, monkeypatch):
+  """Each append is written once as a part, and the rewrites that fold the parts in double in
+  size: the bytes written stay within 3 times the file, at 100 or 400 lines alike (the
+  whole-file rewrite of every append wrote ~ lines / 2 times the file)."""
+  written = _bytes_written(monkeypatch)
+  ratios = {}
+  for n in (100, 400):
+    p = storage.path(gcs) / f"log{n}.jsonl"
+    lines = [json.dumps({"step": i, "loss": 1.0 / (i + 1)}) + "\n" for i in range(n)]
+    written[0] = 0
+    for i, line in enumerate(lines):
+      storage.append_text(p, line)
+      if i % 37 == 0:  # readers see every line so far, wherever it lives
+        assert storage.read_text(p) == "".join(lines[:i + 1])
+    size = len("".join(lines))
+    assert storage.read_text(p) == "".join(lines)
+    assert [r["step"] for r in logging_io.read_jsonl(p)] == list(range(n))
+    ratios[n] = written[0] / size
+    storage.compact(p)
+    assert p.read_text() == "".join(lines)  # the file alone, the parts folded in
+    assert storage.files(storage.path(gcs)) == sorted(
+        f"log{m}.jsonl" for m in ratios)  # no part is listed as a file
+  # Parts once (1x) and rewrites that double (< 2x): at most 3x plus a line, at any length.
+  # Rewriting the file at every append wrote 49x at 100 lines and 197x at 400.
+  assert ratios[100] <= 3.5 and ratios[400] <= 3.5, ratios
+
+
+def test_a_rewrite_cut_short_leaves_parts_that_readers_skip(gcs):
+  p = storage.path(gcs) / "metrics.jsonl"
+  for i in range(3):
+    storage.append_text(p, f"line {i}\n")
+  assert storage.read_text(p) == "line 0\nline 1\nline 2\n"
+  parts = list((storage.path(gcs) / "metrics.jsonl.parts").iterdir())
+  assert len(parts) == 1  # 'line 2' waits as a part; the file holds two lines
+  # A fold that wrote the file and crashed before removing the parts: they name the old length.
+  p.write_bytes(b"line 0\nline 1\nline 2\n")
+  assert storage.read_text(p) == "line 0\nline 1\nline 2\n"
+  storage.append_text(p, "line 3\n")
+  assert storage.read_text(p) == "line 0\nline 1\nline 2\nline 3\n"
+  # A whole rewrite (a resume's truncation) to the old length drops the parts first.
+  storage.append_text(p, "line 4\n")
+  storage.write_text(p, "line 0\nline 1\nline 2\nline 3\n")
+  assert storage.read_text(p) == "line 0\nline 1\nline 2\nline 3\n"

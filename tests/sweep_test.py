@@ -241,3 +241,64 @@ def test_ctrl_c_stops_runs_with_sigterm_and_a_rerun_finishes(tmp_path):
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert [c["resumed_from"] for c in _calls(tmp_path / "w" / "seed=0")] == [None, 0]
   assert [c["resumed_from"] for c in _calls(tmp_path / "w" / "seed=2")] == [None]
+
+
+def _processes_with(text: str) -> list[int]:
+  """Live processes whose command line contains `text`."""
+  pids = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        cmdline = f.read().decode(errors="replace")
+      with open(f"/proc/{pid}/stat") as f:
+        state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+      continue
+    if text in cmdline and state != "Z":
+      pids.append(int(pid))
+  return pids
+
+
+def test_runs_die_with_a_sigkilled_sweep(tmp_path):
+  """SIGKILL to the sweep (no handler can run): the kernel's parent-death signal kills its
+  runs, which would otherwise wait forever (FAKE_WAIT) as orphans."""
+  sweep_file = tmp_path / "s.py"
+  sweep_file.write_text(
+      "from grpo_jax import sweep\n"
+      "def get_sweep():\n"
+      "  return sweep.Sweep('configs/gsm8k.py:tiny', sweep.seeds(2), "
+      "fixed={'train.steps': 3})\n")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, str(REPO)]), FAKE_WAIT="1")
+  workdir = tmp_path / "w"
+  cmd = [sys.executable, "-m", "grpo_jax.sweep", str(sweep_file), f"--workdir={workdir}",
+         "--parallel=2", "--main_module=fake_main"]
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.monotonic() + 60
+    while len([d for d in ("seed=0", "seed=1") if _calls(workdir / d)]) < 2:
+      assert time.monotonic() < deadline and proc.poll() is None
+      time.sleep(0.05)
+    runs = _processes_with(f"--workdir={workdir}/seed=")
+    assert len(runs) == 2, runs  # both runs are waiting, exec'd in place by the wrapper
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while _processes_with(f"--workdir={workdir}/seed=") and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert _processes_with(f"--workdir={workdir}/seed=") == [], "runs outlived the sweep"
+  finally:
+    proc.kill()
+    for pid in _processes_with(f"--workdir={workdir}/seed="):
+      os.kill(pid, signal.SIGKILL)
+
+
+def test_die_with_parent_does_not_start_a_program_whose_parent_is_gone():
+  p = subprocess.run([sys.executable, "-m", "grpo_jax.die_with_parent", "1", "/bin/echo",
+                      "started"], cwd=REPO, capture_output=True, text=True, timeout=30,
+                     check=False)
+  assert p.returncode == 1 and "the parent 1 is gone" in p.stderr and "started" not in p.stdout
+  p = subprocess.run([sys.executable, "-m", "grpo_jax.die_with_parent", str(os.getpid()),
+                      "echo", "started"], cwd=REPO, capture_output=True, text=True, timeout=30,
+                     check=False)
+  assert (p.returncode, p.stdout) == (0, "started\n")

@@ -101,7 +101,8 @@ class Agent:
   def __init__(self, config, tokenizer, sampler, interrupt=None):
     a = config.agent
     self.config, self.tokenizer, self.sampler = config, tokenizer, sampler
-    self.tools = tools_lib.select(tuple(a.tools), timeout_s=a.tool_timeout_s)
+    self.tools = tools_lib.select(tuple(a.tools), timeout_s=a.tool_timeout_s,
+                                  sandbox_mode=a.get("sandbox", "strict"))
     self.format = TurnFormat.of(tokenizer)
     self.obs_width = self.format.width(tokenizer, a.observation_tokens)
     # Room after the prompt: every action at its budget, an observation after all but the last.

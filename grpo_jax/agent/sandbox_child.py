@@ -1,16 +1,14 @@
 """The child side of the sandbox: `python -I -u sandbox_child.py CONFIG_JSON` (see sandbox.py).
 
-This file runs first in the child interpreter, before any model-written text is read, in this
-order: new network and mount namespaces, the rlimits, common modules imported while the
-interpreter is still readable, root dropped to nobody, an audit hook, and only then ./main.py
-is compiled and run. The limits are set here rather than in a `preexec_fn`: that runs Python in
-a fork of a multi-threaded parent (run_calls' pool, JAX), which CPython documents as
-deadlock-prone, and the interpreter could not start as nobody anyway when it lives under a 0700
-/root (as on pyenv).
+This file runs first in the child interpreter, before any model-written text is read. In the
+strict mode bwrap has already built the namespaces, the mounts and the seccomp filter; here
+come the rlimits, root dropped to nobody (as root; bwrap left only CAP_SETUID and CAP_SETGID
+for it), a check that no capability is left, an audit hook, and only then ./main.py is compiled
+and run. The limits are set here rather than in a `preexec_fn`: that runs Python in a fork of a
+multi-threaded parent (run_calls' pool, JAX), which CPython documents as deadlock-prone.
 Nothing in this file is model text; CONFIG_JSON is written by sandbox.run_python.
 """
 import builtins
-import ctypes
 import json
 import os
 import resource
@@ -18,14 +16,12 @@ import sys
 import traceback
 import types
 
-# Imported as root so user code can use them after the drop (the stdlib may not be readable).
+# In the unsafe mode, imported as root so user code can use them after the drop (a standard
+# library under a 0700 /root is not readable by nobody). The strict mode mounts it readable.
 PRELOAD = ("math", "cmath", "fractions", "decimal", "statistics", "itertools", "functools",
            "collections", "json", "re", "random", "datetime", "string", "heapq", "bisect",
            "operator", "textwrap", "time")
 
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
-MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
-SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1  # Linux 5.12+
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 # Audit events refused outright: processes, signals, links that could point out of the
@@ -37,7 +33,7 @@ REFUSED = frozenset({
     "sys._current_frames"})
 REFUSED_PREFIXES = ("socket.", "ctypes.")
 REFUSED_IMPORTS = frozenset({"subprocess", "_posixsubprocess", "multiprocessing", "socket",
-                             "_socket", "ctypes", "_ctypes", "pty"})
+                             "_socket", "ctypes", "_ctypes", "pty", "_cffi_backend", "cffi"})
 # Events that change the file system: (indices of path arguments, indices of dir_fd arguments).
 PATH_EVENTS = {
     "os.mkdir": ((0,), (2,)), "os.rmdir": ((0,), (1,)), "os.remove": ((0,), (1,)),
@@ -45,37 +41,6 @@ PATH_EVENTS = {
     "os.utime": ((0,), (3,)), "os.truncate": ((0,), ()), "os.setxattr": ((0,), ()),
     "os.removexattr": ((0,), ()),
 }
-
-
-class _MountAttr(ctypes.Structure):
-  _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-              ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
-
-
-def _set_read_only(libc, path: bytes, read_only: bool, recursive: bool) -> bool:
-  attr = _MountAttr(*((MOUNT_ATTR_RDONLY, 0) if read_only else (0, MOUNT_ATTR_RDONLY)), 0, 0)
-  return libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), path,
-                      ctypes.c_uint(AT_RECURSIVE if recursive else 0), ctypes.byref(attr),
-                      ctypes.c_size_t(ctypes.sizeof(attr))) == 0
-
-
-def isolate(workdir: str) -> None:
-  """New network and mount namespaces where the OS allows them (as root, or through an
-  unprivileged user namespace): no network at all (a loopback that is down), and every file
-  system read-only but `workdir`. Where they are refused only the audit hook is left for these.
-  """
-  libc = ctypes.CDLL(None, use_errno=True)
-  if libc.unshare(CLONE_NEWNET | CLONE_NEWNS) != 0:
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS) != 0:
-      return
-  w = os.fsencode(workdir)
-  # Private first, so nothing done here propagates to the machine's mounts; then the directory
-  # becomes a mount of its own that stays writable when all the others turn read-only.
-  if (libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
-      and libc.mount(w, w, None, MS_BIND, None) == 0
-      and _set_read_only(libc, b"/", True, recursive=True)):
-    _set_read_only(libc, w, False, recursive=False)
-    os.chdir(workdir)  # the cwd still pointed into the mount beneath the bind
 
 
 def set_limits(c: dict) -> None:
@@ -90,65 +55,81 @@ def set_limits(c: dict) -> None:
 
 
 def drop_root(uid: int) -> None:
-  # RLIMIT_NPROC does not bind root, and root could write anywhere.
+  """As root: to `uid` for good, with no capability left (RLIMIT_NPROC does not bind root, and
+  root could write anywhere)."""
   if os.getuid() == 0:
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
 
 
+def capabilities() -> int:
+  """The effective capabilities of this process (a bit mask; 0 = none)."""
+  with open("/proc/self/status", encoding="ascii") as f:
+    return next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+
+
 def make_hook(root: str, max_write_opens: int):
   """The audit hook: refuses the events above and writes outside `root`.
 
-  A second layer, not the boundary (CPython's docs say audit hooks are no sandbox, and code can
-  reach the hook's closure through frames or race its checks): it turns the common escapes
-  into a clear PermissionError for the model, and stands in where the OS refuses a namespace.
+  A tripwire, not the boundary (CPython's docs say audit hooks are no sandbox): it turns the
+  common attempts into a clear PermissionError for the model. Everything it reads is bound
+  here, so emptying this module's globals or rebinding builtins through frames does not switch
+  it off; code can still race or outwit it, which is why the kernel's layers are the boundary.
   """
   root = os.path.realpath(root)
-  realpath, fspath, getpid = os.path.realpath, os.fspath, os.getpid
+  realpath, fspath, isdir = os.path.realpath, os.fspath, os.path.isdir
+  encoding = sys.getfilesystemencoding()
+  getpid, is_a, any_of, as_bool, integer, text = os.getpid, isinstance, any, bool, int, str
+  refused, prefixes, refused_imports = frozenset(REFUSED), REFUSED_PREFIXES, frozenset(
+      REFUSED_IMPORTS)
+  path_events, write_flags = dict(PATH_EVENTS), WRITE_FLAGS
   writes = 0
 
   def inside(full: str) -> bool:
     return full == root or full.startswith(root + "/")
 
   def resolve(path) -> str:
-    return realpath(os.fsdecode(fspath(path)))
+    path = fspath(path)
+    return realpath(path.decode(encoding, "surrogateescape") if is_a(path, bytes) else path)
 
   def refuse(what: str):
     raise PermissionError(f"sandbox refused: {what}")
 
   def check_open(path, mode, flags) -> None:
     nonlocal writes
-    if isinstance(path, int):  # an fd that was opened (and checked) before
+    if is_a(path, integer):  # an fd that was opened (and checked) before
       return
     full = resolve(path)
-    write = bool(flags & WRITE_FLAGS) or (isinstance(mode, str) and any(c in mode for c in "wax+"))
+    write = as_bool(flags & write_flags) or (is_a(mode, text) and any_of(c in mode for c in "wax+"))
     if write:
       if full != "/dev/null" and not inside(full):
         refuse(f"writing {full!r} outside the working directory")
-      writes += bool(flags & WRITE_FLAGS)
-      if writes > max_write_opens:  # with RLIMIT_FSIZE this bounds the disk used
+      writes += as_bool(flags & write_flags)
+      if writes > max_write_opens:
         refuse(f"more than {max_write_opens} files opened for writing")
       return
-    if os.path.isdir(full):  # a directory fd would let dir_fd= paths escape the checks above
+    if isdir(full) and not inside(full):  # a directory fd would let dir_fd= paths escape
       refuse(f"opening the directory {full!r}")
     parts = full.split("/")
-    if len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and int(parts[2]) != getpid():
+    if (len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit()
+        and integer(parts[2]) != getpid()):
       refuse("reading another process's /proc entry")
 
   def hook(event: str, args: tuple) -> None:
-    if event in REFUSED or event.startswith(REFUSED_PREFIXES):
+    if event in refused or event.startswith(prefixes):
       refuse(event)
-    elif event == "import" and args[0] in REFUSED_IMPORTS:
+    elif event == "import" and args[0] in refused_imports:
       refuse(f"import {args[0]}")
     elif event == "open":
       check_open(*args)
-    elif event in PATH_EVENTS:
-      path_at, fd_at = PATH_EVENTS[event]
-      if any(args[i] is not None for i in fd_at):
+    elif event in path_events:
+      path_at, fd_at = path_events[event]
+      # CPython passes dir_fd=-1 (or None) when no dir_fd was given.
+      if any_of(args[i] is not None and args[i] != -1 for i in fd_at):
         refuse(f"{event} relative to a directory fd")
       for i in path_at:
-        if not isinstance(args[i], int) and not inside(resolve(args[i])):
+        if not is_a(args[i], integer) and not inside(resolve(args[i])):
           refuse(f"{event} on {resolve(args[i])!r} outside the working directory")
 
   return hook
@@ -177,16 +158,20 @@ def run_main() -> None:
 
 def main() -> None:
   config = json.loads(sys.argv[1])
-  isolate(os.getcwd())
-  # Gone from sys.modules, so a later `import ctypes` raises the import event the hook refuses.
-  for name in [m for m in sys.modules if m == "_ctypes" or m.split(".")[0] == "ctypes"]:
-    del sys.modules[name]
   set_limits(config)
-  for name in PRELOAD:
-    __import__(name)
+  if config["mode"] == "unsafe":
+    for name in PRELOAD:
+      __import__(name)
   drop_root(config["uid"])
+  if config["mode"] == "strict" and (os.getuid() == 0 or capabilities() != 0):
+    sys.exit(f"sandbox: uid {os.getuid()} with capabilities {capabilities():#x} after the drop")
   os.umask(0o077)
   if config["audit"]:
+    # `importlib.import_module` raises no import event; an entry of None refuses the import
+    # on every path (code can delete the entry: a tripwire like the rest of the hook).
+    for name in REFUSED_IMPORTS:
+      if name not in sys.modules:
+        sys.modules[name] = None
     sys.addaudithook(make_hook(os.getcwd(), config["max_write_opens"]))
   # Tells the parent the set-up is done; closed before the code runs, which cannot fake it.
   os.write(config["ready_fd"], b"1")

@@ -78,7 +78,9 @@ def _power(base, exponent):
 def _evaluate(node):
   if isinstance(node, ast.Expression):
     return _evaluate(node.body)
-  if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+  if isinstance(node, ast.Constant) and type(node.value) is int:
+    return _checked(node.value)  # math.isfinite would overflow on an int past 1e308
+  if isinstance(node, ast.Constant) and type(node.value) is float:
     # Floats from their text, so 0.1 is exactly 1/10 and 0.1 + 0.2 == 0.3.
     return _checked(Fraction(repr(node.value)) if math.isfinite(node.value) else node.value)
   if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
@@ -176,6 +178,7 @@ def _strip_fences(code: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Python:
   timeout_s: float = 5.0
+  sandbox_mode: str = "strict"  # 'strict' (the kernel's layers) or 'unsafe'; see sandbox.check
   name = "python"
 
   @property
@@ -187,7 +190,8 @@ class Python:
             "gives 5050; print() what you want to see.")
 
   def __call__(self, argument: str) -> ToolResult:
-    result = sandbox.run_python(_strip_fences(str(argument)), timeout_s=self.timeout_s)
+    result = sandbox.run_python(_strip_fences(str(argument)), timeout_s=self.timeout_s,
+                                mode=self.sandbox_mode)
     out = _clip(result.stdout.rstrip("\n"))
     if result.status == "ok":
       return ToolResult(out or "(no output: print() the result)", "ok", result.seconds)
@@ -208,13 +212,28 @@ class Python:
 TOOLS = {"calculator": Calculator(), "python": Python()}
 
 
-def select(names: Sequence[str], timeout_s: float = 5.0) -> dict:
-  """{name: tool} for the named tools, their time limit set; an unknown name is a ValueError."""
+def select(names: Sequence[str], timeout_s: float = 5.0, sandbox_mode: str = "strict",
+           check_sandbox: bool = True) -> dict:
+  """{name: tool} for the named tools, their time limit set; an unknown name is a ValueError.
+
+  With the python tool, its sandbox is checked here, at the start of a run: a missing layer
+  raises sandbox.SandboxUnavailable naming it; sandbox_mode='unsafe' warns instead.
+  check_sandbox=False skips that, for callers that only read the descriptions.
+  """
   unknown = [n for n in names if n not in TOOLS]
   if unknown:
     raise ValueError(f"unknown tools {unknown}; known tools: {', '.join(TOOLS)}")
-  return {n: dataclasses.replace(TOOLS[n], timeout_s=timeout_s)
-          if hasattr(TOOLS[n], "timeout_s") else TOOLS[n] for n in names}
+  if "python" in names and check_sandbox:
+    sandbox.check(sandbox_mode)
+  chosen = {}
+  for n in names:
+    tool = TOOLS[n]
+    if hasattr(tool, "timeout_s"):
+      tool = dataclasses.replace(tool, timeout_s=timeout_s)
+    if hasattr(tool, "sandbox_mode"):
+      tool = dataclasses.replace(tool, sandbox_mode=sandbox_mode)
+    chosen[n] = tool
+  return chosen
 
 
 def _call(tools: dict, name: str, argument: str) -> ToolResult:
