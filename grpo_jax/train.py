@@ -239,10 +239,10 @@ class Member:
                                log=lambda line: tqdm.write(line, file=sys.stderr))
 
   def close(self) -> None:
-    if self.ckpt is not None:
-      self.ckpt.close()
-    if self.metrics is not None:
-      self.metrics.close()
+    """Checkpoints finished; on an object store the logs' appended parts folded in."""
+    for part in (self.ckpt, self.metrics, self.samples):
+      if part is not None:
+        part.close()
 
 
 @dataclasses.dataclass
