@@ -225,7 +225,8 @@ def run(config, workdir: str) -> dict:
       state["params"])
   if not main:
     return {}
-  summary = logging_io.write_summary(workdir, stopped_at=None if finished else done)
+  summary = logging_io.write_summary(workdir, stopped_at=None if finished else done,
+                                     eval_examples=len(eval_rows))
   if finished:  # on SIGTERM every second counts; `python -m grpo_jax.plots` draws it later
     plots.plot_metrics(workdir)
   if generation_config is None:

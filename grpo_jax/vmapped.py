@@ -527,7 +527,8 @@ def run_group(configs, workdirs) -> list[dict]:
   finished = done >= cfg0.train.steps
   summaries = []
   for k, m in enumerate(members):
-    summaries.append(logging_io.write_summary(m.workdir, stopped_at=None if finished else done))
+    summaries.append(logging_io.write_summary(m.workdir, stopped_at=None if finished else done,
+                                              eval_examples=len(m.eval_rows)))
     if finished:
       plots.plot_metrics(m.workdir)
       gen = m.generation_config or {"eos_token_id": m.stop_ids,
