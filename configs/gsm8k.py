@@ -250,8 +250,11 @@ def _tiny(c: config_dict.ConfigDict) -> None:
   c.train.tensorboard = True
   # Stop the warm start on validation accuracy, not a step count: it climbs from ~5% to ~70%
   # within ~100 steps, and where that happens depends on the seed (experiments/tiny_seeds.md).
+  # 40%, not 20%: stopped at 20-26%, some seeds have learnt the units digit for only some sums
+  # and GRPO then plateaus near 40-50% (seed 11: +13.7 points); from 40% every seed measured
+  # goes on to learn it (tiny_seeds.md, "Seeds 7-12").
   c.sft.steps = 1000
-  c.sft.target_accuracy = 0.2
+  c.sft.target_accuracy = 0.4
   c.sft.eval_every = 10
   c.sft.eval_examples = 256
   c.sft.batch_size = 64

@@ -233,16 +233,20 @@ def _render_steps(records: Sequence[Mapping[str, Any]]) -> str:
 SUMMARY_FILE = "summary.json"
 
 
-def write_summary(workdir, stopped_at: int | None = None):
+def write_summary(workdir, stopped_at: int | None = None, eval_examples: int | None = None):
   """summary.json from the eval rows of metrics.jsonl: held-out accuracy at the start and end of
   GRPO and the gain. A run stopped early (SIGTERM) at step `stopped_at` has no end: it reports
-  where it stopped and what it measured, and no gain (that needs the completed run)."""
+  where it stopped and what it measured, and no gain (that needs the completed run).
+  eval_examples: how many problems each eval scored, recorded so a report can put a binomial
+  interval on the accuracy (grpo_jax.report)."""
   evals = [r for r in read_jsonl(storage.path(workdir) / METRICS_FILE)
            if r.get("eval/accuracy") is not None]
   if not evals:
     return {}
   first, last = evals[0], evals[-1]
   summary = {"eval_accuracy_start": first["eval/accuracy"], "start_step": first["step"]}
+  if eval_examples is not None:
+    summary["eval_examples"] = int(eval_examples)
   if stopped_at is None:
     summary.update(eval_accuracy_end=last["eval/accuracy"], end_step=last["step"])
     summary["eval_accuracy_gain_points"] = 100 * (summary["eval_accuracy_end"]

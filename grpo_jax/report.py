@@ -1,10 +1,13 @@
-"""A sweep directory → report.md and one PNG per metric, each setting's mean ± std over seeds.
+"""A sweep directory → report.md and one PNG per metric: each setting's mean, std and a 95%
+interval over seeds, each run's binomial interval, paired differences and the seeds an effect
+needs. docs/report.md is the guide; grpo_jax/stats.py holds the statistics.
 
-    python -m grpo_jax.report runs/tiny_lr      # writes runs/tiny_lr/report.md, plots/*.png
+    python -m grpo_jax.report runs/tiny_lr              # runs/tiny_lr/report.md, plots/*.png
+    python -m grpo_jax.report runs/tiny_lr --effect=5   # seeds to detect 5 points (the default)
 
 A setting is a run's overrides without `seed`; its row averages the finished runs of that
 setting (summary.json has the gain; sweep_runner.summary_complete), and n says how many there
-are. Columns, each mean ± sample std (ddof 1) over those runs:
+are. Columns of the first table, each mean ± sample std (ddof 1) over those runs:
 
     start, final          held-out greedy accuracy (%) at GRPO step 0 and at the end (summary.json)
     gain                  eval_accuracy_gain_points (summary.json)
@@ -13,9 +16,22 @@ are. Columns, each mean ± sample std (ddof 1) over those runs:
     wall                  minutes the run's processes ran, over all attempts (sweep_run.json);
                           a run started from a shared warm start does not count that warm start
 
+Intervals over seeds: the 95% BCa bootstrap interval of the mean (stats.bootstrap_mean_ci:
+10,000 resamples, NumPy seed 0) of start, final and gain, and the seeds per setting a
+two-sample comparison needs to detect --effect points of gain with 80% power at the 5% level
+(stats.seeds_needed, normal approximation with Guenther's correction, at the setting's std).
+
+Paired differences: for each pair of settings that finished on two or more of the same seeds,
+B − A of --metric (gain by default) seed by seed: mean, std, the BCa interval of the mean
+difference, whether it excludes 0, and the seeds a paired comparison needs for --effect.
+
+Runs: each run's values, with the 95% Wilson interval of its final accuracy over the n eval
+problems (summary.json's eval_examples; for older runs, read from its config.json and data/).
+
 Plots: each metric plots.panels draws for a run, one line per setting: the mean over seeds of
 each seed's series, smoothed as plots.py smooths it (sparse eval points are not), at the steps
-every seed logged, with a band of ± one std where there are two seeds or more.
+every seed logged, shaded with the 95% BCa bootstrap interval of that mean where there are two
+seeds or more (PLOT_RESAMPLES resamples per step).
 """
 
 from __future__ import annotations
@@ -29,13 +45,16 @@ import re
 import sys
 from collections.abc import Sequence
 
-from grpo_jax import logging_io, plots, sweep as sweep_lib, sweep_runner
+from grpo_jax import logging_io, plots, stats, sweep as sweep_lib, sweep_runner
 
 REPORT_FILE = "report.md"
 PLOTS_DIR = "plots"
 TAIL_STEPS = 50
 TAIL_KEYS = (("reward", "reward/total/mean"), ("KL", "loss/kl"),
              ("length", "completion/mean_length"))
+EFFECT_POINTS = 5.0     # --effect: the difference in points the seed counts are for
+PLOT_RESAMPLES = 2_000  # per plotted step; the tables use stats.RESAMPLES
+INTERVAL_KEYS = ("start", "final", "gain")
 
 
 @dataclasses.dataclass
@@ -113,6 +132,33 @@ def run_values(r: RunResult) -> dict[str, float]:
   return out
 
 
+def eval_examples(sweep_dir: str, r: RunResult) -> int | None:
+  """How many problems the run's evals scored: summary.json's eval_examples; for a run written
+  before it was recorded, train.eval_examples of its config.json, capped by (or, when 0, equal
+  to) the rows of its own data/test.jsonl (a synthetic dataset); None when neither tells."""
+  if r.summary is not None and isinstance(r.summary.get("eval_examples"), int):
+    return r.summary["eval_examples"]
+  path = os.path.join(sweep_dir, r.dir)
+  config = sweep_runner.read_json(os.path.join(path, plots.CONFIG_FILE)) or {}
+  limit = (config.get("train") or {}).get("eval_examples") or 0
+  rows = None
+  test_file = os.path.join(path, "data", "test.jsonl")
+  if os.path.exists(test_file):
+    with open(test_file) as f:
+      rows = sum(1 for line in f if line.strip())
+  if rows is None:
+    return None
+  return min(limit, rows) if limit else rows
+
+
+def accuracy_interval(accuracy: float, n: int | None) -> tuple[float, float]:
+  """The 95% Wilson interval (in %) of an accuracy measured on n problems; nan without n."""
+  if n is None or accuracy is None or not math.isfinite(accuracy):
+    return math.nan, math.nan
+  lo, hi = stats.wilson_ci(round(accuracy * n), n)
+  return 100 * lo, 100 * hi
+
+
 COLUMNS = (("start", "start acc %", 1), ("final", "final acc %", 1), ("gain", "gain (points)", 1),
            ("reward", "reward", 3), ("KL", "KL", 4), ("length", "length", 1),
            ("wall", "wall (min)", 1))
@@ -134,6 +180,40 @@ def table(runs: Sequence[RunResult]) -> list[dict]:
       row[key] = mean_std([v[key] for v in values])
     rows.append(row)
   return rows
+
+
+def interval_rows(runs: Sequence[RunResult], effect: float = EFFECT_POINTS) -> list[dict]:
+  """One row a setting: {'setting', 'n', key: (mean, std, lo, hi) for INTERVAL_KEYS,
+  'seeds_needed': two-sample seeds per setting to detect `effect` points of gain}."""
+  rows = []
+  for setting, members in by_setting(runs).items():
+    values = [run_values(r) for r in members if r.summary is not None]
+    row = {"setting": setting, "n": len(values)}
+    for key in INTERVAL_KEYS:
+      xs = [v[key] for v in values]
+      mean, std, _ = mean_std(xs)
+      row[key] = (mean, std, *stats.bootstrap_mean_ci(xs))
+    row["seeds_needed"] = stats.seeds_needed(effect, row["gain"][1], paired=False)
+    rows.append(row)
+  return rows
+
+
+def paired_rows(runs: Sequence[RunResult], metric: str = "gain",
+                effect: float = EFFECT_POINTS) -> list[dict]:
+  """For each pair of settings (A before B in sweep order) with two or more finished seeds in
+  common: {'a', 'b', 'paired': stats.Paired of B − A, 'seeds_needed': paired seeds for effect}."""
+  per_setting = {}
+  for setting, members in by_setting(runs).items():
+    per_setting[setting] = {r.seed: run_values(r)[metric] for r in members
+                            if r.summary is not None and r.seed is not None}
+  names, out = list(per_setting), []
+  for i, a in enumerate(names):
+    for b in names[i + 1:]:
+      p = stats.paired(per_setting[a], per_setting[b])
+      if len(p.seeds) >= 2:
+        out.append({"a": a, "b": b, "paired": p,
+                    "seeds_needed": stats.seeds_needed(effect, p.std, paired=True)})
+  return out
 
 
 # --- plots --------------------------------------------------------------------------------------
@@ -167,15 +247,17 @@ def plot_metric(runs, key, title, sparse, out_path, smoothing=None) -> str | Non
     if not series:
       continue
     steps = sorted(set.intersection(*(set(s) for s in series.values())))
-    stats = [mean_std([s[t] for s in series.values()]) for t in steps]
-    mean = [m for m, _, _ in stats]
+    per_step = [[s[t] for s in series.values()] for t in steps]
+    mean = [mean_std(xs)[0] for xs in per_step]
     line, = ax.plot(steps, mean, marker="o" if sparse or len(steps) < 30 else None,
                     markersize=3, label=f"{setting} (n={len(series)})")
     if len(series) > 1:
-      ax.fill_between(steps, [m - s for m, s, _ in stats], [m + s for m, s, _ in stats],
+      band = [stats.bootstrap_mean_ci(xs, resamples=PLOT_RESAMPLES) for xs in per_step]
+      ax.fill_between(steps, [lo for lo, _ in band], [hi for _, hi in band],
                       color=line.get_color(), alpha=0.2, linewidth=0)
   how = "not smoothed" if weight == 0 else f"EMA weight {weight:.2f}"
-  ax.set_title(f"{title}: mean ± std over seeds ({how})", fontsize=10)
+  ax.set_title(f"{title}: mean over seeds, shaded 95% BCa bootstrap interval ({how})",
+               fontsize=9)
   ax.set_xlabel("GRPO step")
   ax.set_ylabel(key, fontsize=8)
   ax.grid(alpha=0.3)
@@ -203,7 +285,15 @@ def plot_all(sweep_dir, runs, smoothing=None) -> list[tuple[str, str]]:
 
 # --- report.md ----------------------------------------------------------------------------------
 
-def render(sweep_dir, runs, plotted) -> str:
+def _interval(lo, hi, digits=1) -> str:
+  return "—" if math.isnan(lo) else f"[{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def _seeds(n) -> str:
+  return "—" if n is None else str(n)
+
+
+def render(sweep_dir, runs, plotted, effect=EFFECT_POINTS, metric="gain") -> str:
   index = sweep_runner.read_json(os.path.join(sweep_dir, sweep_runner.SWEEP_FILE)) or {}
   lines = [f"# Sweep {os.path.basename(os.path.abspath(sweep_dir))}", ""]
   if index:
@@ -211,7 +301,8 @@ def render(sweep_dir, runs, plotted) -> str:
               f"overrides `{json.dumps(index.get('fixed') or {})}`.", ""]
   lines += [f"Mean ± sample std over the finished runs of each setting (n); reward, KL and "
             f"length: the mean over each run's last {TAIL_STEPS} GRPO steps. "
-            "`python -m grpo_jax.report` wrote this; grpo_jax/report.py says how.", ""]
+            "`python -m grpo_jax.report` wrote this; grpo_jax/report.py and docs/report.md "
+            "say how.", ""]
   header = ["setting", "n"] + [title for _, title, _ in COLUMNS]
   lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
   for row in table(runs):
@@ -224,21 +315,68 @@ def render(sweep_dir, runs, plotted) -> str:
               "wall time: " + ", ".join(
                   f"`{r['dir']}` ({r['status']}, {(r.get('wall_s') or 0) / 60:.1f} min)"
                   for r in prefixes) + "."]
-  lines += ["", "## Runs", ""]
-  header = ["run", "status"] + [title for _, title, _ in COLUMNS]
+
+  lines += ["", "## Intervals over seeds", "",
+            f"Mean [95% interval of the mean over seeds]: the BCa bootstrap (bias-corrected and "
+            f"accelerated), {stats.RESAMPLES:,} resamples, NumPy seed {stats.BOOTSTRAP_SEED}; "
+            "none for one seed. Bootstrap intervals from fewer than about 10 seeds are too "
+            "narrow. Seeds needed: per setting, for a two-sample comparison of gain to detect "
+            f"{effect:g} points with {stats.POWER:.0%} power at the 5% level (two-sided), at "
+            "this setting's std (normal approximation with Guenther's correction).", ""]
+  header = ["setting", "n", "start acc %", "final acc %", "gain (points)",
+            f"seeds for {effect:g} points"]
+  lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+  for row in interval_rows(runs, effect):
+    cells = [f"`{row['setting']}`", str(row["n"])]
+    for key in INTERVAL_KEYS:
+      mean, _, lo, hi = row[key]
+      cells.append("—" if math.isnan(mean) else f"{mean:.1f} {_interval(lo, hi)}")
+    cells.append(_seeds(row["seeds_needed"]))
+    lines.append("| " + " | ".join(cells) + " |")
+
+  pairs = paired_rows(runs, metric, effect)
+  if pairs:
+    lines += ["", "## Paired differences", "",
+              f"B − A of {metric} (points) over the seeds both settings finished, seed by seed. "
+              "Interval: the BCa bootstrap of the mean difference as above; 'excludes 0' is "
+              "yes when the whole interval lies on one side of 0. Seeds needed: for a paired "
+              f"comparison to detect {effect:g} points with {stats.POWER:.0%} power at the 5% "
+              "level, at the std of the differences.", ""]
+    header = ["B", "A", "seeds", "mean B − A", "std", "95% interval", "excludes 0",
+              f"seeds for {effect:g} points"]
+    lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for row in pairs:
+      p = row["paired"]
+      excl = {True: "yes", False: "no", None: "—"}[p.excludes_zero]
+      cells = [f"`{row['b']}`", f"`{row['a']}`", str(len(p.seeds)), f"{p.mean:+.1f}",
+               "—" if math.isnan(p.std) else f"{p.std:.1f}", _interval(*p.ci), excl,
+               _seeds(row["seeds_needed"])]
+      lines.append("| " + " | ".join(cells) + " |")
+
+  lines += ["", "## Runs", "",
+            "eval n: the problems each eval scored; final 95%: the Wilson score interval of "
+            "the final accuracy over them (binomial, from this run's eval alone).", ""]
+  header = ["run", "status"] + [title for _, title, _ in COLUMNS] + ["eval n", "final 95%"]
   lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
   for r in runs:
     values = run_values(r) if r.summary is not None else {}
+    n = eval_examples(sweep_dir, r) if r.summary is not None else None
+    final = r.summary["eval_accuracy_end"] if r.summary is not None else math.nan
     cells = [f"`{r.dir}`", r.status] + [_cell(values.get(k, math.nan), math.nan, d)
                                         for k, _, d in COLUMNS]
+    cells += [_seeds(n), _interval(*accuracy_interval(final, n))]
     lines.append("| " + " | ".join(cells) + " |")
   if plotted:
-    lines += ["", "## Plots", ""]
+    lines += ["", "## Plots", "",
+              "Each setting's mean over seeds, shaded with the 95% BCa bootstrap interval of "
+              f"that mean at each step ({PLOT_RESAMPLES:,} resamples) where it has two seeds "
+              "or more.", ""]
     lines += [f"![{key}]({path})" for key, path in plotted]
   return "\n".join(lines) + "\n"
 
 
-def write_report(sweep_dir: str, smoothing: float | None = None) -> str:
+def write_report(sweep_dir: str, smoothing: float | None = None, effect: float = EFFECT_POINTS,
+                 metric: str = "gain") -> str:
   runs = load_runs(sweep_dir)
   if not runs:
     raise FileNotFoundError(f"no sweep runs in {sweep_dir} (directories with "
@@ -246,7 +384,7 @@ def write_report(sweep_dir: str, smoothing: float | None = None) -> str:
   plotted = plot_all(sweep_dir, runs, smoothing)
   path = os.path.join(sweep_dir, REPORT_FILE)
   with open(path + ".tmp", "w") as f:
-    f.write(render(sweep_dir, runs, plotted))
+    f.write(render(sweep_dir, runs, plotted, effect, metric))
   os.replace(path + ".tmp", path)
   return path
 
@@ -257,11 +395,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("sweep_dir", help="a sweep's --workdir")
   parser.add_argument("--smoothing", type=float, default=None,
                       help="EMA weight in [0, 1), 0 = none (default: from the runs' length)")
+  parser.add_argument("--effect", type=float, default=EFFECT_POINTS,
+                      help="the difference (points) the seed counts are for (default %(default)s)")
+  parser.add_argument("--metric", choices=INTERVAL_KEYS, default="gain",
+                      help="what the paired differences compare (default %(default)s)")
   args = parser.parse_args(argv)
   if args.smoothing is not None and not 0 <= args.smoothing < 1:
     parser.error(f"--smoothing {args.smoothing} must be in [0, 1)")
+  if not args.effect > 0:
+    parser.error(f"--effect {args.effect} must be > 0 (points)")
   try:
-    print(write_report(args.sweep_dir, args.smoothing))
+    print(write_report(args.sweep_dir, args.smoothing, args.effect, args.metric))
   except FileNotFoundError as e:
     print(f"grpo_jax.report: error: {e}", file=sys.stderr)
     return 2

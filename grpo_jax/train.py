@@ -420,7 +420,8 @@ def _finish(m: Member, params, finished: bool, done: int, main: bool) -> dict:
   final_params = hosts.fetch(params) if finished and hosts.count() > 1 else params
   if not main:
     return {}
-  summary = logging_io.write_summary(s.workdir, stopped_at=None if finished else done)
+  summary = logging_io.write_summary(s.workdir, stopped_at=None if finished else done,
+                                     eval_examples=len(s.eval_rows))
   if finished:  # on SIGTERM every second counts; `python -m grpo_jax.plots` draws it later
     plots.plot_metrics(s.workdir)
     gen = s.generation_config or {"eos_token_id": s.stop_ids,

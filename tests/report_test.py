@@ -1,6 +1,8 @@
 """Sweep report: the table's statistics against a hand computation on fabricated run
 directories (summary.json, metrics.jsonl, sweep_run.json as main and the runner write them),
-unfinished runs left out and counted, one PNG per metric."""
+unfinished runs left out and counted, one PNG per metric; the intervals, paired differences,
+seed counts and Wilson intervals the report prints are those of grpo_jax.stats (tested on its
+own in stats_test) on the right numbers, and the plots shade the bootstrap interval."""
 
 import json
 import math
@@ -8,12 +10,13 @@ import math
 import pytest
 from matplotlib import image as mpimg
 
-from grpo_jax import report
+from grpo_jax import report, stats
 
 STEPS = 60
 
 
-def _write_run(sweep_dir, overrides, *, start, end, reward, wall_s, finished=True):
+def _write_run(sweep_dir, overrides, *, start, end, reward, wall_s, finished=True,
+               eval_examples=None):
   """A run whose reward/total/mean is reward + step / 1000 and whose length is 20 + step."""
   d = sweep_dir / ",".join(f"{k}={v!r}" for k, v in sorted(overrides.items()))
   d.mkdir(parents=True)
@@ -24,6 +27,8 @@ def _write_run(sweep_dir, overrides, *, start, end, reward, wall_s, finished=Tru
   records[-1]["eval/accuracy"] = end
   (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
   summary = {"eval_accuracy_start": start, "start_step": 0}
+  if eval_examples is not None:
+    summary["eval_examples"] = eval_examples
   if finished:
     summary.update(eval_accuracy_end=end, end_step=STEPS,
                    eval_accuracy_gain_points=100 * (end - start))
@@ -107,3 +112,90 @@ def test_plot_band_is_mean_pm_std_of_the_smoothed_seeds(sweep_dir, monkeypatch):
   assert drawn[0] == pytest.approx([s[0] for s in smoothed])        # lr 1e-3, step 1
   assert drawn[STEPS - 1] == pytest.approx([s[-1] for s in smoothed])  # step 60
   assert len(drawn) == 2 * STEPS  # then lr 2e-3's two finished seeds
+
+
+def test_intervals_paired_differences_and_seed_counts(sweep_dir):
+  runs = report.load_runs(str(sweep_dir))
+  rows = {r["setting"]: r for r in report.interval_rows(runs, effect=5.0)}
+  a, b = rows["optim.lr=0.001"], rows["optim.lr=0.002"]
+  assert a["gain"] == pytest.approx((35.0, math.sqrt(31.0),
+                                     *stats.bootstrap_mean_ci([30.0, 34.0, 41.0])))
+  assert a["final"][2:] == pytest.approx(stats.bootstrap_mean_ci([50.0, 59.0, 71.0]))
+  assert a["start"][2:] == pytest.approx(stats.bootstrap_mean_ci([20.0, 25.0, 30.0]))
+  assert a["seeds_needed"] == stats.seeds_needed(5.0, math.sqrt(31.0), paired=False)
+  assert b["seeds_needed"] is None  # gains 20 and 20: no spread to size a study with
+  # Paired over seeds 0 and 1 (seed 2 of lr 2e-3 stopped early): gains 20 - 30, 20 - 34.
+  (pair,) = report.paired_rows(runs, "gain", effect=5.0)
+  assert (pair["a"], pair["b"]) == ("optim.lr=0.001", "optim.lr=0.002")
+  p = pair["paired"]
+  assert p.seeds == [0, 1] and p.diffs.tolist() == pytest.approx([-10.0, -14.0])
+  assert (p.mean, p.std) == pytest.approx((-12.0, math.sqrt(8.0)))
+  assert p.ci == pytest.approx(stats.bootstrap_mean_ci([-10.0, -14.0])) and p.excludes_zero
+  assert pair["seeds_needed"] == stats.seeds_needed(5.0, math.sqrt(8.0), paired=True)
+  # Final accuracy: 40 - 50, 45 - 59.
+  (final,) = report.paired_rows(runs, "final")
+  assert final["paired"].diffs.tolist() == pytest.approx([-10.0, -14.0])
+
+  text = report.render(str(sweep_dir), runs, [], effect=5.0)
+  lo, hi = stats.bootstrap_mean_ci([30.0, 34.0, 41.0])
+  assert f"| 35.0 [{lo:.1f}, {hi:.1f}] | {a['seeds_needed']} |" in text
+  lo, hi = p.ci
+  assert (f"| `optim.lr=0.002` | `optim.lr=0.001` | 2 | -12.0 | 2.8 | [{lo:.1f}, {hi:.1f}] | "
+          f"yes | {pair['seeds_needed']} |") in text
+  assert "BCa bootstrap" in text and "10,000 resamples, NumPy seed 0" in text
+
+
+def test_wilson_interval_of_each_run(tmp_path):
+  d = _write_run(tmp_path, {"seed": 0}, start=0.25, end=0.5, reward=0.1, wall_s=60,
+                 eval_examples=512)
+  # Written before summary.json recorded eval_examples: config.json and the run's data/.
+  old = _write_run(tmp_path, {"seed": 1}, start=0.25, end=0.375, reward=0.1, wall_s=60)
+  (old / "config.json").write_text(json.dumps({"train": {"eval_examples": 0}}))
+  (old / "data").mkdir()
+  (old / "data" / "test.jsonl").write_text("{}\n" * 200)
+  capped = _write_run(tmp_path, {"seed": 2}, start=0.25, end=0.5, reward=0.1, wall_s=60)
+  (capped / "config.json").write_text(json.dumps({"train": {"eval_examples": 64}}))
+  (capped / "data").mkdir()
+  (capped / "data" / "test.jsonl").write_text("{}\n" * 200)
+  unknown = _write_run(tmp_path, {"seed": 3}, start=0.25, end=0.5, reward=0.1, wall_s=60)
+  runs = {r.dir: r for r in report.load_runs(str(tmp_path))}
+  counts = [report.eval_examples(str(tmp_path), runs[x.name]) for x in (d, old, capped, unknown)]
+  assert counts == [512, 200, 64, None]
+  # Half-width of the Wilson interval at p = 1/2: z / (2 sqrt(n + z^2)), z = 1.95996.
+  z = 1.959963984540054
+  half = 100 * z / (2 * math.sqrt(512 + z * z))
+  assert report.accuracy_interval(0.5, 512) == pytest.approx((50 - half, 50 + half))
+  assert report.accuracy_interval(0.375, 200) == pytest.approx(
+      tuple(100 * v for v in stats.wilson_ci(75, 200)))
+  assert all(math.isnan(v) for v in report.accuracy_interval(0.5, None))
+  text = open(report.write_report(str(tmp_path))).read()
+  lo, hi = report.accuracy_interval(0.5, 512)
+  assert f"| 512 | [{lo:.1f}, {hi:.1f}] |" in text
+  (row,) = [line for line in text.splitlines() if line.startswith("| `seed=3` | finished |")]
+  assert row.endswith("| — | — |")  # no eval count known: no interval
+
+
+def test_plot_band_is_the_bootstrap_interval(sweep_dir, monkeypatch):
+  """The shaded band at each step: the BCa interval of the seeds' smoothed values there."""
+  import matplotlib.axes
+
+  from grpo_jax import plots
+
+  bands, real = [], matplotlib.axes.Axes.fill_between
+
+  def spy(self, x, y1, y2, **kw):
+    bands.append((list(x), list(y1), list(y2)))
+    return real(self, x, y1, y2, **kw)
+  monkeypatch.setattr(matplotlib.axes.Axes, "fill_between", spy)
+  runs = report.load_runs(str(sweep_dir))
+  report.plot_metric(runs, "reward/total/mean", "Reward", False, str(sweep_dir / "r.png"))
+  w = plots.smoothing_weight(STEPS)
+  smoothed = [plots.ema([r + s / 1000 for s in range(1, STEPS + 1)], w) for r in (0.1, 0.2, 0.3)]
+  steps, lo, hi = bands[0]  # lr 1e-3
+  assert steps == list(range(1, STEPS + 1))
+  for i in (0, STEPS - 1):
+    want = stats.bootstrap_mean_ci([s[i] for s in smoothed], resamples=report.PLOT_RESAMPLES)
+    assert (lo[i], hi[i]) == pytest.approx(want)
+    mean = sum(s[i] for s in smoothed) / 3
+    assert lo[i] < mean < hi[i]
+  assert len(bands) == 2  # lr 2e-3's two finished seeds have a band too

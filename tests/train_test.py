@@ -143,6 +143,9 @@ def test_summary_reports_a_gain_only_for_a_completed_run(tmp_path, capsys):
   assert done == {"eval_accuracy_start": 0.25, "start_step": 0, "eval_accuracy_end": 0.5,
                   "end_step": 2, "eval_accuracy_gain_points": 25.0}
   assert "25.0% (step 0) -> 50.0% (step 2): +25.0 points" in capsys.readouterr().out
+  # The eval count, when the trainer passes it, travels with the accuracies (report's Wilson).
+  with_n = logging_io.write_summary(str(tmp_path), eval_examples=512)
+  assert with_n == {**done, "eval_examples": 512}
 
 
 TINY_FLAGS = ["--config.sft.steps=10", "--config.train.steps=6", "--config.train.checkpoint_every=2",
@@ -207,6 +210,7 @@ def test_preempted_runs_resume_to_the_same_params_bit_for_bit(tmp_path):
   summary = json.loads((interrupted / "summary.json").read_text())
   assert "stopped_early" not in summary and summary["end_step"] == 10
   assert "eval_accuracy_gain_points" in summary
+  assert summary["eval_examples"] == 8  # --config.train.eval_examples=8 of the 40
 
   a, b = _final_params(straight), _final_params(interrupted)
   assert a.keys() == b.keys()
