@@ -207,3 +207,16 @@ def test_attention_setting_is_checked():
   # 'xla' is the same kernel as JAX's default today.
   np.testing.assert_array_equal(np.asarray(qwen.attend(q, k, v, mask, 0, True, "xla")),
                                 np.asarray(qwen.attend(q, k, v, mask, 0, True, None)))
+
+
+def test_config_model_attention_reaches_the_model_config():
+  from configs import gsm8k
+  from grpo_jax import inputs, validate
+  config = gsm8k.get_config("tiny")
+  tokenizer = list(range(config.model.tiny.vocab_size))  # model_config needs only its length
+  assert inputs.model_config(config, tokenizer)[0].attention is None
+  config.model.attention = "cudnn"
+  assert inputs.model_config(config, tokenizer)[0].attention == "cudnn"
+  config.model.attention = "flash"
+  with pytest.raises(validate.ConfigError, match="config.model.attention='flash' is not one of"):
+    inputs.model_config(config, tokenizer)
