@@ -105,6 +105,19 @@ def test_cudnn_padding_to_even_lengths_changes_nothing(t, s, start):
     np.testing.assert_allclose(np.asarray(g_pad), np.asarray(g_ref), atol=TOL, rtol=0)
 
 
+def test_backward_keeps_q_k_v_not_the_scores(capsys):
+  """The gradient of attend saves its inputs and the boolean mask, never a [.., T, S] float
+  array (scores or probabilities): the backward recomputes them (qwen.attend's checkpoint)."""
+  from jax import ad_checkpoint
+  q, k, v, mask = _qkv(2, 5, 7)
+  ad_checkpoint.print_saved_residuals(lambda q, k, v: qwen.attend(q, k, v, mask, 2).sum(), q, k,
+                                      v)
+  saved = capsys.readouterr().out.strip().splitlines()
+  assert len(saved) == 4, saved
+  assert all(line.startswith(("f32[2,5,6,16]", "f32[2,7,2,16]", "bool[2,1,5,7]"))
+             for line in saved), saved
+
+
 @pytest.fixture(scope="module")
 def params():
   return qwen.init_params(CFG, jax.random.key(0))

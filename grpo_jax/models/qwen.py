@@ -327,8 +327,13 @@ def attend(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, attn_mask_BS: Array,
                        "the compute dtype to bfloat16 or the attention to 'xla'")
     return _cudnn_attend(q_BTNH, k_BSKH, v_BSKH, jnp.broadcast_to(visible, (b, 1, t, s)),
                          aligned)
-  return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=visible, is_causal=aligned,
-                                      implementation=implementation)
+  core = lambda q, k, v, m: jax.nn.dot_product_attention(
+      q, k, v, mask=m, is_causal=aligned, implementation=implementation)
+  # XLA's kernel keeps the [B, N, T, S] scores and probabilities for the backward pass: 41 GB of
+  # the Qwen2.5-1.5B step at 128 rows x 448 tokens (CPU AOT figures, docs/performance.md).
+  # Recomputing them from q, k, v instead costs one more QK^T and softmax, ~1.5% of that
+  # step's FLOPs, as a flash kernel would. No effect without a gradient (sampling).
+  return jax.checkpoint(core, prevent_cse=False)(q_BTNH, k_BSKH, v_BSKH, visible)
 
 
 def _cudnn_attend(q_BTNH, k_BSKH, v_BSKH, visible_B1TS, is_causal, implementation="cudnn"):
