@@ -217,6 +217,12 @@ def test_attention_setting_is_checked():
   q, k, v, mask = _qkv(2, 4, 4)
   with pytest.raises(ValueError, match="attention='cudnn' needs bf16 or fp16 compute"):
     qwen.attend(q, k, v, mask, 0, True, "cudnn")
+  # A decode step (one query) runs XLA's kernel under 'cudnn' too: it runs here, on CPU.
+  q1 = q[:, :1].astype(jnp.bfloat16)
+  kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  np.testing.assert_array_equal(
+      np.asarray(qwen.attend(q1, kb, vb, mask, jnp.int32(3), True, "cudnn"), np.float32),
+      np.asarray(qwen.attend(q1, kb, vb, mask, jnp.int32(3), True, None), np.float32))
   # 'xla' is the same kernel as JAX's default today.
   np.testing.assert_array_equal(np.asarray(qwen.attend(q, k, v, mask, 0, True, "xla")),
                                 np.asarray(qwen.attend(q, k, v, mask, 0, True, None)))

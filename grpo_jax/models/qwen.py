@@ -310,7 +310,8 @@ def attend(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, attn_mask_BS: Array,
   Scores and softmax are fp32 (for bf16 inputs too). A query that sees no key (a left-pad
   position) gets a uniform, finite row. When the queries fill the key slots from slot 0
   (`start` the Python int 0 and T == S: a prefill or a training forward) the causal rule is
-  passed as `is_causal`, which cuDNN uses to skip the upper triangle.
+  passed as `is_causal`, which cuDNN uses to skip the upper triangle. With implementation
+  'cudnn', single-query calls (decode steps) run XLA's kernel.
   """
   b, t = q_BTNH.shape[:2]
   s = k_BSKH.shape[1]
@@ -321,6 +322,10 @@ def attend(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, attn_mask_BS: Array,
     visible = visible_B11S & (jnp.arange(s)[None, :] <= q_slot_T[:, None])
   else:
     visible = visible_B11S
+  if implementation == "cudnn" and t == 1:
+    # A decode step: one query reads the cache once whichever kernel runs, and cuDNN's flash
+    # kernel is built for blocks of queries (it would pad this one to two).
+    implementation = "xla"
   if implementation == "cudnn":
     if q_BTNH.dtype not in (jnp.bfloat16, jnp.float16):
       raise ValueError(f"attention='cudnn' needs bf16 or fp16 compute, got {q_BTNH.dtype}: set "
