@@ -222,7 +222,16 @@ def device_figures(spec: dict, trainer, params, out: dict, smoke: bool, kernels:
   out["copy_tbps"] = 2 * x.nbytes / _median_seconds(lambda: add(x), 10) / 1e12
   del a, x
 
-  sampler = trainer.sampler
+  try:
+    _sampler_figures(spec, trainer.sampler, params, out, kernels)
+  except Exception as e:  # noqa: BLE001 - figures missing, not a failed run
+    out["sampler_error"] = f"{type(e).__name__}: {e}"[:300]
+
+
+def _sampler_figures(spec, sampler, params, out, kernels):
+  """The sampler alone on the step's first prompts, then its decode program's kernels."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   prompts = spec["prompt_ids"][:trl_step.NUM_PROMPTS]
   c = spec["new_tokens"]
   times = {"prefill": [], "decode": []}
@@ -319,6 +328,8 @@ def spawn(side, size, args, remat, budget_end) -> dict:
              HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
   if args.smoke:
     env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
+  else:  # JAX takes 75% of the GPU by default; the 1.5B step without remat wants more
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
   if side != "grpo_jax":
     env["JAX_PLATFORMS"] = "cpu"  # the reward code may import JAX: keep it off the GPU
   log = Path(args.dir) / "logs" / f"{label}.log"
@@ -407,6 +418,8 @@ def report(size, spec, runs, args, remat) -> float | None:
           f"{gj['decode_kernels']} {gj['decode_kernel_ops']}")
   elif "decode_kernels_error" in gj:
     print(f"  kernels per decode step: n/a ({gj['decode_kernels_error']})")
+  if "sampler_error" in gj:
+    print(f"  sampler alone: n/a ({gj['sampler_error']})")
   peak = gj.get("bf16_peak_tflops")
   f = trl_step.step_flops(spec, _phase(gj, "decode_steps", skip) or c)
   ref, upd = _phase(gj, "reference_s", skip), _phase(gj, "update_s", skip)
