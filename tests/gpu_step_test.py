@@ -118,3 +118,15 @@ def test_smoke_run(tmp_path):
   assert "FAILED" not in out, out[-3000:]
   spec = json.loads((tmp_path / "smoke" / "spec.json").read_text())
   assert gpu_step.decode_bytes(spec, 4, 100)["params"] == spec["num_params"]
+
+
+def test_decode_bytes_at_the_qwen25_shapes():
+  """Parameter counts equal the published ones (Qwen2.5-0.5B: 494,032,768; 1.5B:
+  1,543,714,304, tied heads); the KV cache and logits by hand at 128 rows × 448 slots."""
+  for size, params, layers, kv_h in (("0.5b", 494_032_768, 24, 64),
+                                     ("1.5b", 1_543_714_304, 28, 128)):
+    spec = dict(gpu_step.SIZES[size], vocab=151_936, valid_vocab=151_665)
+    b = gpu_step.decode_bytes(spec, rows=128, slots=448)
+    assert b["params"] == params and b["weights"] == 2 * params
+    assert b["kv_cache"] == 2 * layers * 128 * 2 * 448 * kv_h * 2  # k and v, 2 kv heads, bf16
+    assert b["logits"] == 128 * 151_665 * 4
