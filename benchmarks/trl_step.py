@@ -265,7 +265,10 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   o = c.optim
   o.lr, o.schedule, o.warmup_steps, o.weight_decay = LR, "constant", 0, 0.0
   o.b1, o.b2, o.max_grad_norm = 0.9, 0.999, MAX_GRAD_NORM  # torch AdamW's betas, as TRL
-  o.grad_accum_steps, o.param_dtype, o.compute_dtype, o.remat = 1, "float32", "float32", True
+  # gpu_step.py sets the compute dtype, remat and attention kernel in the spec; CPU: fp32, remat.
+  o.grad_accum_steps, o.param_dtype = 1, "float32"
+  o.compute_dtype, o.remat = spec.get("compute_dtype", "float32"), spec.get("remat", True)
+  c.model.attention = spec.get("attention")
   c.train.prompts_per_step, c.train.dynamic_sampling = NUM_PROMPTS, False
   c.mesh = (1, 1, 1)
   validate.validate(c, jax.device_count())
@@ -366,7 +369,8 @@ def run_trl(spec: dict, forced: bool, out: dict) -> None:
   dataset = datasets.Dataset.from_list(
       [{"prompt": messages(r["question"]), "answer": r["answer"]} for r in spec["rows"]])
   args = trl.GRPOConfig(
-      output_dir=str(Path(spec["model"]).parent / "trl_out"), seed=SEED, use_cpu=True,
+      output_dir=str(Path(spec["model"]).parent / "trl_out"), seed=SEED,
+      use_cpu=not spec.get("trl_gpu", False),
       per_device_train_batch_size=NUM_PROMPTS * G, gradient_accumulation_steps=1,
       steps_per_generation=1, num_generations=G, num_iterations=1,
       max_steps=spec["num_steps"], shuffle_dataset=False, dataloader_num_workers=0,
@@ -374,7 +378,12 @@ def run_trl(spec: dict, forced: bool, out: dict) -> None:
       adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=MAX_GRAD_NORM,
       loss_type="grpo", epsilon=0.2, scale_rewards="group", beta=BETA,
       use_bias_correction_kl=False, max_completion_length=c, temperature=1.0, top_k=0,
-      top_p=1.0, use_vllm=False, bf16=False, fp16=False, gradient_checkpointing=True,
+      top_p=1.0, bf16=spec.get("compute_dtype") == "bfloat16", fp16=False,
+      gradient_checkpointing=spec.get("remat", True),
+      # gpu_step.py: TRL generating with vLLM inside the trainer's process (colocate mode).
+      use_vllm=spec.get("vllm", False),
+      **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}
+         if spec.get("vllm") else {}),
       model_init_kwargs={"dtype": "float32"},
       # Forced length: EOS ids are masked until C tokens, so every row has exactly C.
       generation_kwargs={"min_new_tokens": c} if forced else None,

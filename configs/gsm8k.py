@@ -68,6 +68,9 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
       checkpoint="Qwen/Qwen2.5-1.5B-Instruct",  # local directory or hub id
       tokenizer="",                 # '' = the checkpoint's tokenizer
       random_init=False,            # True: no checkpoint, build `tiny` below with random weights
+      # jax.nn.dot_product_attention's implementation: None (JAX's choice, XLA today), 'xla',
+      # or 'cudnn' (NVIDIA GPUs, bf16/fp16 compute). See docs/performance.md.
+      attention=config_dict.placeholder(str),
       # Used only when random_init: a Qwen2 architecture of this size.
       tiny=config_dict.ConfigDict(dict(
           hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -72,6 +74,11 @@ def model_config(config, tokenizer):
   else:
     path = weights.resolve(m.checkpoint, "config.model.checkpoint")
     cfg, generation_config = weights.read_config(path), weights.read_generation_config(path)
+  attention = m.get("attention")
+  if attention not in qwen.ATTENTION_IMPLEMENTATIONS:
+    raise validate.ConfigError(f"config.model.attention={attention!r} is not one of "
+                               f"{qwen.ATTENTION_IMPLEMENTATIONS}")
+  cfg = dataclasses.replace(cfg, attention=attention)
   if cfg.vocab_size < len(tokenizer):
     raise validate.ConfigError(
         f"config.model: the model's vocabulary ({cfg.vocab_size}) is smaller than the "

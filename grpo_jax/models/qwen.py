@@ -44,6 +44,8 @@ Array = jax.Array
 Cache = dict[str, Array]
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# QwenConfig.attention: None (JAX's choice, XLA today), 'xla', 'cudnn' (NVIDIA GPUs, bf16/fp16).
+ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 
 
 class BidirectionalDecodeError(UserError, ValueError):
@@ -69,11 +71,19 @@ class QwenConfig:
   model_type: str = "qwen2"
   # False: every token attends to every real token (config.json "is_causal": false).
   is_causal: bool = True
+  # How attention runs, not what the checkpoint is (never read from or written to config.json):
+  # jax.nn.dot_product_attention's `implementation`. None lets JAX choose (XLA today), 'xla'
+  # forces it, 'cudnn' is cuDNN's fused flash kernel on NVIDIA GPUs (bf16/fp16 only); see
+  # ATTENTION_IMPLEMENTATIONS and docs/performance.md.
+  attention: str | None = None
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.attention not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f"attention={self.attention!r} is not one of "
+                       f"{ATTENTION_IMPLEMENTATIONS} (jax.nn.dot_product_attention's)")
 
   @classmethod
   def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "QwenConfig":
@@ -245,27 +255,27 @@ class Attention(nn.Module):
 
     if self.packed is not None:
       return self._packed_attention(q, k, v, attn_mask_BS), cache
-    k_BKTH, v_BKTH = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     if cache is None:
-      keys, values, start = k_BKTH, v_BKTH, 0
+      keys, values, start = k, v, 0
     else:
       # Write this call's k/v at slots [cache_index, cache_index + T) of this layer, straight
       # into the stacked cache: a decode step then writes T slots, not a copy of the layer.
       idx = (layer, 0, 0, cache_index, 0)
-      cache = {name: jax.lax.dynamic_update_slice(cache[name], new[None].astype(cache[name].dtype),
-                                                  idx)
-               for name, new in (("k", k_BKTH), ("v", v_BKTH))}
-      if k_BKTH.shape[2] == cache["k"].shape[3]:
-        # This call fills every slot of the layer (a prefill): reading the layer back would give
-        # k/v as the cache stores them, so they are used as such. The dynamic slice of the stack
-        # was the prefill program's costliest kernel to compile (small benchmark: the prefill
-        # compiles in 0.45 s against 0.52 s, medians of 3 alternated).
-        keys, values = k_BKTH.astype(cache["k"].dtype), v_BKTH.astype(cache["v"].dtype)
+      cache = {name: jax.lax.dynamic_update_slice(
+                   cache[name], new.transpose(0, 2, 1, 3)[None].astype(cache[name].dtype), idx)
+               for name, new in (("k", k), ("v", v))}
+      if k.shape[1] == cache["k"].shape[3]:
+        # This call fills every slot of the layer (a prefill, so cache_index is 0): reading the
+        # layer back would give k/v as the cache stores them, so they are used as such. The
+        # dynamic slice of the stack was the prefill program's costliest kernel to compile
+        # (small benchmark: the prefill compiles in 0.45 s against 0.52 s, medians of 3).
+        keys, values, start = k.astype(cache["k"].dtype), v.astype(cache["v"].dtype), 0
       else:
-        keys, values = cache["k"][layer], cache["v"][layer]
-      start = cache_index
+        # The cache keeps kv heads before slots; dot_product_attention takes [B, S, K, H].
+        keys, values = (cache[name][layer].transpose(0, 2, 1, 3) for name in ("k", "v"))
+        start = cache_index
     out_BTNH = attend(q, keys.astype(self.dtype), values.astype(self.dtype), attn_mask_BS, start,
-                      cfg.is_causal)
+                      cfg.is_causal, cfg.attention)
     return self._out(out_BTNH), cache
 
   def _out(self, out_BTNH):
@@ -282,40 +292,70 @@ class Attention(nn.Module):
     prompt_mask_bP, mask_BS = masks
     b, t, n, h = q_bTNH.shape
     c = (t - p) // g
-    causal = self.cfg.is_causal
-    heads_first = lambda a_xTKH: a_xTKH.transpose(0, 2, 1, 3)
-    k_bKPH, v_bKPH = heads_first(k_bTKH[:, :p]), heads_first(v_bTKH[:, :p])
-    out_p = attend(q_bTNH[:, :p], k_bKPH, v_bKPH, prompt_mask_bP, 0, causal)
+    causal, impl = self.cfg.is_causal, self.cfg.attention
+    out_p = attend(q_bTNH[:, :p], k_bTKH[:, :p], v_bTKH[:, :p], prompt_mask_bP, 0, causal, impl)
     rows = lambda a_bTxH: a_bTxH[:, p:].reshape(b * g, c, *a_bTxH.shape[2:])
-    keys = jnp.concatenate([jnp.repeat(k_bKPH, g, axis=0), heads_first(rows(k_bTKH))], axis=2)
-    values = jnp.concatenate([jnp.repeat(v_bKPH, g, axis=0), heads_first(rows(v_bTKH))], axis=2)
-    out_c = attend(rows(q_bTNH), keys, values, mask_BS, p, causal)
+    keys, values = (jnp.concatenate([jnp.repeat(a_bTKH[:, :p], g, axis=0), rows(a_bTKH)], axis=1)
+                    for a_bTKH in (k_bTKH, v_bTKH))
+    out_c = attend(rows(q_bTNH), keys, values, mask_BS, p, causal, impl)
     return self._out(jnp.concatenate([out_p, out_c.reshape(b, g * c, n, h)], axis=1))
 
 
-def attend(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, attn_mask_BS: Array,
-           start: Array | int, causal: bool = True) -> Array:
-  """Grouped-query attention; the query at row t sits at key slot start + t.
+def attend(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, attn_mask_BS: Array,
+           start: Array | int, causal: bool = True, implementation: str | None = None) -> Array:
+  """Grouped-query attention through jax.nn.dot_product_attention; the query at row t sits at
+  key slot start + t.
 
   causal: the query sees key slots <= its own; otherwise every slot whose mask is 1.
-  Scores and softmax are fp32. A masked score is the most negative finite fp32 rather than
-  -inf, so a query that sees no key (a left-pad position) gets a uniform, finite row.
+  Scores and softmax are fp32 (for bf16 inputs too). A query that sees no key (a left-pad
+  position) gets a uniform, finite row. When the queries fill the key slots from slot 0
+  (`start` the Python int 0 and T == S: a prefill or a training forward) the causal rule is
+  passed as `is_causal`, which cuDNN uses to skip the upper triangle. With implementation
+  'cudnn', single-query calls (decode steps) run XLA's kernel.
   """
-  b, t, n, h = q_BTNH.shape
-  kh, s = k_BKSH.shape[1], k_BKSH.shape[2]
-  q = q_BTNH.reshape(b, t, kh, n // kh, h)
-  scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k_BKSH,
-                      preferred_element_type=jnp.float32) * (h ** -0.5)
-  visible_BTS = jnp.broadcast_to(attn_mask_BS[:, None, :] > 0, (b, t, s))
-  if causal:
-    q_slot = start + jnp.arange(t)
-    visible_BTS = visible_BTS & (jnp.arange(s)[None, :] <= q_slot[:, None])[None]
-  scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSH.dtype)
-  # Heads-major output, transposed after: asking einsum for BTKGH directly makes XLA:CPU pick
-  # a dot ~13x slower at decode shapes (B 64, K 2, S 352: 2.5 ms against 0.19 ms per layer).
-  out_BKGTH = jnp.einsum("BKGTS,BKSH->BKGTH", probs, v_BKSH)
-  return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+  b, t = q_BTNH.shape[:2]
+  s = k_BSKH.shape[1]
+  visible_B11S = (attn_mask_BS > 0)[:, None, None, :]
+  aligned = causal and isinstance(start, int) and start == 0 and t == s
+  if causal and not aligned:
+    q_slot_T = start + jnp.arange(t)
+    visible = visible_B11S & (jnp.arange(s)[None, :] <= q_slot_T[:, None])
+  else:
+    visible = visible_B11S
+  if implementation == "cudnn" and t == 1:
+    # A decode step: one query reads the cache once whichever kernel runs, and cuDNN's flash
+    # kernel is built for blocks of queries (it would pad this one to two).
+    implementation = "xla"
+  if implementation == "cudnn":
+    if q_BTNH.dtype not in (jnp.bfloat16, jnp.float16):
+      raise ValueError(f"attention='cudnn' needs bf16 or fp16 compute, got {q_BTNH.dtype}: set "
+                       "the compute dtype to bfloat16 or the attention to 'xla'")
+    return _cudnn_attend(q_BTNH, k_BSKH, v_BSKH, jnp.broadcast_to(visible, (b, 1, t, s)),
+                         aligned)
+  core = lambda q, k, v, m: jax.nn.dot_product_attention(
+      q, k, v, mask=m, is_causal=aligned, implementation=implementation)
+  # XLA's kernel keeps the [B, N, T, S] scores and probabilities for the backward pass: 41 GB of
+  # the Qwen2.5-1.5B step at 128 rows x 448 tokens (CPU AOT figures, docs/performance.md).
+  # Recomputing them from q, k, v instead costs one more QK^T and softmax, ~1.5% of that
+  # step's FLOPs, as a flash kernel would. No effect without a gradient (sampling).
+  return jax.checkpoint(core, prevent_cse=False)(q_BTNH, k_BSKH, v_BSKH, visible)
+
+
+def _cudnn_attend(q_BTNH, k_BSKH, v_BSKH, visible_B1TS, is_causal, implementation="cudnn"):
+  """cuDNN's fused attention takes the mask as a [B, 1, T, S] bias, and with a bias it trains
+  only at even T and S: an odd length gets one more query row (dropped from the output) and
+  one more key slot, which no query sees."""
+  t, s = q_BTNH.shape[1], k_BSKH.shape[1]
+  dt, ds = t % 2, s % 2
+  if dt or ds:
+    pad = lambda a, n: jnp.pad(a, ((0, 0), (0, n), (0, 0), (0, 0)))
+    q_BTNH, k_BSKH, v_BSKH = pad(q_BTNH, dt), pad(k_BSKH, ds), pad(v_BSKH, ds)
+    visible_B1TS = jnp.pad(visible_B1TS, ((0, 0), (0, 0), (0, dt), (0, ds)))
+    # The causal rule stays aligned only while T and S stay equal.
+    is_causal = is_causal and t + dt == s + ds
+  out = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=visible_B1TS,
+                                     is_causal=is_causal, implementation=implementation)
+  return out[:, :t]
 
 
 class _Kernel(nn.Module):

@@ -1,0 +1,241 @@
+"""Attention through jax.nn.dot_product_attention against the dense einsum it replaced.
+
+`einsum_attend` below is the previous implementation, kept verbatim as the reference (keys and
+values [B, K, S, H], fp32 scores, the most negative finite fp32 on masked slots). The model is
+compared with it in fp32 on CPU in the three places attention runs: a prefill into the KV cache
+and decode steps from it, the plain forward, and the packed training forward (a prompt followed
+by its G completions). The transformers parity tests stay in qwen_test.py.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_jax.models import qwen
+
+CFG = qwen.QwenConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_layers=2,
+                      num_heads=6, num_kv_heads=2, head_dim=16, rope_theta=10000.0)
+TOL = 1e-5
+
+
+def einsum_attend(q_BTNH, k_BKSH, v_BKSH, attn_mask_BS, start, causal=True):
+  b, t, n, h = q_BTNH.shape
+  kh, s = k_BKSH.shape[1], k_BKSH.shape[2]
+  q = q_BTNH.reshape(b, t, kh, n // kh, h)
+  scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k_BKSH,
+                      preferred_element_type=jnp.float32) * (h ** -0.5)
+  visible_BTS = jnp.broadcast_to(attn_mask_BS[:, None, :] > 0, (b, t, s))
+  if causal:
+    q_slot = start + jnp.arange(t)
+    visible_BTS = visible_BTS & (jnp.arange(s)[None, :] <= q_slot[:, None])[None]
+  scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSH.dtype)
+  out_BKGTH = jnp.einsum("BKGTS,BKSH->BKGTH", probs, v_BKSH)
+  return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def reference_attend(q_BTNH, k_BSKH, v_BSKH, attn_mask_BS, start, causal=True,
+                     implementation=None):
+  """qwen.attend's signature over the einsum reference (which wants heads before slots)."""
+  del implementation
+  return einsum_attend(q_BTNH, k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3),
+                       attn_mask_BS, start, causal)
+
+
+def _qkv(b, t, s, n=6, k=2, h=16, seed=0):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+  keys = jnp.asarray(rng.standard_normal((b, s, k, h)), jnp.float32)
+  values = jnp.asarray(rng.standard_normal((b, s, k, h)), jnp.float32)
+  mask = np.ones((b, s), np.int32)
+  for row, pad in enumerate([0, 2, 5, s - 1][:b]):  # left padding, one row with a single slot
+    mask[row, :pad] = 0
+  return q, keys, values, jnp.asarray(mask)
+
+
+# (T, S, start, causal): a prefill / training forward (queries fill the slots from 0), a decode
+# step and an appended turn at a traced slot, a static offset (the packed completions), and a
+# bidirectional model.
+CASES = {"prefill": (9, 9, 0, True), "decode": (1, 12, "traced 7", True),
+         "append": (3, 12, "traced 5", True), "offset": (4, 10, 6, True),
+         "bidirectional": (9, 9, 0, False)}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_attend_matches_the_einsum_reference(case):
+  t, s, start, causal = CASES[case]
+  q, k, v, mask = _qkv(4, t, s)
+  if isinstance(start, str):  # a cache_index: a traced int32, as Qwen passes it
+    slot = jnp.int32(int(start.split()[1]))
+    got = jax.jit(lambda q, k, v, m, i: qwen.attend(q, k, v, m, i, causal))(q, k, v, mask, slot)
+    want = jax.jit(lambda q, k, v, m, i: reference_attend(q, k, v, m, i, causal))(
+        q, k, v, mask, slot)
+  else:
+    got = qwen.attend(q, k, v, mask, start, causal)
+    want = reference_attend(q, k, v, mask, start, causal)
+  assert got.shape == q.shape
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("t, s, start", [(9, 9, 0), (8, 8, 0), (3, 12, 9), (4, 11, 7)])
+def test_cudnn_padding_to_even_lengths_changes_nothing(t, s, start):
+  """cuDNN trains with a bias only at even T and S, so qwen pads odd ones. The padding runs here
+  through the XLA kernel: outputs and gradients equal the unpadded attention's."""
+  q, k, v, mask = _qkv(4, t, s, seed=1)
+
+  def padded(q, k, v):
+    visible = (mask > 0)[:, None, None, :] & (jnp.arange(s)[None, :] <= start + jnp.arange(t)[:,
+                                                                                           None])
+    return qwen._cudnn_attend(q, k, v, jnp.broadcast_to(visible, (4, 1, t, s)),
+                              start == 0 and t == s, implementation="xla")
+
+  plain = lambda q, k, v: reference_attend(q, k, v, mask, start)
+  # A query that sees no key (a left-pad slot) averages every slot, the padded one too: its
+  # output is never used, so only the queries at real slots (which see themselves) count.
+  real_rows = np.asarray(mask)[:, start:start + t].astype(bool)
+  np.testing.assert_allclose(np.asarray(padded(q, k, v))[real_rows],
+                             np.asarray(plain(q, k, v))[real_rows], atol=TOL, rtol=0)
+  loss = lambda f: lambda q, k, v: jnp.sum(jnp.where(real_rows[:, :, None, None], f(q, k, v), 0)
+                                           * jnp.cos(q))
+  for g_pad, g_ref in zip(jax.grad(loss(padded), (0, 1, 2))(q, k, v),
+                          jax.grad(loss(plain), (0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(np.asarray(g_pad), np.asarray(g_ref), atol=TOL, rtol=0)
+
+
+def test_backward_keeps_q_k_v_not_the_scores(capsys):
+  """The gradient of attend saves its inputs and the boolean mask, never a [.., T, S] float
+  array (scores or probabilities): the backward recomputes them (qwen.attend's checkpoint)."""
+  from jax import ad_checkpoint
+  q, k, v, mask = _qkv(2, 5, 7)
+  ad_checkpoint.print_saved_residuals(lambda q, k, v: qwen.attend(q, k, v, mask, 2).sum(), q, k,
+                                      v)
+  saved = capsys.readouterr().out.strip().splitlines()
+  assert len(saved) == 4, saved
+  assert all(line.startswith(("f32[2,5,6,16]", "f32[2,7,2,16]", "bool[2,1,5,7]"))
+             for line in saved), saved
+
+
+@pytest.fixture(scope="module")
+def params():
+  return qwen.init_params(CFG, jax.random.key(0))
+
+
+def _left_padded(seed, batch, length):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, CFG.vocab_size, (batch, length))
+  mask = np.ones((batch, length), np.int32)
+  for b, pad in enumerate([0, 3, 5, length - 1][:batch]):
+    mask[b, :pad] = 0
+    tokens[b, :pad] = 0
+  return jnp.asarray(tokens), jnp.asarray(mask)
+
+
+def _both(monkeypatch, fn):
+  """fn() under qwen.attend and under the einsum reference."""
+  got = fn()
+  with monkeypatch.context() as m:
+    m.setattr(qwen, "attend", reference_attend)
+    want = fn()
+  return got, want
+
+
+def test_forward_prefill_and_decode_match_the_einsum_reference(params, monkeypatch):
+  model = qwen.Qwen(CFG)
+  tokens, mask = _left_padded(0, 4, 12)
+  pos = qwen.positions_from_mask(mask)
+  prompt = 7
+
+  def run():
+    full, _ = model.apply({"params": params}, tokens, pos, mask)
+    cache = qwen.init_cache(CFG, 4, 12)
+    step = jax.jit(lambda c, tok, p, i: model.apply({"params": params}, tok, p, mask, c, i))
+    hidden, cache = model.apply({"params": params}, tokens[:, :prompt], pos[:, :prompt],
+                                mask[:, :prompt], qwen.init_cache(CFG, 4, prompt), 0)
+    # The prefill filled a prompt-sized cache; decode from a 12-slot copy of it, one token at a
+    # time at a traced slot, as the sampler does.
+    cache = jax.tree.map(lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, 12 - prompt), (0, 0))), cache)
+    steps = [hidden]
+    for t in range(prompt, 12):
+      hidden, cache = step(cache, tokens[:, t:t + 1], pos[:, t:t + 1], jnp.int32(t))
+      steps.append(hidden)
+    return full, jnp.concatenate(steps, 1), cache
+
+  (full, decoded, cache), (full_ref, decoded_ref, cache_ref) = _both(monkeypatch, run)
+  real = np.asarray(mask).astype(bool)
+  np.testing.assert_allclose(np.asarray(full)[real], np.asarray(full_ref)[real], atol=TOL,
+                             rtol=0)
+  np.testing.assert_allclose(np.asarray(decoded)[real], np.asarray(decoded_ref)[real], atol=TOL,
+                             rtol=0)
+  np.testing.assert_allclose(np.asarray(decoded)[real], np.asarray(full)[real], atol=TOL, rtol=0)
+  for name in ("k", "v"):
+    np.testing.assert_allclose(np.asarray(cache[name]), np.asarray(cache_ref[name]), atol=TOL,
+                               rtol=0)
+
+
+def test_packed_training_forward_and_gradient_match_the_einsum_reference(params, monkeypatch):
+  """The packed forward of qwen.Qwen.packed with its two masks (the prompt's, and the
+  completions' over [prompt, completion]; one completion ended early), and its gradient."""
+  g, c, p = 3, 5, 7
+  prompts, pmask = _left_padded(1, 2, p)
+  rng = np.random.default_rng(2)
+  comp = jnp.asarray(rng.integers(1, CFG.vocab_size, (2 * g, c)))
+  cmask = np.ones((2 * g, c), np.int32)
+  cmask[1, 3:] = 0
+  full_tokens = jnp.concatenate([jnp.repeat(prompts, g, 0), comp], 1)
+  full_mask = jnp.concatenate([jnp.repeat(pmask, g, 0), jnp.asarray(cmask)], 1)
+  full_pos = qwen.positions_from_mask(full_mask)
+  pack = lambda x: jnp.concatenate([x[::g, :p], x[:, p:].reshape(2, g * c)], 1)
+  model = qwen.Qwen(CFG, packed=(p, g))
+  weight = jnp.asarray(rng.standard_normal((2, p + g * c, CFG.hidden_size)), jnp.float32)
+
+  def run():
+    def loss(params):
+      hidden, _ = model.apply({"params": params}, pack(full_tokens), pack(full_pos),
+                              (pmask, full_mask))
+      return jnp.sum(hidden * weight), hidden
+    (_, hidden), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return hidden, grads
+
+  (hidden, grads), (hidden_ref, grads_ref) = _both(monkeypatch, run)
+  real = np.concatenate([np.asarray(pmask), np.asarray(full_mask)[:, p:].reshape(2, -1)], 1)
+  np.testing.assert_allclose(np.asarray(hidden)[real.astype(bool)],
+                             np.asarray(hidden_ref)[real.astype(bool)], atol=TOL, rtol=0)
+  # The gradients reach 1e2 here, so fp32 rounding differs in absolute terms: each leaf agrees
+  # to TOL relative to its largest entry (measured: under 5e-7).
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.abs(a - b).max() <= TOL * np.abs(b).max()
+
+
+def test_attention_setting_is_checked():
+  with pytest.raises(ValueError, match="attention='flash' is not one of"):
+    dataclasses.replace(CFG, attention="flash")
+  assert "attention" not in dataclasses.replace(CFG, attention="xla").to_hf()
+  q, k, v, mask = _qkv(2, 4, 4)
+  with pytest.raises(ValueError, match="attention='cudnn' needs bf16 or fp16 compute"):
+    qwen.attend(q, k, v, mask, 0, True, "cudnn")
+  # A decode step (one query) runs XLA's kernel under 'cudnn' too: it runs here, on CPU.
+  q1 = q[:, :1].astype(jnp.bfloat16)
+  kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  np.testing.assert_array_equal(
+      np.asarray(qwen.attend(q1, kb, vb, mask, jnp.int32(3), True, "cudnn"), np.float32),
+      np.asarray(qwen.attend(q1, kb, vb, mask, jnp.int32(3), True, None), np.float32))
+  # 'xla' is the same kernel as JAX's default today.
+  np.testing.assert_array_equal(np.asarray(qwen.attend(q, k, v, mask, 0, True, "xla")),
+                                np.asarray(qwen.attend(q, k, v, mask, 0, True, None)))
+
+
+def test_config_model_attention_reaches_the_model_config():
+  from configs import gsm8k
+  from grpo_jax import inputs, validate
+  config = gsm8k.get_config("tiny")
+  tokenizer = list(range(config.model.tiny.vocab_size))  # model_config needs only its length
+  assert inputs.model_config(config, tokenizer)[0].attention is None
+  config.model.attention = "cudnn"
+  assert inputs.model_config(config, tokenizer)[0].attention == "cudnn"
+  config.model.attention = "flash"
+  with pytest.raises(validate.ConfigError, match="config.model.attention='flash' is not one of"):
+    inputs.model_config(config, tokenizer)
