@@ -202,6 +202,12 @@ class Sampler:
     cfg = self.cfg
     r = state["hidden"].shape[0]
     p = state["slot"]
+    # The decoder layers' weights in the compute dtype once, before the loop, not in every step
+    # of it: each step then reads the narrow copy (fp32 params, bf16 compute: half the bytes).
+    # The forward casts every weight to this dtype anyway, so the numbers are the same. The
+    # embedding and head stay as they are (the sampler reads the head in its own dtype).
+    params = dict(params, layers=jax.tree.map(lambda x: x.astype(self.model.dtype),
+                                              params["layers"]))
     keys_R = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(rng, i[0]), i[1]))(
         row_ids_R2)
     # qwen.head_kernel is [D, V]; for a tied model its .T is the embedding itself, no copy.
