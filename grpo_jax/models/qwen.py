@@ -25,6 +25,10 @@ with a KV cache raises `BidirectionalDecodeError`.
 Parameters carry logical axis names ('vocab', 'embed', 'q_heads', 'kv_heads', 'head_dim',
 'mlp', 'norm', 'layers'); grpo_jax.sharding maps them onto the device mesh with one table.
 Parameter names follow the Hugging Face checkpoint so the weight map stays readable.
+
+LoRA adapters travel in a second variable collection, 'lora', beside 'params' (built by
+grpo_jax.models.lora): a projection whose adapter is there adds its low-rank path; without the
+collection the model is the base model.
 """
 
 from __future__ import annotations
@@ -199,6 +203,33 @@ def rope(x_BTnH: Array, positions_BT: Array, theta: float) -> Array:
   return x_BTnH * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
+def _adapter(module: nn.Module) -> tuple[Array, Array] | None:
+  """The module's LoRA factors (a, b) from the 'lora' collection, or None (see models/lora.py)."""
+  if not module.has_variable("lora", "lora_a"):
+    return None
+  return module.get_variable("lora", "lora_a"), module.get_variable("lora", "lora_b")
+
+
+def project(spec: str, x: Array, w: Array, adapter: tuple[Array, Array] | None = None) -> Array:
+  """einsum(spec, x, w), plus the low-rank path (x · a) · b when an adapter is given.
+
+  The kernel's letters that x shares are its input dims, the others its output dims; a holds
+  the input dims then the rank r, b the rank then the output dims ('BTD,DnH->BTnH': a [D, r],
+  b [r, n, H]). b arrives already multiplied by alpha / r (lora.variables does it).
+  """
+  y = jnp.einsum(spec, x, w)
+  if adapter is None:
+    return y
+  a, b = adapter
+  xs, rest = spec.split(",")
+  ks, ys = rest.split("->")
+  ins = "".join(c for c in ks if c in xs)
+  outs = "".join(c for c in ks if c not in xs)
+  batch = "".join(c for c in xs if c not in ks)
+  x_r = jnp.einsum(f"{xs},{ins}r->{batch}r", x, a.astype(x.dtype))
+  return y + jnp.einsum(f"{batch}r,r{outs}->{ys}", x_r, b.astype(x.dtype))
+
+
 class Linear(nn.Module):
   """y = einsum(spec, x, kernel) (+ bias): one transformers nn.Linear, kernel laid out by axes."""
   spec: str
@@ -211,7 +242,7 @@ class Linear(nn.Module):
   @nn.compact
   def __call__(self, x):
     w = _param(self, "kernel", self.shape, self.axes, _dense_init(), self.param_dtype)
-    y = jnp.einsum(self.spec, x, w.astype(self.dtype))
+    y = project(self.spec, x, w.astype(self.dtype), _adapter(self))
     if self.bias_ndim:
       b = _param(self, "bias", self.shape[-self.bias_ndim:], self.axes[-self.bias_ndim:],
                  nn.initializers.zeros, self.param_dtype)
@@ -319,14 +350,16 @@ def attend(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, attn_mask_BS: Array,
 
 
 class _Kernel(nn.Module):
-  """A Linear's kernel alone (the MLP multiplies by it itself): keeps the params' names."""
+  """A Linear's kernel alone (the MLP multiplies by it itself): keeps the params' names.
+  Returns (kernel, its LoRA adapter (a, b) or None)."""
   shape: tuple[int, ...]
   axes: tuple[str, ...]
   param_dtype: Any
 
   @nn.compact
   def __call__(self):
-    return _param(self, "kernel", self.shape, self.axes, _dense_init(), self.param_dtype)
+    return (_param(self, "kernel", self.shape, self.axes, _dense_init(), self.param_dtype),
+            _adapter(self))
 
 
 @jax.custom_vjp
@@ -370,11 +403,19 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x_BTD):
     d, i = self.cfg.hidden_size, self.cfg.intermediate_size
-    kernel = lambda name, shape, axes: _Kernel(shape, axes, self.param_dtype, name=name)(
-        ).astype(self.dtype)
-    return gated_mlp(x_BTD, kernel("gate_proj", (d, i), ("embed", "mlp")),
-                     kernel("up_proj", (d, i), ("embed", "mlp")),
-                     kernel("down_proj", (i, d), ("mlp", "embed")))
+    (wg, lg), (wu, lu), (wd, ld) = (
+        _Kernel(shape, axes, self.param_dtype, name=name)()
+        for name, shape, axes in (("gate_proj", (d, i), ("embed", "mlp")),
+                                  ("up_proj", (d, i), ("embed", "mlp")),
+                                  ("down_proj", (i, d), ("mlp", "embed"))))
+    wg, wu, wd = (w.astype(self.dtype) for w in (wg, wu, wd))
+    if lg is None and lu is None and ld is None:
+      return gated_mlp(x_BTD, wg, wu, wd)
+    # With adapters the plain autodiff backward: the frozen kernels get no gradient, so the
+    # weight-gradient layouts gated_mlp's backward exists for are not computed at all.
+    g = project("BTD,DI->BTI", x_BTD, wg, lg)
+    u = project("BTD,DI->BTI", x_BTD, wu, lu)
+    return project("BTI,ID->BTD", jax.nn.silu(g) * u, wd, ld)
 
 
 def _constrain(x: Array, sharding) -> Array:
@@ -428,7 +469,7 @@ class Qwen(nn.Module):
     if self.remat:
       layer = nn.remat(layer, prevent_cse=False)
     self.layers = nn.scan(
-        layer, variable_axes={"params": 0}, split_rngs={"params": True},
+        layer, variable_axes={"params": 0, "lora": 0}, split_rngs={"params": True},
         length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"},
     )(cfg, self.dtype, self.param_dtype, self.act_sharding, self.packed)
     self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype)
