@@ -305,3 +305,33 @@ def test_bad_settings_name_the_field():
   assert lora.LoraConfig.from_config(
       {"rank": 4, "alpha": 8, "targets": ["q_proj"]}).targets == ("q_proj",)
   assert dataclasses.replace(lora.LoraConfig(rank=4, alpha=6), rank=2).scale == 3.0
+
+
+def test_vmapped_members_share_one_base():
+  """K adapters with a leading K axis, vmapped over one unbatched base (a LoRA sweep), each with
+  its own alpha / r: every member's loss and gradients are those of its own plain run."""
+  cfg = qwen.QwenConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8)
+  params = qwen.init_params(cfg, jax.random.key(0))
+  lcfg = lora.LoraConfig(rank=2, alpha=4)
+  members = [_trained_like(lora.init(jax.random.key(k), cfg, lcfg), 10 + k, 0.2) for k in range(3)]
+  scales = jnp.array([0.5, 2.0, 3.0])
+  tokens, mask = _batch(5)
+  model = qwen.Qwen(cfg)
+
+  def loss(adapters, scale):
+    variables = lora.variables(params, adapters, lcfg, scale=scale)
+    hidden, _ = model.apply(variables, tokens, qwen.positions_from_mask(mask), mask)
+    logp = jax.nn.log_softmax(model.apply(variables, hidden, method=qwen.Qwen.logits), -1)
+    return jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], -1).mean()
+
+  stacked = jax.tree.map(lambda *x: jnp.stack(x), *members)
+  values, grads = jax.jit(jax.vmap(jax.value_and_grad(loss)))(stacked, scales)
+  for k, member in enumerate(members):
+    value, grad = jax.jit(jax.value_and_grad(loss))(member, scales[k])
+    np.testing.assert_allclose(values[k], value, rtol=1e-6)
+    # Batched and plain matmuls round differently: to 1e-5 of each gradient's scale.
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(
+        x[k], y, rtol=1e-5, atol=1e-5 * float(jnp.abs(y).max())), grads, grad)
+  # The scale is alpha / r by default.
+  assert float(loss(members[0], None)) == float(loss(members[0], lcfg.scale))
