@@ -248,6 +248,60 @@ def test_peft_loads_the_adapter_and_the_merged_export_loads_in_transformers(
   assert np.abs(ours - again)[real].max() <= 1e-4
 
 
+@pytest.mark.parametrize("kind,targets", [("qwen3", ALL), ("qwen2_tied", ("k_proj", "o_proj"))])
+def test_an_adapter_peft_saved_loads_with_peft_logits(checkpoints, kind, targets, tmp_path):
+  import peft
+
+  path = checkpoints[kind]
+  torch.manual_seed(0)
+  model = peft.get_peft_model(fixtures.hf_model(path), peft.LoraConfig(
+      r=3, lora_alpha=7, target_modules=list(targets)))
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "lora_B" in name:
+        p.normal_(0, 0.3)  # PEFT starts b at 0: move it, as training would
+  model.save_pretrained(tmp_path / "peft")
+  model.eval()
+  tokens, mask = _batch(6)
+  with torch.no_grad():
+    theirs = model(input_ids=torch.tensor(np.asarray(tokens)),
+                   attention_mask=torch.tensor(np.asarray(mask))).logits.numpy()
+
+  params, cfg = weights.load_checkpoint(path)
+  adapters, lcfg = lora.load_peft(tmp_path / "peft", cfg)
+  assert (lcfg.rank, lcfg.alpha, sorted(lcfg.targets)) == (3, 7, sorted(targets))
+  ours = np.asarray(jax.jit(_logits_fn(qwen.Qwen(cfg), lcfg))(params, adapters, tokens, mask))
+  real = np.asarray(mask).astype(bool)
+  assert np.abs(ours - theirs)[real].max() <= 1e-4
+  # Saved again, the tensors are PEFT's own, name for name and bit for bit.
+  from safetensors.numpy import load_file
+  again = lora.save_peft(adapters, cfg, lcfg, tmp_path / "again")
+  want, got = load_file(tmp_path / "peft" / lora.WEIGHTS_FILE), load_file(again / lora.WEIGHTS_FILE)
+  assert sorted(want) == sorted(got)
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_load_peft_refuses_what_the_model_does_not_compute(checkpoints, tmp_path):
+  import json
+
+  params, cfg = weights.load_checkpoint(checkpoints["qwen2_untied"])
+  lcfg = lora.LoraConfig(rank=2, alpha=4, targets=("q_proj",))
+  out = lora.save_peft(lora.init(jax.random.key(0), cfg, lcfg), cfg, lcfg, tmp_path / "a")
+  config = json.loads((out / lora.CONFIG_FILE).read_text())
+  for field, value, match in (("use_rslora", True, "use_rslora=True"),
+                              ("use_dora", True, "use_dora=True"),
+                              ("peft_type", "IA3", "peft_type='IA3'"),
+                              ("target_modules", ["lm_head"], "model.lora.targets"),
+                              ("r", 3, "has shape \\(2, 64\\); r=3")):
+    (out / lora.CONFIG_FILE).write_text(json.dumps({**config, field: value}))
+    with pytest.raises(weights.CheckpointError, match=match):
+      lora.load_peft(out, cfg)
+  (out / lora.WEIGHTS_FILE).unlink()
+  with pytest.raises(weights.CheckpointError, match="adapter_model.safetensors: missing"):
+    lora.load_peft(out, cfg)
+
+
 @pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (1, 2, 4), (2, 2, 2)])
 def test_sharded_adapters_give_the_one_device_forward_and_gradients(checkpoints, mesh_shape):
   path = checkpoints["qwen2_untied"]

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from grpo_jax.models import qwen, weights
@@ -268,6 +269,67 @@ def save_peft(adapters, cfg: qwen.QwenConfig, lcfg: LoraConfig, out_dir,
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   return out_dir
+
+
+def load_peft(adapter_dir, cfg: qwen.QwenConfig, dtype=jnp.float32):
+  """Reads a PEFT LoRA adapter directory (save_peft's or PEFT's own save_pretrained) into
+  (adapters, LoraConfig). Only what this model computes is accepted: plain LoRA on the seven
+  projections of every layer, scale alpha / r; anything else stops with a line naming it."""
+  adapter_dir = Path(adapter_dir)
+  cfg_file, w_file = adapter_dir / CONFIG_FILE, adapter_dir / WEIGHTS_FILE
+  for f in (cfg_file, w_file):
+    if not f.is_file():
+      raise weights.CheckpointError(f"{f}: missing (a PEFT adapter directory holds "
+                                    f"{CONFIG_FILE} and {WEIGHTS_FILE})")
+  try:
+    pc = json.loads(cfg_file.read_text())
+  except json.JSONDecodeError as e:
+    raise weights.CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
+
+  def bad(field, why):
+    return weights.CheckpointError(f"{cfg_file}: {field}={pc.get(field)!r}: {why}")
+  if pc.get("peft_type") != "LORA":
+    raise bad("peft_type", "only LORA adapters load")
+  for field, ok in (("use_rslora", False), ("use_dora", False), ("fan_in_fan_out", False),
+                    ("bias", "none"), ("modules_to_save", None), ("layers_to_transform", None),
+                    ("rank_pattern", {}), ("alpha_pattern", {})):
+    if pc.get(field) not in (None, ok):
+      raise bad(field, f"not supported (only {ok!r})")
+  targets = pc.get("target_modules")
+  if isinstance(targets, str):
+    targets = [targets]
+  try:
+    lcfg = LoraConfig(rank=pc.get("r"), alpha=pc.get("lora_alpha"),
+                      targets=tuple(sorted(targets or ())), dropout=0.0)
+  except ValueError as e:
+    raise weights.CheckpointError(f"{cfg_file}: {e}") from e
+  shapes = _shapes(cfg, lcfg)
+  adapters: dict = {}
+  try:
+    with safe_open(w_file, framework="numpy") as f:
+      names = set(f.keys())
+      for t in lcfg.targets:
+        a_shape, b_shape = shapes[t]
+        want = {"lora_A": (lcfg.rank, math.prod(a_shape[1:-1])),   # [r, in]
+                "lora_B": (math.prod(b_shape[2:]), lcfg.rank)}     # [out, r]
+        layers = {"lora_A": [], "lora_B": []}
+        for i in range(cfg.num_layers):
+          for factor, shape in want.items():
+            key = f"base_model.model.model.layers.{i}.{TARGETS[t][0]}.{t}.{factor}.weight"
+            if key not in names:
+              raise weights.CheckpointError(f"{w_file}: tensor {key!r} is missing")
+            x = f.get_tensor(key)
+            if x.shape != shape:
+              raise weights.CheckpointError(
+                  f"{w_file}: tensor {key!r} has shape {tuple(x.shape)}; r={lcfg.rank} and the "
+                  f"model's config.json imply {shape}")
+            layers[factor].append(x.T)
+        _set(adapters, _kernel_path(t), {
+            "lora_a": jnp.asarray(np.stack(layers["lora_A"]).reshape(a_shape), dtype),
+            "lora_b": jnp.asarray(np.stack(layers["lora_B"]).reshape(b_shape), dtype)})
+  except (SafetensorError, OSError) as e:
+    raise weights.CheckpointError(f"{w_file}: unreadable safetensors file ({e})") from e
+  return adapters, lcfg
 
 
 def save_merged(params, adapters, cfg: qwen.QwenConfig, lcfg: LoraConfig, out_dir,
