@@ -159,6 +159,47 @@ def test_b_zero_gives_zero_gradient_for_a_and_remat_changes_nothing():
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7), plain, remat)
 
 
+def test_kv_cache_decode_and_packed_groups_carry_the_adapters(checkpoints):
+  """The sampler's path (prefill, then one token at a time into the KV cache) and the train
+  step's (Qwen.packed: a prompt once, then its G completions) give the adapted full forward."""
+  params, cfg = weights.load_checkpoint(checkpoints["qwen3"])
+  lcfg = lora.LoraConfig(rank=3, alpha=6)
+  adapters = _trained_like(lora.init(jax.random.key(0), cfg, lcfg), 1, 0.3)
+  variables = lora.variables(params, adapters, lcfg)
+  model = qwen.Qwen(cfg)
+  tokens, mask = _batch(7, batch=3, length=10)
+  pos = qwen.positions_from_mask(mask)
+  want, _ = model.apply(variables, tokens, pos, mask)
+  base, _ = model.apply(lora.variables(params, None, lcfg), tokens, pos, mask)
+  real = np.asarray(mask).astype(bool)
+  assert np.abs(np.asarray(want - base))[real].max() > 0.05
+
+  p = 6
+  cache = qwen.init_cache(cfg, 3, 10)
+  hidden, cache = model.apply(variables, tokens[:, :p], pos[:, :p], mask, cache=cache,
+                              cache_index=0)
+  steps = [hidden]
+  for t in range(p, 10):
+    hidden, cache = model.apply(variables, tokens[:, t:t + 1], pos[:, t:t + 1], mask,
+                                cache=cache, cache_index=t)
+    steps.append(hidden)
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1))[real],
+                             np.asarray(want)[real], atol=1e-5)
+
+  # Packed: rows 0..2 as the G = 3 completions (4 tokens each) of prompt row 0's first 6 tokens.
+  g, c = 3, 4
+  full_tokens = jnp.concatenate([jnp.repeat(tokens[:1, :p], g, 0), tokens[:, p:]], 1)
+  full_mask = jnp.concatenate([jnp.repeat(mask[:1, :p], g, 0), jnp.ones((g, c), jnp.int32)], 1)
+  full_pos = qwen.positions_from_mask(full_mask)
+  want_full, _ = model.apply(variables, full_tokens, full_pos, full_mask)
+  pack = lambda x: jnp.concatenate([x[:1, :p], x[:, p:].reshape(1, g * c)], 1)
+  got, _ = qwen.Qwen(cfg, packed=(p, g)).apply(variables, pack(full_tokens), pack(full_pos),
+                                                (mask[:1, :p], full_mask))
+  # Hidden states of order 1 summed in another order: fp32 rounding, as for the cache above.
+  np.testing.assert_allclose(np.asarray(got[:, p:]).reshape(g, c, -1),
+                             np.asarray(want_full[:, p:]), atol=1e-5)
+
+
 def _expected_count(cfg, lcfg):
   """rank × (in_features + out_features) per target and layer, from the transformers shapes."""
   d, i, q, kv = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim,
