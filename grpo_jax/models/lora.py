@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from grpo_jax.models import qwen, weights
+from grpo_jax.models import quant, qwen, weights
 
 # target -> (parent module inside a layer, number of input dims of our kernel layout).
 TARGETS: dict[str, tuple[str, int]] = {
@@ -64,6 +64,8 @@ class LoraConfig:
   alpha: float
   targets: tuple[str, ...] = tuple(TARGETS)
   dropout: float = 0.0
+  # 'int8': the frozen base's seven projection kernels stored as int8 (QLoRA, models/quant.py).
+  quantize: str = "none"
 
   def __post_init__(self):
     if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -78,6 +80,8 @@ class LoraConfig:
                        f"{list(targets)}")
     if self.dropout != 0:
       raise ValueError(f"model.lora.dropout={self.dropout!r}: only 0 is supported")
+    if self.quantize not in quant.MODES:
+      raise ValueError(f"model.lora.quantize={self.quantize!r}: expected one of {quant.MODES}")
 
   @property
   def scale(self) -> float:
@@ -187,8 +191,9 @@ def _outer(lora_a: jax.Array, lora_b: jax.Array) -> jax.Array:
 
 def merge(params, adapters, lcfg: LoraConfig):
   """The base params with each target kernel W replaced by W + (alpha / r)·a·b (computed in
-  fp32, stored in W's dtype): one model that computes what base + adapters compute."""
-  merged = jax.tree.map(lambda x: x, params)
+  fp32, stored in W's dtype): one model that computes what base + adapters compute. An int8
+  base (models/quant.py) is dequantized first, into the embedding's dtype."""
+  merged = jax.tree.map(lambda x: x, quant.dequantize(params))
   for t in _targets_of(adapters):
     node = _get(merged, _kernel_path(t))
     w = node["kernel"]

@@ -203,6 +203,16 @@ def rope(x_BTnH: Array, positions_BT: Array, theta: float) -> Array:
   return x_BTnH * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
+def _kernel(module: nn.Module, shape, axes, param_dtype) -> Array:
+  """The module's kernel in param_dtype: its 'kernel' param, or, for a base quantized by
+  grpo_jax.models.quant, int8 'kernel_q' times the per-output-channel 'kernel_scale'."""
+  if module.has_variable("params", "kernel_q"):
+    q = module.get_variable("params", "kernel_q")
+    scale = module.get_variable("params", "kernel_scale")  # [*out]: broadcast over the inputs
+    return (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(param_dtype)
+  return _param(module, "kernel", shape, axes, _dense_init(), param_dtype)
+
+
 def _adapter(module: nn.Module) -> tuple[Array, Array] | None:
   """The module's LoRA factors (a, b) from the 'lora' collection, or None (see models/lora.py)."""
   if not module.has_variable("lora", "lora_a"):
@@ -241,7 +251,7 @@ class Linear(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    w = _param(self, "kernel", self.shape, self.axes, _dense_init(), self.param_dtype)
+    w = _kernel(self, self.shape, self.axes, self.param_dtype)
     y = project(self.spec, x, w.astype(self.dtype), _adapter(self))
     if self.bias_ndim:
       b = _param(self, "bias", self.shape[-self.bias_ndim:], self.axes[-self.bias_ndim:],
@@ -358,8 +368,7 @@ class _Kernel(nn.Module):
 
   @nn.compact
   def __call__(self):
-    return (_param(self, "kernel", self.shape, self.axes, _dense_init(), self.param_dtype),
-            _adapter(self))
+    return _kernel(self, self.shape, self.axes, self.param_dtype), _adapter(self)
 
 
 @jax.custom_vjp
