@@ -10,6 +10,7 @@ differentiated), the adapters and their AdamW moments in fp32 (donated, updated 
 remat per layer, grpo_jax.logprobs' chunked head), with --beta > 0 a second forward with the
 adapters off as the reference (no second copy of the weights), a GRPO-shaped loss
 (ratio · advantage + beta · k3 KL), gradients w.r.t. the adapters only, and the AdamW update.
+--quantize=int8 stores the base's projection kernels as int8 (grpo_jax.models.quant, QLoRA).
 
 Per device: peak = arguments + outputs − aliased + temporaries (as benchmarks/memory.py).
 The sampler's figure adds the KV cache, [L, rows, K, slots, H] × 2 in bf16, to the bf16 base:
@@ -53,6 +54,8 @@ _TARGETS = flags.DEFINE_list("targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,u
 _BETA = flags.DEFINE_float("beta", 0.04, "KL weight; > 0 adds the reference forward")
 _PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "bfloat16", ["bfloat16", "float32"],
                                  "the frozen base's dtype (compute stays bf16)")
+_QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"],
+                              "int8: the projection kernels of the base as int8 (QLoRA)")
 _SAMPLE_ROWS = flags.DEFINE_integer("sample_rows", 64, "rows decoded at once (KV cache figure)")
 GB = 1e9
 
@@ -63,13 +66,15 @@ def main(argv):
   import jax.numpy as jnp
   import optax
   from grpo_jax import logprobs
-  from grpo_jax.models import lora, qwen
+  from grpo_jax.models import lora, quant, qwen
 
   cfg = qwen.QwenConfig(**MODELS[_MODEL.value], rope_theta=1_000_000.0)
   lcfg = lora.LoraConfig(rank=_RANK.value, alpha=2 * _RANK.value, targets=tuple(_TARGETS.value))
   pdtype = jnp.dtype(_PARAM_DTYPE.value)
   model = qwen.Qwen(cfg, dtype=jnp.bfloat16, param_dtype=pdtype, remat=True)
   params = qwen.abstract_params(cfg, pdtype)
+  if _QUANTIZE.value == "int8":
+    params = quant.abstract(cfg, pdtype)
   adapters = lora.abstract(cfg, lcfg)
   opt = optax.adamw(1e-5, weight_decay=0.0)
   opt_state = jax.eval_shape(opt.init, adapters)
@@ -104,6 +109,7 @@ def main(argv):
     return optax.apply_updates(adapters, updates), opt_state, loss
 
   n_base = sum(x.size for x in jax.tree.leaves(params))
+  base_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   n_lora = lora.num_trainable(adapters)
   t0 = time.time()
   compiled = jax.jit(step, donate_argnums=(0, 1)).lower(adapters, opt_state, params,
@@ -112,7 +118,7 @@ def main(argv):
   peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
           + m.temp_size_in_bytes)
   kv = 2 * cfg.num_layers * _SAMPLE_ROWS.value * cfg.num_kv_heads * t * cfg.head_dim * 2
-  print(f"{_MODEL.value}: base {n_base / 1e9:.3f}B params {pdtype.name} ({pdtype.itemsize * n_base / GB:.2f} GB), "
+  print(f"{_MODEL.value}: base {n_base / 1e9:.3f}B params {pdtype.name}{' + int8 projections' if _QUANTIZE.value == 'int8' else ''} ({base_bytes / GB:.2f} GB), "
         f"LoRA rank {lcfg.rank} on {len(lcfg.targets)} targets: {n_lora / 1e6:.2f}M params "
         f"(+ AdamW: {3 * 4 * n_lora / GB:.3f} GB); {rows} rows × ({p} + {c}) tokens, "
         f"beta={beta}; compiled in {time.time() - t0:.0f} s")
@@ -121,7 +127,7 @@ def main(argv):
         f"temporaries {m.temp_size_in_bytes / GB:.2f} GB")
   print(f"lora_step_peak_gb={peak / GB:.2f}")
   print(f"kv_cache_gb={kv / GB:.2f} ({_SAMPLE_ROWS.value} rows × {t} slots, bf16); "
-        f"sampler_floor_gb={(2 * n_base + 4 * 3 * n_lora + kv) / GB:.2f} (base + adapters and "
+        f"sampler_floor_gb={(base_bytes + 4 * 3 * n_lora + kv) / GB:.2f} (base + adapters and "
         "moments + cache, before activations)")
 
 
