@@ -404,6 +404,56 @@ def _gated_mlp_bwd(res, dy_BTD):
 gated_mlp.defvjp(_gated_mlp_fwd, _gated_mlp_bwd)
 
 
+@jax.custom_vjp
+def gated_mlp_lora(x_BTD: Array, wg_DI: Array, wu_DI: Array, wd_ID: Array,
+                   lora: tuple[Array, ...]) -> Array:
+  """gated_mlp with a LoRA path on each projection: lora = (ag [D, r], bg [r, I], au, bu,
+  ad [I, r], bd [r, D]), b already scaled; a projection without adapter gets r = 0 factors.
+
+  Its backward is written out for the same reason as gated_mlp's: the factors' gradients
+  contract the [B·T, I] gradients over B·T as a kernel's gradient does, and with JAX's autodiff
+  backward XLA:CPU wrote them transposed. Gradient w.r.t. the factors and x at 2048 tokens,
+  D 896, I 4864, r 16, medians of 5 on a loaded 2-core CPU: autodiff 2.67 s, this 1.73 s, the
+  frozen MLP's x-gradient alone 1.52 s.
+  """
+  return _gated_mlp_lora_fwd(x_BTD, wg_DI, wu_DI, wd_ID, lora)[0]
+
+
+def _gated_mlp_lora_fwd(x, wg, wu, wd, lora):
+  ag, bg, au, bu, ad, bd = lora
+  xg = jnp.einsum("BTD,Dr->BTr", x, ag)
+  xu = jnp.einsum("BTD,Dr->BTr", x, au)
+  g = jnp.einsum("BTD,DI->BTI", x, wg) + jnp.einsum("BTr,rI->BTI", xg, bg)
+  u = jnp.einsum("BTD,DI->BTI", x, wu) + jnp.einsum("BTr,rI->BTI", xu, bu)
+  h = jax.nn.silu(g) * u
+  hd = jnp.einsum("BTI,Ir->BTr", h, ad)
+  y = jnp.einsum("BTI,ID->BTD", h, wd) + jnp.einsum("BTr,rD->BTD", hd, bd)
+  return y, (x, g, u, xg, xu, hd, wg, wu, wd, lora)
+
+
+def _gated_mlp_lora_bwd(res, dy):
+  x, g, u, xg, xu, hd, wg, wu, wd, (ag, bg, au, bu, ad, bd) = res
+  sig = jax.nn.sigmoid(g)
+  act = g * sig  # silu(g)
+  h = act * u
+  dhd = jnp.einsum("BTD,rD->BTr", dy, bd)
+  dh = jnp.einsum("BTD,ID->BTI", dy, wd) + jnp.einsum("BTr,Ir->BTI", dhd, ad)
+  dg = dh * u * (sig * (1 + g * (1 - sig)))  # silu'(g) = sig (1 + g (1 - sig))
+  du = dh * act
+  dxg = jnp.einsum("BTI,rI->BTr", dg, bg)
+  dxu = jnp.einsum("BTI,rI->BTr", du, bu)
+  dx = (jnp.einsum("BTI,DI->BTD", dg, wg) + jnp.einsum("BTI,DI->BTD", du, wu)
+        + jnp.einsum("BTr,Dr->BTD", dxg, ag) + jnp.einsum("BTr,Dr->BTD", dxu, au))
+  dlora = (jnp.einsum("BTD,BTr->Dr", x, dxg), jnp.einsum("BTr,BTI->rI", xg, dg),
+           jnp.einsum("BTD,BTr->Dr", x, dxu), jnp.einsum("BTr,BTI->rI", xu, du),
+           jnp.einsum("BTI,BTr->Ir", h, dhd), jnp.einsum("BTr,BTD->rD", hd, dy))
+  return (dx, jnp.einsum("BTD,BTI->DI", x, dg), jnp.einsum("BTD,BTI->DI", x, du),
+          jnp.einsum("BTI,BTD->ID", h, dy), dlora)
+
+
+gated_mlp_lora.defvjp(_gated_mlp_lora_fwd, _gated_mlp_lora_bwd)
+
+
 class MLP(nn.Module):
   cfg: QwenConfig
   dtype: Any
@@ -420,11 +470,12 @@ class MLP(nn.Module):
     wg, wu, wd = (w.astype(self.dtype) for w in (wg, wu, wd))
     if lg is None and lu is None and ld is None:
       return gated_mlp(x_BTD, wg, wu, wd)
-    # With adapters the plain autodiff backward: the frozen kernels get no gradient, so the
-    # weight-gradient layouts gated_mlp's backward exists for are not computed at all.
-    g = project("BTD,DI->BTI", x_BTD, wg, lg)
-    u = project("BTD,DI->BTI", x_BTD, wu, lu)
-    return project("BTI,ID->BTD", jax.nn.silu(g) * u, wd, ld)
+    factors = []
+    for ab, (n_in, n_out) in ((lg, (d, i)), (lu, (d, i)), (ld, (i, d))):
+      if ab is None:  # no adapter on this projection: rank-0 factors add nothing
+        ab = (jnp.zeros((n_in, 0)), jnp.zeros((0, n_out)))
+      factors += [t.astype(self.dtype) for t in ab]
+    return gated_mlp_lora(x_BTD, wg, wu, wd, tuple(factors))
 
 
 def _constrain(x: Array, sharding) -> Array:
