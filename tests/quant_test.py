@@ -133,3 +133,19 @@ def test_sharded_int8_base_gives_the_one_device_forward(checkpoint, mesh_shape):
   batch = sharding.batch_sharding(mesh)
   got = f({"params": placed}, jax.device_put(tokens, batch), jax.device_put(mask, batch))
   np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+def test_load_quantized_equals_quantize_of_the_loaded_params(checkpoint):
+  params, cfg = weights.load_checkpoint(checkpoint, param_dtype=jnp.bfloat16)
+  want = quant.quantize(params)
+  mesh = sharding.make_mesh((1, 2, 4))
+  got, got_cfg = quant.load_quantized(checkpoint, jnp.bfloat16, mesh=mesh)
+  assert got_cfg == cfg
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), got, want)
+  shardings = sharding.param_shardings(quant.logical_axes(cfg), quant.abstract(cfg, jnp.bfloat16),
+                                       mesh)
+  jax.tree.map(lambda x, s: (x.sharding == s) or pytest.fail(f"{x.sharding} != {s}"), got,
+               shardings)
+  alone, _ = quant.load_quantized(checkpoint, jnp.bfloat16)
+  assert alone["layers"]["mlp"]["down_proj"]["kernel_q"].dtype == jnp.int8

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from grpo_jax.models import qwen
+from grpo_jax import sharding as sharding_lib
+from grpo_jax.models import qwen, weights
 
 # target -> (parent module in a layer, number of input dims of the kernel), as models/lora.py.
 KERNELS = {"q_proj": ("self_attn", 1), "k_proj": ("self_attn", 1), "v_proj": ("self_attn", 1),
@@ -84,3 +85,19 @@ def logical_axes(cfg: qwen.QwenConfig):
     node["kernel_q"] = P(*names)
     node["kernel_scale"] = P(names[0], *names[1 + in_ndim:])
   return axes
+
+
+def load_quantized(path_or_id, param_dtype=jnp.bfloat16, mesh=None):
+  """(int8 params, QwenConfig) from a Hugging Face checkpoint, without the full-precision base
+  ever on the accelerator: the checkpoint is read into host memory (the CPU device, in
+  param_dtype: 15.2 GB of host RAM for a 7B model in bf16), quantized there, and only the int8
+  params go to the devices, each in its logical sharding when a mesh is given."""
+  with jax.default_device(jax.devices("cpu")[0]):
+    params, cfg = weights.load_checkpoint(path_or_id, param_dtype=param_dtype)
+    qparams = jax.jit(quantize)(params)
+  del params
+  if mesh is not None:
+    target = sharding_lib.param_shardings(logical_axes(cfg), abstract(cfg, param_dtype), mesh)
+  else:
+    target = jax.tree.map(lambda _: jax.devices()[0], qparams)
+  return jax.device_put(qparams, target), cfg
