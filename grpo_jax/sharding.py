@@ -31,6 +31,7 @@ RULES: dict[str, str | None] = {
     "norm": None,
     "layers": None,
     "length": None,
+    "lora_rank": None,  # a LoRA factor's rank dim (grpo_jax.models.lora); its other dims follow
 }
 
 

@@ -25,6 +25,10 @@ with a KV cache raises `BidirectionalDecodeError`.
 Parameters carry logical axis names ('vocab', 'embed', 'q_heads', 'kv_heads', 'head_dim',
 'mlp', 'norm', 'layers'); grpo_jax.sharding maps them onto the device mesh with one table.
 Parameter names follow the Hugging Face checkpoint so the weight map stays readable.
+
+LoRA adapters travel in a second variable collection, 'lora', beside 'params' (built by
+grpo_jax.models.lora): a projection whose adapter is there adds its low-rank path; without the
+collection the model is the base model.
 """
 
 from __future__ import annotations
@@ -209,6 +213,43 @@ def rope(x_BTnH: Array, positions_BT: Array, theta: float) -> Array:
   return x_BTnH * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
+def _kernel(module: nn.Module, shape, axes, param_dtype) -> Array:
+  """The module's kernel in param_dtype: its 'kernel' param, or, for a base quantized by
+  grpo_jax.models.quant, int8 'kernel_q' times the per-output-channel 'kernel_scale'."""
+  if module.has_variable("params", "kernel_q"):
+    q = module.get_variable("params", "kernel_q")
+    scale = module.get_variable("params", "kernel_scale")  # [*out]: broadcast over the inputs
+    return (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(param_dtype)
+  return _param(module, "kernel", shape, axes, _dense_init(), param_dtype)
+
+
+def _adapter(module: nn.Module) -> tuple[Array, Array] | None:
+  """The module's LoRA factors (a, b) from the 'lora' collection, or None (see models/lora.py)."""
+  if not module.has_variable("lora", "lora_a"):
+    return None
+  return module.get_variable("lora", "lora_a"), module.get_variable("lora", "lora_b")
+
+
+def project(spec: str, x: Array, w: Array, adapter: tuple[Array, Array] | None = None) -> Array:
+  """einsum(spec, x, w), plus the low-rank path (x · a) · b when an adapter is given.
+
+  The kernel's letters that x shares are its input dims, the others its output dims; a holds
+  the input dims then the rank r, b the rank then the output dims ('BTD,DnH->BTnH': a [D, r],
+  b [r, n, H]). b arrives already multiplied by alpha / r (lora.variables does it).
+  """
+  y = jnp.einsum(spec, x, w)
+  if adapter is None:
+    return y
+  a, b = adapter
+  xs, rest = spec.split(",")
+  ks, ys = rest.split("->")
+  ins = "".join(c for c in ks if c in xs)
+  outs = "".join(c for c in ks if c not in xs)
+  batch = "".join(c for c in xs if c not in ks)
+  x_r = jnp.einsum(f"{xs},{ins}r->{batch}r", x, a.astype(x.dtype))
+  return y + jnp.einsum(f"{batch}r,r{outs}->{ys}", x_r, b.astype(x.dtype))
+
+
 class Linear(nn.Module):
   """y = einsum(spec, x, kernel) (+ bias): one transformers nn.Linear, kernel laid out by axes."""
   spec: str
@@ -220,8 +261,8 @@ class Linear(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    w = _param(self, "kernel", self.shape, self.axes, _dense_init(), self.param_dtype)
-    y = jnp.einsum(self.spec, x, w.astype(self.dtype))
+    w = _kernel(self, self.shape, self.axes, self.param_dtype)
+    y = project(self.spec, x, w.astype(self.dtype), _adapter(self))
     if self.bias_ndim:
       b = _param(self, "bias", self.shape[-self.bias_ndim:], self.axes[-self.bias_ndim:],
                  nn.initializers.zeros, self.param_dtype)
@@ -359,14 +400,15 @@ def _cudnn_attend(q_BTNH, k_BSKH, v_BSKH, visible_B1TS, is_causal, implementatio
 
 
 class _Kernel(nn.Module):
-  """A Linear's kernel alone (the MLP multiplies by it itself): keeps the params' names."""
+  """A Linear's kernel alone (the MLP multiplies by it itself): keeps the params' names.
+  Returns (kernel, its LoRA adapter (a, b) or None)."""
   shape: tuple[int, ...]
   axes: tuple[str, ...]
   param_dtype: Any
 
   @nn.compact
   def __call__(self):
-    return _param(self, "kernel", self.shape, self.axes, _dense_init(), self.param_dtype)
+    return _kernel(self, self.shape, self.axes, self.param_dtype), _adapter(self)
 
 
 @jax.custom_vjp
@@ -402,6 +444,57 @@ def _gated_mlp_bwd(res, dy_BTD):
 gated_mlp.defvjp(_gated_mlp_fwd, _gated_mlp_bwd)
 
 
+@jax.custom_vjp
+def gated_mlp_lora(x_BTD: Array, wg_DI: Array, wu_DI: Array, wd_ID: Array,
+                   lora: tuple[Array, ...]) -> Array:
+  """gated_mlp with a LoRA path on each projection: lora = (ag [D, r], bg [r, I], au, bu,
+  ad [I, r], bd [r, D]), b already scaled; a projection without adapter gets r = 0 factors.
+
+  Its backward is written out for the same reason as gated_mlp's: the factors' gradients
+  contract the [B·T, I] gradients over B·T as a kernel's gradient does, and with JAX's autodiff
+  backward XLA:CPU wrote them transposed (its optimized HLO transposes the gate and up
+  gradients to [I, B·T]; this one transposes only [r, B·T] and [D, B·T] arrays). Gradient w.r.t. the factors and x at 2048 tokens,
+  D 896, I 4864, r 16, medians of 5 on a loaded 2-core CPU: autodiff 2.67 s, this 1.73 s, the
+  frozen MLP's x-gradient alone 1.52 s.
+  """
+  return _gated_mlp_lora_fwd(x_BTD, wg_DI, wu_DI, wd_ID, lora)[0]
+
+
+def _gated_mlp_lora_fwd(x, wg, wu, wd, lora):
+  ag, bg, au, bu, ad, bd = lora
+  xg = jnp.einsum("BTD,Dr->BTr", x, ag)
+  xu = jnp.einsum("BTD,Dr->BTr", x, au)
+  g = jnp.einsum("BTD,DI->BTI", x, wg) + jnp.einsum("BTr,rI->BTI", xg, bg)
+  u = jnp.einsum("BTD,DI->BTI", x, wu) + jnp.einsum("BTr,rI->BTI", xu, bu)
+  h = jax.nn.silu(g) * u
+  hd = jnp.einsum("BTI,Ir->BTr", h, ad)
+  y = jnp.einsum("BTI,ID->BTD", h, wd) + jnp.einsum("BTr,rD->BTD", hd, bd)
+  return y, (x, g, u, xg, xu, hd, wg, wu, wd, lora)
+
+
+def _gated_mlp_lora_bwd(res, dy):
+  x, g, u, xg, xu, hd, wg, wu, wd, (ag, bg, au, bu, ad, bd) = res
+  sig = jax.nn.sigmoid(g)
+  act = g * sig  # silu(g)
+  h = act * u
+  dhd = jnp.einsum("BTD,rD->BTr", dy, bd)
+  dh = jnp.einsum("BTD,ID->BTI", dy, wd) + jnp.einsum("BTr,Ir->BTI", dhd, ad)
+  dg = dh * u * (sig * (1 + g * (1 - sig)))  # silu'(g) = sig (1 + g (1 - sig))
+  du = dh * act
+  dxg = jnp.einsum("BTI,rI->BTr", dg, bg)
+  dxu = jnp.einsum("BTI,rI->BTr", du, bu)
+  dx = (jnp.einsum("BTI,DI->BTD", dg, wg) + jnp.einsum("BTI,DI->BTD", du, wu)
+        + jnp.einsum("BTr,Dr->BTD", dxg, ag) + jnp.einsum("BTr,Dr->BTD", dxu, au))
+  dlora = (jnp.einsum("BTD,BTr->Dr", x, dxg), jnp.einsum("BTr,BTI->rI", xg, dg),
+           jnp.einsum("BTD,BTr->Dr", x, dxu), jnp.einsum("BTr,BTI->rI", xu, du),
+           jnp.einsum("BTI,BTr->Ir", h, dhd), jnp.einsum("BTr,BTD->rD", hd, dy))
+  return (dx, jnp.einsum("BTD,BTI->DI", x, dg), jnp.einsum("BTD,BTI->DI", x, du),
+          jnp.einsum("BTI,BTD->ID", h, dy), dlora)
+
+
+gated_mlp_lora.defvjp(_gated_mlp_lora_fwd, _gated_mlp_lora_bwd)
+
+
 class MLP(nn.Module):
   cfg: QwenConfig
   dtype: Any
@@ -410,11 +503,20 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x_BTD):
     d, i = self.cfg.hidden_size, self.cfg.intermediate_size
-    kernel = lambda name, shape, axes: _Kernel(shape, axes, self.param_dtype, name=name)(
-        ).astype(self.dtype)
-    return gated_mlp(x_BTD, kernel("gate_proj", (d, i), ("embed", "mlp")),
-                     kernel("up_proj", (d, i), ("embed", "mlp")),
-                     kernel("down_proj", (i, d), ("mlp", "embed")))
+    (wg, lg), (wu, lu), (wd, ld) = (
+        _Kernel(shape, axes, self.param_dtype, name=name)()
+        for name, shape, axes in (("gate_proj", (d, i), ("embed", "mlp")),
+                                  ("up_proj", (d, i), ("embed", "mlp")),
+                                  ("down_proj", (i, d), ("mlp", "embed"))))
+    wg, wu, wd = (w.astype(self.dtype) for w in (wg, wu, wd))
+    if lg is None and lu is None and ld is None:
+      return gated_mlp(x_BTD, wg, wu, wd)
+    factors = []
+    for ab, (n_in, n_out) in ((lg, (d, i)), (lu, (d, i)), (ld, (i, d))):
+      if ab is None:  # no adapter on this projection: rank-0 factors add nothing
+        ab = (jnp.zeros((n_in, 0)), jnp.zeros((0, n_out)))
+      factors += [t.astype(self.dtype) for t in ab]
+    return gated_mlp_lora(x_BTD, wg, wu, wd, tuple(factors))
 
 
 def _constrain(x: Array, sharding) -> Array:
@@ -468,7 +570,7 @@ class Qwen(nn.Module):
     if self.remat:
       layer = nn.remat(layer, prevent_cse=False)
     self.layers = nn.scan(
-        layer, variable_axes={"params": 0}, split_rngs={"params": True},
+        layer, variable_axes={"params": 0, "lora": 0}, split_rngs={"params": True},
         length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"},
     )(cfg, self.dtype, self.param_dtype, self.act_sharding, self.packed)
     self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype)
