@@ -311,6 +311,8 @@ def run_group(configs, workdirs) -> list[dict]:
   stop = {"requested": False}
   previous = signal.signal(signal.SIGTERM, lambda *_: (
       stop.update(requested=True), [m.setup.interrupt.set() for m in members]))
+  # Several processes: a SIGTERM to one interrupts the rewards of all (docs/faults.md).
+  shared_interrupt = hosts.SharedEvents([m.setup.interrupt for m in members])
 
   def save(step, only=None):
     for k, m in enumerate(members):
@@ -391,6 +393,7 @@ def run_group(configs, workdirs) -> list[dict]:
         break
   finally:
     gc.unfreeze()  # run() may be called again in this process (tests, sweeps)
+    shared_interrupt.stop()
     for m in members:
       m.close()
     signal.signal(signal.SIGTERM, previous)
