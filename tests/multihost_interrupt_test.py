@@ -11,10 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+import types
+
+import pytest
 
 import cli
 from fake_chat_server import FakeChatServer
-from grpo_jax import checkpoint, logging_io
+from grpo_jax import checkpoint, hosts, logging_io, rollout
+from grpo_jax.rewards import Interrupted
 from multihost_test import _env, _free_port
 
 
@@ -79,3 +83,71 @@ def test_sigterm_to_one_host_waiting_on_its_scorer_stops_both_at_the_same_step(t
   assert checkpoint.latest_step(str(workdir)) == 0
   assert not (workdir / "final_model").exists()
   assert [r["step"] for r in logging_io.read_jsonl(str(workdir / "metrics.jsonl"))] == [0]
+
+
+# --- the two parts, each alone --------------------------------------------------------------------
+
+class _Out:  # what sample_and_score reads of a sampler's output
+  tokens, lengths, truncated, metrics = [[1, 2]], [2], [False], {}
+
+
+@pytest.mark.parametrize("mine, others, raised, gathered", [
+    (False, False, False, True),   # no one interrupted: the batch is gathered
+    (True, True, True, False),     # this process interrupted: it says so, and raises
+    (False, True, True, False),    # another one interrupted (this one in the collective)
+])
+def test_the_processes_agree_before_the_gather(monkeypatch, mine, others, raised, gathered):
+  """sample_and_score with 2 processes (faked): every process enters the one agreement, and
+  all raise Interrupted when any reward was interrupted, before the gather."""
+  said, log = [], []
+  monkeypatch.setattr(hosts, "count", lambda: 2)
+  monkeypatch.setattr(hosts, "share", lambda n, even=True: slice(0, n))
+  monkeypatch.setattr(hosts, "any_", lambda flag: said.append(flag) or flag or others)
+  monkeypatch.setattr(rollout, "encode", lambda *a: rollout.Prompts(["p"], [[5]]))
+
+  def score(*a):
+    if mine:
+      raise Interrupted("waiting on the scorer")
+    return "part", {}, {}, (0.0, 0.0)
+  monkeypatch.setattr(rollout, "score_samples", score)
+  monkeypatch.setattr(rollout, "_gather", lambda part, m, r: log.append(part) or (part, m))
+  sampler = types.SimpleNamespace(generate=lambda *a, **kw: _Out())
+  config = types.SimpleNamespace(sampling=types.SimpleNamespace(num_generations=1))
+  call = lambda: rollout.sample_and_score(config, sampler, None, None, [{}], [], None)
+  if raised:
+    with pytest.raises(Interrupted):
+      call()
+  else:
+    assert call()[0] == "part"
+  assert said == [mine] and bool(log) == gathered
+
+
+def test_an_event_set_on_one_process_is_set_on_the_other(tmp_path):
+  """hosts.SharedEvents over two real processes (jax.distributed on localhost): process 0 sets
+  its event; process 1's is set within a second, with no collective."""
+  script = tmp_path / "shared.py"
+  script.write_text(
+      "import sys, threading, time\n"
+      "from grpo_jax import hosts\n"
+      "hosts.initialize(f'localhost:{sys.argv[2]}', 2, int(sys.argv[1]))\n"
+      "event = threading.Event()\n"
+      "shared = hosts.SharedEvents([event], poll_s=0.05)\n"
+      "hosts.barrier('both watch')\n"
+      "if hosts.index() == 0:\n"
+      "  time.sleep(0.5)\n"
+      "  event.set()\n"
+      "  t0 = time.monotonic()\n"
+      "else:\n"
+      "  t0 = time.monotonic()\n"
+      "  assert event.wait(10), 'not set'\n"
+      "  print(f'set after {time.monotonic() - t0:.2f} s', flush=True)\n"
+      "hosts.barrier('done')\n"
+      "shared.stop()\n")
+  port = _free_port()
+  procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port)], cwd=cli.REPO,
+                            env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True) for i in (0, 1)]
+  outs = [p.communicate(timeout=120)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs
+  waited = float(outs[1].split("set after ")[1].split(" s")[0])
+  assert waited < 0.5 + 1.0, outs[1]  # process 0 sets it 0.5 s after the barrier
