@@ -205,3 +205,40 @@ def test_a_failing_member_is_recorded_as_failed_and_its_group_goes_on(tmp_path):
   with pytest.raises(train.TooManyBadSteps):
     train.run(_config(bad), a)
   assert not os.path.exists(os.path.join(a, train.FAILURE_FILE))
+
+
+def test_a_member_whose_reward_goes_missing_fails_alone(tmp_path, monkeypatch):
+  """The other way a member fails alone: its reward returns None (could not score) for every
+  completion, and with train.max_missing_reward_steps=1 its reward health raises
+  MissingRewardsError at step 1. As its separate run, it logs that step and saves its
+  checkpoint, then stops; the other member (the first here) runs to the end."""
+  from grpo_jax.rewards import Reward
+  real_setup = train.setup
+
+  def setup(config, workdir):  # the second member's reward never scores
+    s = real_setup(config, workdir)
+    if workdir.endswith("silent"):
+      s.rewards = [Reward(r.name, r.weight, lambda p, c, **kw: [None] * len(c))
+                   for r in s.rewards]
+    return s
+  monkeypatch.setattr(train, "setup", setup)
+  fixed = {"sft.steps": 0, "train.steps": 2, "train.eval_examples": 8, "train.eval_every": 0,
+           "train.checkpoint_every": 1, "train.keep_checkpoints": 10,
+           "train.tensorboard": False, "train.max_missing_reward_steps": 1}
+  a, b = str(tmp_path / "fine"), str(tmp_path / "silent")
+  summaries = train.run_group([_config({**fixed, "optim.lr": 1e-4}),
+                               _config({**fixed, "optim.lr": 1e-5})], [a, b])
+  assert "eval_accuracy_gain_points" in summaries[0]
+  assert "missing" in summaries[1]["failed"]
+  steps = lambda d: [r["step"] for r in logging_io.read_jsonl(os.path.join(d, "metrics.jsonl"))]
+  assert steps(a) == [0, 1, 2] and steps(b) == [0, 1]
+  assert sorted(os.listdir(os.path.join(a, "checkpoints"))) == ["0", "1", "2"]
+  assert sorted(os.listdir(os.path.join(b, "checkpoints"))) == ["0", "1"]
+  assert os.path.isfile(os.path.join(a, "final_model", "model.safetensors"))
+  assert os.path.isfile(os.path.join(a, "summary.json"))
+  assert not os.path.exists(os.path.join(b, "summary.json"))
+  assert not os.path.exists(os.path.join(b, "final_model"))
+  record = json.loads(open(os.path.join(b, train.FAILURE_FILE)).read())
+  assert (record["error"], record["step"]) == ("MissingRewardsError", 1)
+  assert sweep_runner.failure(b).startswith("MissingRewardsError at step 1: ")
+  assert sweep_runner.failure(a) is None and sweep_runner.summary_complete(a)
