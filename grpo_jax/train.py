@@ -18,7 +18,8 @@ health, dynamic-sampling rounds (a round is sampled for every member when any ne
 keeps only the rounds its own run would take), metrics, samples, checkpoints and final model in
 its own workdir, exactly as a separate run writes them. Members may differ only in VARIABLE
 (check_vmappable); a member's numbers equal its separate run's within rounding
-(tests/vmapped_test.py says how close).
+(tests/vmapped_test.py says how close). A member that fails alone (non-finite steps, a missing
+reward) is recorded as failed (FAILURE_FILE) and the others go on (docs/faults.md).
 
 Resuming is automatic: a workdir holding a checkpoint continues from it. Every source of
 randomness is a pure function of (seed, step) and the data order of (seed, epoch), so on one
