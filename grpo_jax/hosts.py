@@ -17,8 +17,10 @@ How a multi-host run divides the work (see docs/platforms.md, "Several hosts"):
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import threading
 
 import jax
 import numpy as np
@@ -139,6 +141,52 @@ def fetch(tree):
 def any_(flag: bool) -> bool:
   """True on every process when it is True on any (e.g. a SIGTERM seen by one host)."""
   return bool(gather(np.asarray([bool(flag)])).any())
+
+
+class SharedEvents:
+  """Makes threading.Events one flag over the processes: set on any process, they are set on
+  every process within about 2 × poll_s. A run's SIGTERM interrupt is one: a reward waiting on
+  its scorer on another host gives up too, so that every host reaches the collective that
+  agrees to stop (grpo_jax.rollout.sample_and_score), not just the one that got the signal.
+
+  Through the key-value store of jax.distributed's coordination service, polled by a thread
+  (no collective: the main thread may be in one, or waiting on a scorer). With one process it
+  does nothing. stop() ends the thread; a store that has gone away (process 0 exited) ends it
+  too, without setting anything."""
+
+  _runs = itertools.count()  # one key per use; every process uses them in the same order
+
+  def __init__(self, events, poll_s: float = 0.1):
+    self.events, self.poll_s = list(events), poll_s
+    self._done = threading.Event()
+    self._thread = None
+    if jax.process_count() > 1:
+      from jax._src import distributed  # the client jax.distributed.initialize made
+      self._client = distributed.global_state.client
+      self._key = f"grpo_jax/shared_events/{next(self._runs)}"
+      self._thread = threading.Thread(target=self._watch, name="grpo_jax-shared-events",
+                                      daemon=True)
+      self._thread.start()
+
+  def _watch(self):
+    while not self._done.wait(self.poll_s):
+      try:
+        if any(e.is_set() for e in self.events):
+          self._client.key_value_set(self._key, str(jax.process_index()), allow_overwrite=True)
+          return
+        self._client.key_value_try_get(self._key)  # raises NOT_FOUND until a process sets it
+      except Exception as e:  # noqa: BLE001 - NOT_FOUND: not set; anything else: store gone
+        if "NOT_FOUND" in str(e):
+          continue
+        return
+      for e in self.events:  # another process set it
+        e.set()
+      return
+
+  def stop(self) -> None:
+    self._done.set()
+    if self._thread is not None:
+      self._thread.join()
 
 
 def barrier(name: str) -> None:

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from grpo_jax import data, grpo, hosts, sft
-from grpo_jax.rewards import build_rewards, merge_metrics, score
+from grpo_jax.rewards import Interrupted, build_rewards, merge_metrics, score
 
 
 @dataclasses.dataclass
@@ -218,10 +218,21 @@ def sample_and_score(config, sampler, tokenizer, params, rows, rewards, key):
   prompts = encode(config, tokenizer, rows)
   out = sampler.generate(params, prompts.ids, num_samples=config.sampling.num_generations,
                          key=key, prompt_ids=np.arange(mine.start, mine.stop))
-  part, reward_m, sampler_m, times = score_samples(config, tokenizer, rows, prompts, out,
-                                                   rewards, t0)
-  if hosts.count() > 1:
-    part, reward_m = _gather(part, reward_m, rewards)
+  if hosts.count() == 1:
+    return score_samples(config, tokenizer, rows, prompts, out, rewards, t0)
+  # A reward interrupted on one process (SIGTERM while it waited on its scorer) must not leave
+  # the others waiting in the gather: every process says whether it was, and all raise.
+  # (hosts.SharedEvents, set up by the loop, interrupts a process still waiting on its own
+  # scorer, so it gets here within a poll.)
+  interrupted = None
+  try:
+    part, reward_m, sampler_m, times = score_samples(config, tokenizer, rows, prompts, out,
+                                                     rewards, t0)
+  except Interrupted as e:
+    interrupted = e
+  if hosts.any_(interrupted is not None):
+    raise interrupted or Interrupted("another process's reward was interrupted")
+  part, reward_m = _gather(part, reward_m, rewards)
   return part, reward_m, sampler_m, times
 
 

@@ -12,7 +12,9 @@ out-of-memory kill takes down that run only), up to `parallel` at once.
 A run is finished when its last attempt exited 0 and its summary.json has the gain (a run
 stopped by SIGTERM writes one with stopped_early). Running the sweep again skips finished runs
 and starts the others again: main resumes each from its latest checkpoint. A run that fails is
-recorded and the sweep goes on; the exit status is 1 when any run failed.
+recorded and the sweep goes on; the exit status is 1 when any run failed. A --vmap group's
+member that fails alone (train.FAILURE_FILE in its workdir, with the reason) is failed while the
+group's other members go on (docs/faults.md).
 
 Ctrl-C (SIGINT) or SIGTERM stops the sweep: each run gets SIGTERM, which main answers by saving
 a checkpoint and exiting within seconds; a second Ctrl-C kills them. Runs are started in their
@@ -47,6 +49,7 @@ GROUP_DIR = "vmapped"          # <workdir>/vmapped/<group>/{spec.json,log.txt}: 
 SUMMARY_FILE = "summary.json"  # logging_io.SUMMARY_FILE; not imported: it would load numpy
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"    # checkpoint.SUBDIR; not imported: it would load jax and orbax
+FAILURE_FILE = "failed.json"   # train.FAILURE_FILE: a vmapped member that failed, and why
 STOP_GRACE_S = 300             # how long stopped runs get to save their checkpoint
 POLL_S = 0.5
 
@@ -81,6 +84,14 @@ def summary_complete(run_dir: str) -> bool:
   then; a SIGTERM'd run writes stopped_early instead)."""
   s = read_json(os.path.join(run_dir, SUMMARY_FILE))
   return isinstance(s, dict) and "eval_accuracy_gain_points" in s and not s.get("stopped_early")
+
+
+def failure(run_dir: str) -> str | None:
+  """Why a vmapped group's member failed while the group went on (train.FAILURE_FILE), if so."""
+  f = read_json(os.path.join(run_dir, FAILURE_FILE))
+  if not isinstance(f, dict):
+    return None
+  return f"{f.get('error')} at step {f.get('step')}: {f.get('message')}"
 
 
 def has_checkpoint(run_dir: str) -> bool:
@@ -317,6 +328,8 @@ class Runner:
     complete = summary_complete(d) and (r.kind == "run" or has_checkpoint(d))
     if code == 0 and complete:
       status, reason = "done", None
+    elif failure(d) is not None:  # a vmapped member that failed; its group may have gone on
+      status, reason = "failed", failure(d)
     elif self._stopping:
       status, reason = "interrupted", _exit_text(code)
     elif code == 0:  # main exits 0 after a SIGTERM it did not get from us (a preemption)

@@ -18,7 +18,8 @@ health, dynamic-sampling rounds (a round is sampled for every member when any ne
 keeps only the rounds its own run would take), metrics, samples, checkpoints and final model in
 its own workdir, exactly as a separate run writes them. Members may differ only in VARIABLE
 (check_vmappable); a member's numbers equal its separate run's within rounding
-(tests/vmapped_test.py says how close).
+(tests/vmapped_test.py says how close). A member that fails alone (non-finite steps, a missing
+reward) is recorded as failed (FAILURE_FILE) and the others go on (docs/faults.md).
 
 Resuming is automatic: a workdir holding a checkpoint continues from it. Every source of
 randomness is a pure function of (seed, step) and the data order of (seed, epoch), so on one
@@ -59,6 +60,12 @@ from grpo_jax.rewards import Interrupted, MissingRewardsError, RewardHealth, bui
 
 class TooManyBadSteps(UserError):
   """Consecutive non-finite steps: a setting (usually optim.lr) to change, not a crash."""
+
+
+# A vmapped group's member that failed (TooManyBadSteps, MissingRewardsError) while the others
+# went on: {"error", "message", "step"} in its workdir (grpo_jax.sweep_runner reads it). A run
+# that starts removes it.
+FAILURE_FILE = "failed.json"
 
 
 # --- the program -------------------------------------------------------------------------------
@@ -237,12 +244,16 @@ class Member:
     self.ckpt = checkpoint.Checkpointer(self.workdir, max_to_keep=c.train.keep_checkpoints)
     self.health = RewardHealth(self.setup.rewards, c.train.max_missing_reward_steps,
                                log=lambda line: tqdm.write(line, file=sys.stderr))
+    failure = storage.path(self.workdir) / FAILURE_FILE
+    if main and failure.exists():  # an earlier attempt's: this one starts again
+      failure.unlink()
 
   def close(self) -> None:
     """Checkpoints finished; on an object store the logs' appended parts folded in."""
     for part in (self.ckpt, self.metrics, self.samples):
       if part is not None:
         part.close()
+    self.ckpt = self.metrics = self.samples = None
 
 
 @dataclasses.dataclass
@@ -311,16 +322,35 @@ def run_group(configs, workdirs) -> list[dict]:
   stop = {"requested": False}
   previous = signal.signal(signal.SIGTERM, lambda *_: (
       stop.update(requested=True), [m.setup.interrupt.set() for m in members]))
+  # Several processes: a SIGTERM to one interrupts the rewards of all (docs/faults.md).
+  shared_interrupt = hosts.SharedEvents([m.setup.interrupt for m in members])
+
+  failures = {}  # workdir -> error: vmapped members that failed; the others go on
 
   def save(step, only=None):
     for k, m in enumerate(members):
-      if only is not None and m not in only:
+      if only is not None and m not in only or m.workdir in failures:
         continue
       state, ref = group.member(k)
       ckpt_state = {"train": state}
       if ref is not None:
         ckpt_state["ref"] = ref
       m.ckpt.save(step, ckpt_state, m.it.position())
+
+  def fail(m, error, step):
+    """A run's failure: a plain run raises it; a vmapped member leaves what its separate run
+    would (its files up to the failure) and a failure record, and the group goes on without it
+    (its device state is still computed in the stacked program, and nothing of it written)."""
+    if len(members) == 1:
+      raise error
+    failures[m.workdir] = error
+    m.close()
+    if main:
+      storage.write_text(storage.path(m.workdir) / FAILURE_FILE, json.dumps(
+          {"error": type(error).__name__, "message": str(error), "step": step}, indent=2))
+    print(f"grpo_jax: {m.workdir}: failed at step {step}: {error}", file=sys.stderr, flush=True)
+    if len(failures) == len(members):  # none left: the group fails as a separate run does
+      raise error
 
   done = start
   # What setup built lives for the run (data, tokenizer, modules): frozen out of the cyclic
@@ -345,10 +375,12 @@ def run_group(configs, workdirs) -> list[dict]:
     for step in bar:
       positions = [m.it.position() for m in members]
       t_step = time.perf_counter()
+      live = [m for m in members if m.workdir not in failures]
       try:
         group, ms, samples = group_step(
             trainers, group, [m.setup.rewards for m in members],
-            [lambda m=m: [m.setup.train_rows[i] for i in m.it.next_indices()] for m in members],
+            [None if m not in live else
+             lambda m=m: [m.setup.train_rows[i] for i in m.it.next_indices()] for m in members],
             step)
       except Interrupted:  # SIGTERM while a reward waited on its scorer: drop this step
         for m, p in zip(members, positions):
@@ -358,39 +390,47 @@ def run_group(configs, workdirs) -> list[dict]:
         break
       done = step + 1
       for m, m_k in zip(members, ms):
+        if m not in live:
+          continue
         m_k["time/step_s"] = time.perf_counter() - t_step  # rollouts and update, for all K
         if m_k["step/skipped"]:  # the train step left the state unchanged
           m.bad += 1
           if m.bad >= c.max_bad_steps:
             where = "" if len(members) == 1 else f"{m.workdir}: "
-            raise TooManyBadSteps(
+            fail(m, TooManyBadSteps(
                 f"{where}{m.bad} consecutive non-finite steps up to step {done} "
                 f"(train.max_bad_steps); try a lower optim.lr or optim.max_grad_norm. The last "
-                f"good checkpoint is in {checkpoint.checkpoint_dir(m.workdir)}")
+                f"good checkpoint is in {checkpoint.checkpoint_dir(m.workdir)}"), done)
         else:
           m.bad = 0
+      live = [m for m in live if m.workdir not in failures]
       if c.eval_every and done % c.eval_every == 0 or done == c.steps:
         accs = evaluate_group(trainers, group, [m.setup.eval_rows for m in members])
         for m_k, acc in zip(ms, accs):
-          m_k["eval/accuracy"] = acc
+          if m_k is not None:
+            m_k["eval/accuracy"] = acc
       for m, m_k, samples_k in zip(members, ms, samples):
-        m.metrics.write(done, m_k)
-        m.samples.write(done, samples_k)
-      bar.set_postfix(_postfix(ms))
+        if m in live:
+          m.metrics.write(done, m_k)
+          m.samples.write(done, samples_k)
+      bar.set_postfix(_postfix([m_k for m, m_k in zip(members, ms) if m in live]))
       if done % c.checkpoint_every == 0 or done == c.steps:
         save(done)
-      try:
-        for m, m_k in zip(members, ms):
+      for m, m_k in zip(members, ms):
+        if m not in live:
+          continue
+        try:
           m.health.update(done, m_k)  # warns; raises after too many steps with a reward missing
-      except MissingRewardsError:
-        save(done)
-        raise
+        except MissingRewardsError as e:
+          save(done, only=[m])
+          fail(m, e, done)
       if hosts.any_(stop["requested"]):  # every process stops at the same step
         save(done)
         print(f"grpo_jax: SIGTERM: saved step {done}, exiting", flush=True)
         break
   finally:
     gc.unfreeze()  # run() may be called again in this process (tests, sweeps)
+    shared_interrupt.stop()
     for m in members:
       m.close()
     signal.signal(signal.SIGTERM, previous)
@@ -398,6 +438,9 @@ def run_group(configs, workdirs) -> list[dict]:
   finished = done >= config.train.steps  # a SIGTERM in the last step still finishes the run
   summaries = []
   for k, m in enumerate(members):
+    if m.workdir in failures:
+      summaries.append({"failed": str(failures[m.workdir])} if main else {})
+      continue
     summaries.append(_finish(m, group.member(k)[0]["params"], finished, done, main))
   return summaries
 
@@ -571,8 +614,9 @@ def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
   """One GRPO step of K >= 1 runs (trainers: one per member, Trainer.for_member): rollouts
   (host; one sampler call per round for all of them), then one compiled program on the device
   (advantages, reference log-probs and the loss.num_iterations updates). next_rows_K[k]()
-  returns run k's next train.prompts_per_step dataset rows. Returns (group, per run metrics,
-  per run samples)."""
+  returns run k's next train.prompts_per_step dataset rows, or next_rows_K[k] is None for a
+  member that failed: it samples nothing, trains on another member's batch (thrown away) and
+  gets None metrics and samples. Returns (group, per run metrics, per run samples)."""
   first, k = trainers[0], group.k
   configs = [t.config for t in trainers]
   params = group.state["params"]
@@ -582,8 +626,9 @@ def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
   if k == 1 and not first.step_fn.num_traces:
     next_rows_K[0] = first.compiling_ahead(next_rows_K[0], group.state, group.ref,
                                            len(rewards_K[0]))
-  while any(c.wants_round() for c in colls):
-    want = [c.wants_round() for c in colls]
+  live = [f is not None for f in next_rows_K]
+  while any(c.wants_round() for c, on in zip(colls, live) if on):
+    want = [c.wants_round() and on for c, on in zip(colls, live)]
     rows = [f() if w else None for f, w in zip(next_rows_K, want)]
     round_keys = [c.round_key(key) for c, key in zip(colls, keys)]
     if k == 1:
@@ -595,10 +640,12 @@ def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
     for c, part in zip(colls, parts):
       if part is not None:
         c.add(*part)
-  pools, ms = zip(*[c.result() for c in colls])
+  pools, ms = zip(*[c.result() if on else (None, None) for c, on in zip(colls, live)])
   t0 = time.perf_counter()
   pad_id = first.tokenizer.pad_token_id
-  batches = [pool.train_batch(c, pad_id) for c, pool in zip(configs, pools)]
+  batches = [pool.train_batch(c, pad_id) for c, pool in zip(configs, pools) if pool is not None]
+  batches = [pool.train_batch(c, pad_id) if pool is not None else batches[0]
+             for c, pool in zip(configs, pools)]
   # Host arrays: checked without a device round trip, then uploaded once, by the jitted
   # step's input shardings (the batch split over data × fsdp).
   if k == 1:
@@ -611,11 +658,12 @@ def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
     train_m, adv = jax.device_get((train_m, adv))
     train_m = [{name: v[j] for name, v in train_m.items()} for j in range(k)]
   train_s = time.perf_counter() - t0
-  ms = [dict(m_k) for m_k in ms]
+  ms = [None if m_k is None else dict(m_k) for m_k in ms]
   for m_k, t_k in zip(ms, train_m):
-    m_k.update({name: float(v) for name, v in t_k.items()})
-    m_k["time/train_s"] = train_s
-  samples = [_samples(c, pool, adv_k, rewards)
+    if m_k is not None:
+      m_k.update({name: float(v) for name, v in t_k.items()})
+      m_k["time/train_s"] = train_s
+  samples = [None if pool is None else _samples(c, pool, adv_k, rewards)
              for c, pool, adv_k, rewards in zip(configs, pools, adv, rewards_K)]
   return dataclasses.replace(group, state=state), ms, samples
 

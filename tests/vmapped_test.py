@@ -16,7 +16,9 @@ GRPO step 1 has all advantages 0 while the policy is the reference: its gradient
 that, its rounding noise was a whole gradient, and differences reached 5e-4.
 """
 
+import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -142,3 +144,101 @@ def test_each_member_samples_and_scores_with_its_own_tokenizer(tmp_path):
     assert part.texts == [tok.decode(ids[toks.index(tok)], skip_special_tokens=True)] * 4
   # Member 1's first prompt asks for answers[0]: its own decoding of its own ids scores 1.
   assert parts[1][0].reward_BR[0, 0] == 1.0
+
+
+def test_a_failing_member_is_recorded_as_failed_and_its_group_goes_on(tmp_path):
+  """A member whose steps are all non-finite (a NaN reward weight: NaN advantages, NaN loss, so
+  train_step skips every step) fails at step 1 with train.max_bad_steps=1, as its separate run
+  would (TooManyBadSteps), while the other member runs to the end with its separate run's
+  numbers (the tolerances above). Two members, the first failing: from step 2 on the group
+  samples for the second only, and the first trains on its batch, thrown away."""
+  fixed = {**FIXED, "loss.beta": 0.0, "train.max_bad_steps": 1, "train.checkpoint_every": 1,
+           "train.keep_checkpoints": 10}
+  good = {**fixed, "optim.lr": 1e-4}
+  bad = {**fixed, "optim.lr": 1e-4, "rewards.weights": (float("nan"),)}
+  sep, a, b = (str(tmp_path / n) for n in ("separate", "bad", "good"))
+  train.run(_config(good), sep)
+  for d in (a, b):
+    os.makedirs(d)
+    sweep_runner.start_from_prefix(sep, d)
+  summaries = train.run_group([_config(bad), _config(good)], [a, b])
+  assert "TooManyBadSteps" not in summaries[1] and "eval_accuracy_gain_points" in summaries[1]
+  assert "1 consecutive non-finite steps up to step 1" in summaries[0]["failed"]
+
+  # The good member: every file of a finished run, its numbers its separate run's.
+  want, got = (logging_io.read_jsonl(os.path.join(d, "metrics.jsonl")) for d in (sep, b))
+  assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
+  for w, g in zip(want, got):
+    assert set(w) == set(g)
+    for k in set(w) - set(train.TIMING_METRICS):
+      assert g[k] == pytest.approx(w[k], rel=RTOL, abs=ATOL), (w["step"], k)
+  read = lambda d, f: open(os.path.join(d, f)).read()
+  assert read(b, "samples.md") == read(sep, "samples.md")
+  assert read(b, "summary.json") == read(sep, "summary.json")
+  assert os.path.isfile(os.path.join(b, "final_model", "model.safetensors"))
+  assert sorted(os.listdir(os.path.join(b, "checkpoints"))) == ["0", "1", "2", "3"]
+  assert not os.path.exists(os.path.join(b, train.FAILURE_FILE))
+
+  # The failed member: what its separate run leaves (no metrics for the step that failed, no
+  # checkpoint after the last good one, no summary or model) and the failure record.
+  assert [r["step"] for r in logging_io.read_jsonl(os.path.join(a, "metrics.jsonl"))] == [0]
+  assert sorted(os.listdir(os.path.join(a, "checkpoints"))) == ["0"]
+  assert not os.path.exists(os.path.join(a, "summary.json"))
+  assert not os.path.exists(os.path.join(a, "final_model"))
+  record = json.loads(read(a, train.FAILURE_FILE))
+  assert (record["error"], record["step"]) == ("TooManyBadSteps", 1)
+
+  # The sweep runner's verdict on the group's exit (status 0): failed with the reason, and done.
+  s = sweep.Sweep("configs/gsm8k.py:tiny", [{}], fixed={})
+  runs = [sweep.Run(name=n, overrides={}, args={}) for n in ("bad", "good")]
+  runner = sweep_runner.Runner(s, runs, str(tmp_path))
+  verdicts = []
+  for r in runs:
+    runner.records[r.dir]["attempts"].append({"started": "now"})
+    verdicts.append(runner._finish(r, 0, time.monotonic()))
+  assert verdicts[1] == ("done", None)
+  assert verdicts[0][0] == "failed"
+  assert verdicts[0][1].startswith("TooManyBadSteps at step 1: ")
+  assert "consecutive non-finite steps" in verdicts[0][1]
+
+  # Run again (as the sweep does with an unfinished member): the record goes when it starts.
+  with pytest.raises(train.TooManyBadSteps):
+    train.run(_config(bad), a)
+  assert not os.path.exists(os.path.join(a, train.FAILURE_FILE))
+
+
+def test_a_member_whose_reward_goes_missing_fails_alone(tmp_path, monkeypatch):
+  """The other way a member fails alone: its reward returns None (could not score) for every
+  completion, and with train.max_missing_reward_steps=1 its reward health raises
+  MissingRewardsError at step 1. As its separate run, it logs that step and saves its
+  checkpoint, then stops; the other member (the first here) runs to the end."""
+  from grpo_jax.rewards import Reward
+  real_setup = train.setup
+
+  def setup(config, workdir):  # the second member's reward never scores
+    s = real_setup(config, workdir)
+    if workdir.endswith("silent"):
+      s.rewards = [Reward(r.name, r.weight, lambda p, c, **kw: [None] * len(c))
+                   for r in s.rewards]
+    return s
+  monkeypatch.setattr(train, "setup", setup)
+  fixed = {"sft.steps": 0, "train.steps": 2, "train.eval_examples": 8, "train.eval_every": 0,
+           "train.checkpoint_every": 1, "train.keep_checkpoints": 10,
+           "train.tensorboard": False, "train.max_missing_reward_steps": 1}
+  a, b = str(tmp_path / "fine"), str(tmp_path / "silent")
+  summaries = train.run_group([_config({**fixed, "optim.lr": 1e-4}),
+                               _config({**fixed, "optim.lr": 1e-5})], [a, b])
+  assert "eval_accuracy_gain_points" in summaries[0]
+  assert "missing" in summaries[1]["failed"]
+  steps = lambda d: [r["step"] for r in logging_io.read_jsonl(os.path.join(d, "metrics.jsonl"))]
+  assert steps(a) == [0, 1, 2] and steps(b) == [0, 1]
+  assert sorted(os.listdir(os.path.join(a, "checkpoints"))) == ["0", "1", "2"]
+  assert sorted(os.listdir(os.path.join(b, "checkpoints"))) == ["0", "1"]
+  assert os.path.isfile(os.path.join(a, "final_model", "model.safetensors"))
+  assert os.path.isfile(os.path.join(a, "summary.json"))
+  assert not os.path.exists(os.path.join(b, "summary.json"))
+  assert not os.path.exists(os.path.join(b, "final_model"))
+  record = json.loads(open(os.path.join(b, train.FAILURE_FILE)).read())
+  assert (record["error"], record["step"]) == ("MissingRewardsError", 1)
+  assert sweep_runner.failure(b).startswith("MissingRewardsError at step 1: ")
+  assert sweep_runner.failure(a) is None and sweep_runner.summary_complete(a)
