@@ -128,8 +128,9 @@ def rollout_batch(config, rows, prompt_len, completion_len, mesh):
   """The train step's rollout layout (rollout.Rollouts.device_batch) as sharded abstracts."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from grpo_jax import train_step  # pylint: disable=import-outside-toplevel
-  shapes = {"prompt_BP": ((rows, prompt_len), jnp.int32),
-            "prompt_mask_BP": ((rows, prompt_len), jnp.int32),
+  prompts = rows // config.sampling.num_generations  # each prompt once, for its group
+  shapes = {"prompt_NP": ((prompts, prompt_len), jnp.int32),
+            "prompt_mask_NP": ((prompts, prompt_len), jnp.int32),
             "completion_BC": ((rows, completion_len), jnp.int32),
             "lengths_B": ((rows,), jnp.int32),
             "rewards_BR": ((rows, len(config.rewards.names)), jnp.float32)}

@@ -299,8 +299,9 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
     b = jax.device_get(batch)
     C = b["completion_BC"].shape[1]
     cmask = (np.arange(C)[None, :] < b["lengths_B"][:, None]).astype(np.int32)
-    return (np.concatenate([b["prompt_BP"], b["completion_BC"]], 1),
-            np.concatenate([b["prompt_mask_BP"], cmask], 1).astype(np.int32), C)
+    prompt, pmask = (np.repeat(b[k], G, axis=0) for k in ("prompt_NP", "prompt_mask_NP"))
+    return (np.concatenate([prompt, b["completion_BC"]], 1),
+            np.concatenate([pmask, cmask], 1).astype(np.int32), C)
 
   def reference_seconds(batch):
     """The reference forward alone on the step's batch (compiled first, then timed)."""

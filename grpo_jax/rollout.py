@@ -103,12 +103,11 @@ class Rollouts:
     """The train step's rollout layout (train_step.py), padded to this batch's real lengths:
     prompts to the smallest bucket that holds the longest, completions to the longest rounded
     up to `multiple` (a completion row never needs more than its sampled width)."""
-    g = len(self.lengths_B) // len(self.prompt_ids)
-    prompt_BP, pmask_BP = data.pad_to_bucket(self.prompt_ids, buckets, pad_id)
+    prompt_NP, pmask_NP = data.pad_to_bucket(self.prompt_ids, buckets, pad_id)
     c = data.padded_width(int(self.lengths_B.max()), multiple, self.completion_ids_BC.shape[1])
-    batch = {
-        "prompt_BP": np.repeat(prompt_BP, g, axis=0),
-        "prompt_mask_BP": np.repeat(pmask_BP, g, axis=0).astype(np.int32),
+    batch = {  # each prompt once, for its group: the step repeats it where rows need it
+        "prompt_NP": prompt_NP,
+        "prompt_mask_NP": pmask_NP.astype(np.int32),
         "completion_BC": np.ascontiguousarray(self.completion_ids_BC[:, :c], np.int32),
         "lengths_B": self.lengths_B.astype(np.int32),
         "rewards_BR": self.reward_BR.astype(np.float32),

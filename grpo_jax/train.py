@@ -190,13 +190,13 @@ def _check_shared(members):
 def pad_batches(batches, pad_id):
   """Rollout-layout batches to one prompt width (left-padded) and completion width (right):
   the extra columns are masked out, so each member's numbers stay its own."""
-  P_ = max(b["prompt_BP"].shape[1] for b in batches)
+  P_ = max(b["prompt_NP"].shape[1] for b in batches)
   C = max(b["completion_BC"].shape[1] for b in batches)
   out = []
   for b in batches:
-    p, c = P_ - b["prompt_BP"].shape[1], C - b["completion_BC"].shape[1]
-    b = dict(b, prompt_BP=np.pad(b["prompt_BP"], ((0, 0), (p, 0)), constant_values=pad_id),
-             prompt_mask_BP=np.pad(b["prompt_mask_BP"], ((0, 0), (p, 0))),
+    p, c = P_ - b["prompt_NP"].shape[1], C - b["completion_BC"].shape[1]
+    b = dict(b, prompt_NP=np.pad(b["prompt_NP"], ((0, 0), (p, 0)), constant_values=pad_id),
+             prompt_mask_NP=np.pad(b["prompt_mask_NP"], ((0, 0), (p, 0))),
              completion_BC=np.pad(b["completion_BC"], ((0, 0), (0, c)), constant_values=pad_id))
     for k in ("loss_mask_BC", "turn_ids_BC"):
       if k in b:

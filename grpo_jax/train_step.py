@@ -17,8 +17,9 @@ A call takes one of two batch layouts (B = rows = prompts × G, group-major; P, 
 padded prompt and completion widths, S = P + C):
 
   rollout (what the training loop uploads, once, with the batch sharding):
-    prompt_BP        int32    left-padded prompt of each row (repeated G times)
-    prompt_mask_BP   int32    1 on real prompt tokens
+    prompt_NP        int32    left-padded prompt of each group (N = B / G prompts: once each,
+                              the sampler's padding; the step repeats it for the group's rows)
+    prompt_mask_NP   int32    1 on real prompt tokens
     completion_BC    int32    sampled ids, right-padded
     lengths_B        int32    tokens sampled, the stop token included
     truncated_B      bool     max_new_tokens reached without a stop id
@@ -247,10 +248,13 @@ def batch_shardings(batch, mesh):
 # ------------------------------------------------------------------------------------------------
 # Batch layouts.
 
-ROLLOUT_KEYS = ("prompt_BP", "prompt_mask_BP", "completion_BC", "lengths_B", "rewards_BR")
+ROLLOUT_KEYS = ("prompt_NP", "prompt_mask_NP", "completion_BC", "lengths_B", "rewards_BR")
 TRAIN_KEYS = ("tokens_BS", "attn_mask_BS", "completion_mask_BC", "advantages_B")
 SFT_KEYS = ("tokens_BS", "attn_mask_BS", "completion_mask_BC")
 _OPTIONAL = {"grpo": ("truncated_B", "old_logp_BC", "ref_logp_BC", "turn_ids_BC"), "sft": ()}
+# The train layout a rollout batch becomes on the device also keeps its prompts once per group,
+# for the packed forward (completion_logprobs); a batch given in the train layout has none.
+_PROMPTS = ("prompt_NP", "prompt_mask_NP")
 ROLLOUT_OPTIONAL = ("truncated_B", "loss_mask_BC", "turn_ids_BC")
 
 
@@ -273,22 +277,16 @@ def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_p
   if missing or unknown:
     raise ValueError(f"batch is missing {missing} / has unknown keys {unknown}")
   if rollout:
-    B, P_ = _shape(batch["prompt_BP"])
-    C = _shape(batch["completion_BC"])[-1]
+    B, C = _shape(batch["completion_BC"])
+    N, P_ = _shape(batch["prompt_NP"])
     S = P_ + C
-    expect = {"prompt_mask_BP": (B, P_), "lengths_B": (B,), "truncated_B": (B,),
+    if group_size is None or B != N * group_size:
+      raise ValueError(f"a rollout batch of {B} completions needs group_size (G={group_size}) "
+                       f"and prompt_NP with one row per group (B / G), got {N} rows")
+    expect = {"prompt_mask_NP": (N, P_), "lengths_B": (B,), "truncated_B": (B,),
               "rewards_BR": (B, num_rewards or _shape(batch["rewards_BR"])[-1]),
               "loss_mask_BC": (B, C), "turn_ids_BC": (B, C)}
-    tokens = batch["prompt_BP"]
-    if group_size is None or B % group_size:
-      raise ValueError(f"a rollout batch of {B} rows needs group_size (G={group_size}) "
-                       "dividing it")
-    # The step runs each group's prompt once: its rows must hold one prompt (a small fetch).
-    for k in ("prompt_BP", "prompt_mask_BP"):
-      x = np.asarray(batch[k]).reshape(B // group_size, group_size, -1)
-      if (x != x[:, :1]).any():
-        raise ValueError(f"batch['{k}']: the {group_size} rows of a group must be one prompt, "
-                         "left-padded alike")
+    tokens = batch["prompt_NP"]
   else:
     B, S = _shape(batch["tokens_BS"])
     C = _shape(batch["completion_mask_BC"])[-1]
@@ -349,7 +347,7 @@ def _check_turn_ids(batch, rollout, max_turns):
 def make_batch(rollout, loss_cfg, *, group_size, reward_weights):
   """Rollout layout → train layout, and the advantage statistics. Pure; runs on device.
 
-  Example: prompt_BP [[0, 4]], completion_BC [[7, 9, 0]], lengths_B [2] → tokens_BS
+  Example (G = 1): prompt_NP [[0, 4]], completion_BC [[7, 9, 0]], lengths_B [2] → tokens_BS
   [[0, 4, 7, 9, 0]], attn_mask_BS [[0, 1, 1, 1, 0]], completion_mask_BC [[1, 1, 0]]; with
   loss_mask_BC [[0, 1, 1]] the completion mask is [[0, 1, 0]] and attn_mask_BS is unchanged.
   """
@@ -364,9 +362,12 @@ def make_batch(rollout, loss_cfg, *, group_size, reward_weights):
       weights_R=jnp.asarray(reward_weights, jnp.float32),
       scale_rewards=loss_cfg.scale_rewards, aggregation=loss_cfg.reward_aggregation)
   batch = {
-      "tokens_BS": jnp.concatenate([rollout["prompt_BP"], rollout["completion_BC"]], 1),
-      "attn_mask_BS": jnp.concatenate([rollout["prompt_mask_BP"].astype(jnp.int32), cmask_BC],
-                                      1),
+      "tokens_BS": jnp.concatenate([jnp.repeat(rollout["prompt_NP"], group_size, axis=0),
+                                    rollout["completion_BC"]], 1),
+      "attn_mask_BS": jnp.concatenate([jnp.repeat(rollout["prompt_mask_NP"].astype(jnp.int32),
+                                                  group_size, axis=0), cmask_BC], 1),
+      "prompt_NP": rollout["prompt_NP"],
+      "prompt_mask_NP": rollout["prompt_mask_NP"].astype(jnp.int32),
       "completion_mask_BC": loss_BC,
       "advantages_B": adv_B,
   }
@@ -388,7 +389,7 @@ def build_model(model_cfg, optim_cfg, mesh):
 
 
 def completion_logprobs(model, params, tokens_BS, attn_mask_BS, C, *, temperature, valid,
-                        block_bytes, group=1):
+                        block_bytes, group=1, prompts=None):
   """Per-token log-probs and entropies of the last C tokens: ([B, C], [B, C]) fp32.
 
   Position t's hidden state predicts token t + 1, so the completion's C tokens are predicted
@@ -400,16 +401,21 @@ def completion_logprobs(model, params, tokens_BS, attn_mask_BS, C, *, temperatur
   identically). The prompt then runs once per group, in one pass with its completions (each
   row of the pass is a prompt followed by its G completions: qwen.Qwen.packed), instead of
   once per row: the same numbers, at about 1/group of the prompt's cost (in the reference
-  forward and the policy's forward and backward alike).
+  forward and the policy's forward and backward alike). prompts: (prompt_bP, prompt_mask_bP),
+  the b = B / group prompts once each, as a rollout batch carries them; None: taken from every
+  group's first row.
   """
   B, S = tokens_BS.shape
   positions_BS = qwen.positions_from_mask(attn_mask_BS)
   if group > 1 and C > 1:
     P_, c, b = S - C, C - 1, B // group
-    pack = lambda x_BS: jnp.concatenate([x_BS[::group, :P_], x_BS[:, P_:-1].reshape(b, -1)], 1)
+    if prompts is None:
+      prompts = (tokens_BS[::group, :P_], attn_mask_BS[::group, :P_])
+    prompt_bP, pmask_bP = prompts
+    pack = lambda prompt_bP, x_BS: jnp.concatenate([prompt_bP, x_BS[:, P_:-1].reshape(b, -1)], 1)
     hidden_bTD, _ = model.clone(packed=(P_, group)).apply(
-        {"params": params}, pack(tokens_BS), pack(positions_BS),
-        (attn_mask_BS[::group, :P_], attn_mask_BS[:, :-1]))
+        {"params": params}, pack(prompt_bP, tokens_BS),
+        pack(qwen.positions_from_mask(pmask_bP), positions_BS), (pmask_bP, attn_mask_BS[:, :-1]))
     last_B1D = jnp.repeat(hidden_bTD[:, P_ - 1:P_], group, axis=0)  # predicts token 0
     hidden_BCD = jnp.concatenate([last_B1D, hidden_bTD[:, P_:].reshape(B, c, -1)], axis=1)
   else:
@@ -615,7 +621,8 @@ def _loss(spec, model, hp, params, ref_params, mb, norm, ref_is_policy):
   ref_is_policy: a traced bool, whether ref_params equal params as the forward uses them."""
   C = mb["completion_mask_BC"].shape[1]
   kw = dict(temperature=spec.temperature, valid=spec.valid,
-            block_bytes=spec.optim.logprob_block_bytes, group=norm["group"])
+            block_bytes=spec.optim.logprob_block_bytes, group=norm["group"],
+            prompts=(mb["prompt_NP"], mb["prompt_mask_NP"]) if "prompt_NP" in mb else None)
   logp_BC, entropy_BC = completion_logprobs(model, params, mb["tokens_BS"], mb["attn_mask_BS"],
                                             C, **kw)
   mask_BC = mb["mask_BC"]
@@ -655,6 +662,14 @@ def _grads(spec, hp, params, ref_params, batch, norm):
           "completion_mask_BC", "turn_ids_BC")
   unit = norm["unit"]
   micro = {k: _split_micro(batch[k], accum, mesh, unit) for k in keys if k in batch}
+  if norm["group"] > 1 and "prompt_NP" in batch:  # the packed forward's prompts, once per group
+    for k in _PROMPTS:
+      if unit > 1:  # whole groups: micro-batch a holds groups a, a + accum, …, so their prompts
+        micro[k] = _split_micro(batch[k], accum, mesh, 1)
+      else:  # rows a, a + accum, … of every group: every micro-batch has every prompt
+        micro[k] = jax.lax.with_sharding_constraint(
+            jnp.broadcast_to(batch[k], (accum,) + batch[k].shape),
+            NamedSharding(mesh, P(None, sharding.BATCH_AXES)))
   grad_fn = jax.grad(lambda p, mb: _loss(spec, model, hp, p, ref_params, mb, norm, ref_is_policy),
                      has_aux=True)
   param_sh = state_shardings(spec.model, spec.optim, mesh)["params"]

@@ -115,8 +115,9 @@ def assert_rows_give_sampler_logprobs(agent, cfg, params, prompts, rows, records
   batch = part.device_batch(agent.tokenizer.pad_token_id, buckets=buckets, multiple=16,
                             with_truncated=False)
   c = batch["completion_BC"].shape[1]
-  tokens = np.concatenate([batch["prompt_BP"], batch["completion_BC"]], 1)
-  attn = np.concatenate([batch["prompt_mask_BP"],
+  g = len(batch["lengths_B"]) // len(batch["prompt_NP"])  # the rollout's prompts, once a group
+  tokens = np.concatenate([np.repeat(batch["prompt_NP"], g, 0), batch["completion_BC"]], 1)
+  attn = np.concatenate([np.repeat(batch["prompt_mask_NP"], g, 0),
                          (np.arange(c)[None] < batch["lengths_B"][:, None]).astype(np.int32)], 1)
   optim = train_step.default_optim_config()
   optim.compute_dtype, optim.remat = "float32", False

@@ -267,14 +267,14 @@ def step_case():
   loss_mask = mask.astype(np.int32)
   for b in (0, 6):
     loss_mask[b, lengths[b]:] = 1
-  rollout = dict(prompt_BP=np.repeat(prompt, TG, 0), prompt_mask_BP=np.repeat(pmask, TG, 0),
+  rollout = dict(prompt_NP=prompt, prompt_mask_NP=pmask,
                  completion_BC=completion, lengths_B=lengths,
                  rewards_BR=rng.normal(size=(B, 1)).astype(np.float32),
                  loss_mask_BC=loss_mask, turn_ids_BC=turn_ids)
   real = (np.arange(C)[None] < lengths[:, None]).astype(np.int32)
   adv, _ = grpo.group_advantages(rollout["rewards_BR"], TG)
-  train = dict(tokens_BS=np.concatenate([rollout["prompt_BP"], completion], 1),
-               attn_mask_BS=np.concatenate([rollout["prompt_mask_BP"], real], 1),  # obs too
+  train = dict(tokens_BS=np.concatenate([np.repeat(prompt, TG, 0), completion], 1),
+               attn_mask_BS=np.concatenate([np.repeat(pmask, TG, 0), real], 1),  # obs too
                completion_mask_BC=mask.astype(np.int32),
                advantages_B=np.asarray(adv, np.float32), turn_ids_BC=turn_ids)
   return params, rollout, train, mask

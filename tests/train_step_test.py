@@ -443,7 +443,7 @@ def _shared_prompts(batch):
 
 def _rollout_from(batch, rewards):
   tokens, attn = batch["tokens_BS"], batch["attn_mask_BS"]
-  return {"prompt_BP": tokens[:, :P], "prompt_mask_BP": attn[:, :P],
+  return {"prompt_NP": tokens[::G, :P], "prompt_mask_NP": attn[::G, :P],  # a prompt a group
           "completion_BC": tokens[:, P:], "lengths_B": batch["completion_mask_BC"].sum(1),
           "truncated_B": batch["truncated_B"], "rewards_BR": rewards}
 
@@ -465,8 +465,9 @@ def test_rollout_batch_builds_the_train_batch_on_device(params, data):
   given = dict(batch, advantages_B=np.asarray(adv, np.float32))
   want, want_m, want_adv = step(train_step.create_train_state(p, MODEL, optim, mesh),
                                 {k: v for k, v in given.items() if k != "old_logp_BC"})
-  roll = _rollout_from(data[0], rewards)  # every row its own prompt: not a rollout
-  with pytest.raises(ValueError, match="must be one prompt"):
+  roll = dict(_rollout_from(batch, rewards), prompt_NP=batch["tokens_BS"][:, :P],
+              prompt_mask_NP=batch["attn_mask_BS"][:, :P])  # a prompt a row: not a rollout
+  with pytest.raises(ValueError, match="one row per group"):
     step(train_step.create_train_state(p, MODEL, optim, mesh), roll)
   roll = _rollout_from(batch, rewards)
   roll["ref_logp_BC"] = batch["ref_logp_BC"]  # not a rollout key: rejected

@@ -325,7 +325,7 @@ def test_the_first_steps_compile_ahead_layout_is_the_batch_at_max_new_tokens():
   assert real(lengths_B) == {k: (v.shape, v.dtype) for k, v in layout.items()}
   longest = max(map(len, prompts.ids))
   bucket = min(b for b in config.data.prompt_buckets if b >= longest)
-  assert layout["prompt_BP"].shape == (8, bucket)
+  assert layout["prompt_NP"].shape == (8 // config.sampling.num_generations, bucket)
   assert real(np.minimum(lengths_B, 30))["completion_BC"][0] == (8, 32)
 
 
