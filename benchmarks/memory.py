@@ -10,7 +10,7 @@ optimizer, dtypes, remat, loss and mesh) and AOT-compiles them on abstract input
 (`jax.ShapeDtypeStruct` with the run's shardings: nothing is allocated) over the preset's
 `hardware.devices` fake CPU devices:
 
-  train step  TrainStep.jitted for the rollout layout at its largest shapes:
+  train step  TrainStep.program for the rollout layout at its largest shapes:
               B = train.prompts_per_step × G rows, prompts at the largest of data.prompt_buckets
               (--prompt_len to pick another), completions at sampling.max_new_tokens; the
               reference params too when loss.beta > 0, in the dtype the run stores them in

@@ -1,8 +1,14 @@
-"""The train step: one jitted, sharded, donated program per batch shape.
+"""The train step: one pure function, jitted once per batch layout, sharded and donated.
 
-    step = TrainStep(model_cfg, loss_cfg, optim_cfg, mesh, temperature=1.0,
-                     valid_vocab_size=151665, max_completion_length=1024,
-                     group_size=8, reward_weights=(1.0, 1.0), max_turns=None)
+    spec = StepSpec.build(model_cfg, loss_cfg, optim_cfg, mesh, temperature=1.0,
+                          valid_vocab_size=151665, group_size=8, num_rewards=2)
+    hp = hparams(loss_cfg, optim_cfg, reward_weights=(1.0, 1.0))   # float32 arrays
+    state, metrics, advantages_B = train_step(state, rollout, hp, ref_params, spec=spec)
+    # K runs of a sweep: jax.vmap(functools.partial(train_step, spec=spec)) over a leading K axis
+
+    step = TrainStep(model_cfg, loss_cfg, optim_cfg, mesh, temperature=1.0,  # the host wrapper:
+                     valid_vocab_size=151665, max_completion_length=1024,   # checks, shardings,
+                     group_size=8, reward_weights=(1.0, 1.0), max_turns=None)  # donation, cache
     state = create_train_state(params, model_cfg, optim_cfg, mesh)
     state, metrics, advantages_B = step(state, rollout, ref_params)
 
@@ -358,7 +364,7 @@ def make_batch(rollout, loss_cfg, *, group_size, reward_weights):
              else cmask_BC * (rollout["loss_mask_BC"] > 0).astype(jnp.int32))
   adv_B, stats = grpo.group_advantages(
       rollout["rewards_BR"], group_size,
-      # jnp: a vmapped sweep's weights are traced (grpo_jax.vmapped); the same float32 values.
+      # jnp: the weights are hparams, traced (one row per member in a vmapped sweep).
       weights_R=jnp.asarray(reward_weights, jnp.float32),
       scale_rewards=loss_cfg.scale_rewards, aggregation=loss_cfg.reward_aggregation)
   batch = {
