@@ -246,9 +246,17 @@ def _shape(x) -> tuple[int, ...]:
 
 
 def batch_shardings(batch, mesh):
-  """Row-indexed arrays split over (data, fsdp); scalars replicated."""
-  return {k: NamedSharding(mesh, P(sharding.BATCH_AXES) if _shape(v) else P())
-          for k, v in batch.items()}
+  """Row-indexed arrays split over (data, fsdp); scalars replicated. A rollout's prompts (one
+  row per group, B / G of them) too where their count splits over those devices, else
+  replicated: they are small, and the step repeats them to the rows' split."""
+  n = int(np.prod([mesh.shape[a] for a in sharding.BATCH_AXES]))
+
+  def one(k, v):
+    shape = _shape(v)
+    if not shape or (k in _PROMPTS and shape[0] % n):
+      return NamedSharding(mesh, P())
+    return NamedSharding(mesh, P(sharding.BATCH_AXES))
+  return {k: one(k, v) for k, v in batch.items()}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -183,8 +183,13 @@ def test_kv_cache_decode_and_packed_groups_carry_the_adapters(checkpoints):
     hidden, cache = model.apply(variables, tokens[:, t:t + 1], pos[:, t:t + 1], mask,
                                 cache=cache, cache_index=t)
     steps.append(hidden)
+  # Both fp32 paths sit up to ~2.5e-5 from this model's float64 forward (hidden states up to
+  # 3.9; measured with the full forward in float64: full 2.2e-5, cache 9.9e-6 with
+  # jax.nn.dot_product_attention; 1.9e-5 and 2.5e-5 with the earlier einsum attention), so they
+  # agree with each other to within the sum of their errors, not to 1e-5. A dropped adapter
+  # moves them by > 0.05 (above).
   np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1))[real],
-                             np.asarray(want)[real], atol=1e-5)
+                             np.asarray(want)[real], atol=5e-5)
 
   # Packed: rows 0..2 as the G = 3 completions (4 tokens each) of prompt row 0's first 6 tokens.
   g, c = 3, 4
