@@ -5,7 +5,9 @@
 
 The rate acts after the warm start only (sweep.POST_WARM_START), so each seed's warm start runs
 once (runs/tiny_lr/prefixes/seed=N) and its three rates start from copies of its step-0
-checkpoint. Results and the choice they support: tiny_lr_sweep.md.
+checkpoint. Results and the choice they support: tiny_lr_sweep.md. Those were measured with the
+preset's constant schedule; the preset now decays its rate by a cosine over the run
+(tiny_seeds.md, "Seeds 7-12"), which these runs inherit, over their 200 steps.
 """
 
 from grpo_jax import sweep

@@ -1,4 +1,4 @@
-"""The tiny preset's GRPO phase on a seed that plateaus (tiny_seeds.md, 'Seeds 7-19'):
+"""The tiny preset's GRPO phase on a seed that plateaus (tiny_seeds.md, 'Seeds 7-12'):
 GRPO-phase variants from the same warm start.
 
     python -m grpo_jax.sweep experiments/tiny_plateau.py --workdir=runs/tiny_plateau

@@ -62,11 +62,17 @@ def validate(config, num_devices: int) -> None:
          f"{len(config.rewards.weights)} weights for {len(config.rewards.names)} rewards")
   _check(len(config.rewards.names) >= 1, "rewards.names", "at least one reward is needed")
 
+  updates = t.steps * lc.num_iterations
   try:
-    train_step.validate_optim_config(o)
+    # total_steps 0 with the cosine schedule: the trainer fills in the run's updates
+    # (train.Trainer), so check the schedule it will run.
+    filled = o
+    if o.schedule == "cosine" and not o.total_steps:
+      filled = o.copy_and_resolve_references()
+      filled.total_steps = updates
+    train_step.validate_optim_config(filled)
   except ValueError as e:
     raise ConfigError(f"config.{e}") from None
-  updates = t.steps * lc.num_iterations
   _check(o.schedule != "cosine" or o.total_steps in (0, updates), "optim.total_steps",
          f"leave it 0: the cosine schedule spans the run's {updates} optimizer updates "
          "(train.steps × loss.num_iterations)")

@@ -50,6 +50,12 @@ def test_settings_have_one_home_and_the_cosine_schedule_counts_mu():
     validate.validate(config, num_devices=1)
   config.optim.total_steps = 2 * config.train.steps
   validate.validate(config, num_devices=1)
+  # 0 (the default): the trainer fills in the run's updates, so it validates.
+  config.optim.total_steps = 0
+  validate.validate(config, num_devices=1)
+  config.train.steps = 0  # no updates for a cosine to span
+  with pytest.raises(validate.ConfigError, match="optim.total_steps=0 must exceed"):
+    validate.validate(config, num_devices=1)
 
 
 def test_unknown_preset():
