@@ -673,7 +673,8 @@ def optim_settings(config):
   total_steps counts optimizer updates, μ per GRPO step). config itself is never rewritten."""
   optim = config.optim.copy_and_resolve_references()
   if optim.schedule == "cosine" and not optim.total_steps:
-    optim.total_steps = config.train.steps * config.loss.num_iterations
+    optim.total_steps = train_step.cosine_total_steps(
+        optim, config.train.steps * config.loss.num_iterations)
   return optim
 
 

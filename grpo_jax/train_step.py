@@ -154,6 +154,13 @@ def learning_rate_schedule(cfg, lr=None) -> optax.Schedule:
   return optax.join_schedules([warmup, after], [cfg.warmup_steps])
 
 
+def cosine_total_steps(cfg, updates: int) -> int:
+  """What optim.total_steps = 0 means for the cosine schedule: the run's optimizer updates. A
+  run with none (train.steps = 0: a warm start alone) never reads the schedule; any valid
+  length then serves."""
+  return int(updates) if updates else cfg.warmup_steps + 1
+
+
 def decay_mask(params):
   """Weight decay on matrices (kernels, embedding, lm_head), not on norm weights or biases."""
   def one(path, _):

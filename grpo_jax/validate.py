@@ -69,7 +69,7 @@ def validate(config, num_devices: int) -> None:
     filled = o
     if o.schedule == "cosine" and not o.total_steps:
       filled = o.copy_and_resolve_references()
-      filled.total_steps = updates
+      filled.total_steps = train_step.cosine_total_steps(o, updates)
     train_step.validate_optim_config(filled)
   except ValueError as e:
     raise ConfigError(f"config.{e}") from None

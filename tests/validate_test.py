@@ -3,7 +3,7 @@
 import pytest
 
 from configs import gsm8k
-from grpo_jax import validate
+from grpo_jax import train_step, validate
 
 
 @pytest.mark.parametrize("preset", ["default", "0.5b", "tiny"])
@@ -53,8 +53,15 @@ def test_settings_have_one_home_and_the_cosine_schedule_counts_mu():
   # 0 (the default): the trainer fills in the run's updates, so it validates.
   config.optim.total_steps = 0
   validate.validate(config, num_devices=1)
-  config.train.steps = 0  # no updates for a cosine to span
-  with pytest.raises(validate.ConfigError, match="optim.total_steps=0 must exceed"):
+  # No updates (a warm start alone, train.steps = 0): the schedule is never read, so the
+  # preset's cosine must not stop such a run (tests/train_test.py runs one).
+  config.train.steps = 0
+  validate.validate(config, num_devices=1)
+  assert train_step.cosine_total_steps(config.optim, 0) == config.optim.warmup_steps + 1
+  # A cosine that cannot fit its own warmup is still refused, naming the setting.
+  config.train.steps = 4  # 8 updates (μ = 2)
+  config.optim.update(total_steps=0, warmup_steps=10)
+  with pytest.raises(validate.ConfigError, match="optim.total_steps=8 must exceed"):
     validate.validate(config, num_devices=1)
 
 
