@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -263,13 +262,7 @@ def save_peft(adapters, cfg: qwen.QwenConfig, lcfg: LoraConfig, out_dir,
   try:
     save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
     (tmp / CONFIG_FILE).write_text(json.dumps(peft_config(lcfg, base_model), indent=2))
-    if out_dir.exists():
-      old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-      out_dir.rename(old)
-      tmp.rename(out_dir)
-      shutil.rmtree(old)
-    else:
-      tmp.rename(out_dir)
+    weights.replace_dir(tmp, out_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise

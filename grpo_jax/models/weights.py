@@ -250,6 +250,18 @@ _DTYPE_NAMES = {np.dtype(jnp.float32): "float32", np.dtype(jnp.bfloat16): "bfloa
                 np.dtype(jnp.float16): "float16"}
 
 
+def replace_dir(tmp: Path, out_dir: Path) -> None:
+  """Moves a finished tmp directory to out_dir, replacing what was there: a reader sees the old
+  directory or the new one, never half of either (the old one is removed last)."""
+  if out_dir.exists():
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    out_dir.rename(old)
+    tmp.rename(out_dir)
+    shutil.rmtree(old)
+  else:
+    tmp.rename(out_dir)
+
+
 def save_checkpoint(params, cfg: qwen.QwenConfig, out_dir, max_shard_bytes: int = 4 << 30,
                     generation_config: dict | None = None, dtype=None, tokenizer=None) -> Path:
   """Writes a Hugging Face checkpoint directory that transformers (and vLLM) load.
@@ -300,13 +312,7 @@ def save_checkpoint(params, cfg: qwen.QwenConfig, out_dir, max_shard_bytes: int 
     (tmp / "config.json").write_text(json.dumps(hf, indent=2))
     if generation_config is not None:
       (tmp / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
-    if out_dir.exists():
-      old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-      out_dir.rename(old)
-      tmp.rename(out_dir)
-      shutil.rmtree(old)
-    else:
-      tmp.rename(out_dir)
+    replace_dir(tmp, out_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
