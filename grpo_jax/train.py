@@ -215,7 +215,7 @@ def unstack(tree, k):
 
 # --- the runs' host sides -----------------------------------------------------------------------
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # members are told apart by identity (`m in live`)
 class Member:
   """One run's host side: its Setup (data, tokenizer, rewards), data order, writers, checkpoints
   and reward health; the device state lives with the group (Group)."""

@@ -492,6 +492,11 @@ def make_logprob_fn(model_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_
 # The step: one pure function of (state, batch, hparams, ref_params) and a static spec.
 
 
+def _fields_of(cls, cfg):
+  """A frozen spec of cls's fields, read from a config section."""
+  return cls(**{f.name: cfg[f.name] for f in dataclasses.fields(cls)})
+
+
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
   """The static part of a loss config (grpo.default_loss_config): what shapes the program.
@@ -510,7 +515,7 @@ class LossSpec:
 
   @staticmethod
   def of(cfg) -> LossSpec:
-    return LossSpec(**{f.name: cfg[f.name] for f in dataclasses.fields(LossSpec)})
+    return _fields_of(LossSpec, cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -532,7 +537,7 @@ class OptimSpec:
 
   @staticmethod
   def of(cfg) -> OptimSpec:
-    return OptimSpec(**{f.name: cfg[f.name] for f in dataclasses.fields(OptimSpec)})
+    return _fields_of(OptimSpec, cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -789,13 +794,6 @@ def _layout_key(batch, with_ref: bool, k):
   return (with_ref, k) + tuple(sorted((name, _shape(v), str(v.dtype) if hasattr(v, "dtype")
                                        else str(np.asarray(v).dtype))
                                       for name, v in batch.items()))
-
-
-def _stacked(x, k):
-  """A host value with a leading K axis, for a ShapeDtypeStruct or an array."""
-  if isinstance(x, jax.ShapeDtypeStruct):
-    return jax.ShapeDtypeStruct((k,) + x.shape, x.dtype)
-  return x
 
 
 class TrainStep:

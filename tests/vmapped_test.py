@@ -41,6 +41,18 @@ def _config(args):
   return c
 
 
+def _metrics_match(sep, member):
+  """The member's metrics are its separate run's (timings aside) within RTOL/ATOL, step for
+  step; returns both runs' records."""
+  want, got = (logging_io.read_jsonl(os.path.join(d, "metrics.jsonl")) for d in (sep, member))
+  assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
+  for w, g in zip(want, got):
+    assert set(w) == set(g)
+    for k in set(w) - set(train.TIMING_METRICS):
+      assert g[k] == pytest.approx(w[k], rel=RTOL, abs=ATOL), (w["step"], k)
+  return want, got
+
+
 def test_member_equals_its_separate_run(tmp_path):
   sep, a, b = (str(tmp_path / n) for n in ("separate", "other", "member"))
   train.run(_config(SEPARATE), sep)
@@ -49,12 +61,7 @@ def test_member_equals_its_separate_run(tmp_path):
     sweep_runner.start_from_prefix(sep, d)  # as `sweep --vmap` hands each member its prefix
   train.run_group([_config(OTHER), _config(SEPARATE)], [a, b])
 
-  want, got = (logging_io.read_jsonl(os.path.join(d, "metrics.jsonl")) for d in (sep, b))
-  assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
-  for w, g in zip(want, got):
-    assert set(w) == set(g)
-    for k in set(w) - set(train.TIMING_METRICS):
-      assert g[k] == pytest.approx(w[k], rel=RTOL, abs=ATOL), (w["step"], k)
+  want, got = _metrics_match(sep, b)
   assert "eval/accuracy" in got[2] and "eval/accuracy" in got[3]
   read = lambda d, f: open(os.path.join(d, f)).read()
   assert read(b, "samples.md") == read(sep, "samples.md")
@@ -166,12 +173,7 @@ def test_a_failing_member_is_recorded_as_failed_and_its_group_goes_on(tmp_path):
   assert "1 consecutive non-finite steps up to step 1" in summaries[0]["failed"]
 
   # The good member: every file of a finished run, its numbers its separate run's.
-  want, got = (logging_io.read_jsonl(os.path.join(d, "metrics.jsonl")) for d in (sep, b))
-  assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
-  for w, g in zip(want, got):
-    assert set(w) == set(g)
-    for k in set(w) - set(train.TIMING_METRICS):
-      assert g[k] == pytest.approx(w[k], rel=RTOL, abs=ATOL), (w["step"], k)
+  want, got = _metrics_match(sep, b)
   read = lambda d, f: open(os.path.join(d, f)).read()
   assert read(b, "samples.md") == read(sep, "samples.md")
   assert read(b, "summary.json") == read(sep, "summary.json")
