@@ -73,6 +73,13 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
       # jax.nn.dot_product_attention's implementation: None (JAX's choice, XLA today), 'xla',
       # or 'cudnn' (NVIDIA GPUs, bf16/fp16 compute). See docs/performance.md.
       attention=config_dict.placeholder(str),
+      # LoRA (docs/lora.md): rank 0 = off (full fine-tuning). Else the optimizer trains
+      # adapters of this rank on the target projections of a frozen base (stored in the compute
+      # dtype, or int8 with quantize='int8'), which with the adapters off is the reference.
+      lora=config_dict.ConfigDict(dict(
+          rank=0, alpha=32.0,
+          targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+          dropout=0.0, quantize="none")),
       # Used only when random_init: a Qwen2 architecture of this size.
       tiny=config_dict.ConfigDict(dict(
           hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -219,8 +226,14 @@ def get_config(preset: str = "default") -> config_dict.ConfigDict:
     c.hardware.update(name="one 16 GB device: a Colab T4 or L4, a TPU v5e-1", devices=1)
   elif c.preset == "tiny":
     _tiny(c)
+  elif c.preset == "tiny_lora":
+    _tiny(c)
+    _tiny_lora(c)
+  elif c.preset in LORA_PRESETS:
+    _lora(c, c.preset)
   else:
-    raise ValueError(f"unknown preset {preset!r} for configs/gsm8k.py; use default, 0.5b or tiny")
+    raise ValueError(f"unknown preset {preset!r} for configs/gsm8k.py; use default, 0.5b, tiny, "
+                     f"tiny_lora or {', '.join(LORA_PRESETS)}")
   return c
 
 
@@ -268,3 +281,36 @@ def _tiny(c: config_dict.ConfigDict) -> None:
   c.sft.lr = 1e-3
   c.mesh = (1, 1, 1)
   c.hardware.update(name="a CPU", memory_gb_per_device=4.0, devices=1)
+
+
+def _tiny_lora(c: config_dict.ConfigDict) -> None:
+  """tiny's warm start (the whole model), then GRPO trains rank-8 adapters on every projection
+  of the warm-started base, with a KL term to it (adapters off)."""
+  c.model.lora.update(rank=8, alpha=16.0)
+  c.loss.beta = 0.01
+  c.optim.lr = 3e-3
+
+
+# name -> (checkpoint, prompts per step, micro-batches, hardware, devices' memory in GB)
+LORA_PRESETS = {
+    "1.5b_lora": ("Qwen/Qwen2.5-1.5B-Instruct", 32, 32,
+                  "one 16 GB device: a Colab T4 or L4, a TPU v5e-1", 16.0),
+    "3b_lora": ("Qwen/Qwen2.5-3B-Instruct", 32, 32, "one 24 GB GPU: an L4 24 GB, an A10, a 4090",
+                24.0),
+    "7b_lora": ("Qwen/Qwen2.5-7B-Instruct", 32, 16, "one 80 GB GPU: an H100 or A100 80 GB", 80.0),
+}
+
+
+def _lora(c: config_dict.ConfigDict, preset: str) -> None:
+  """The reference recipe with rank-16 LoRA (alpha 32) on all seven projections of a bf16 base,
+  β = 0.04 against the base with the adapters off, up to 512 new tokens, on one device."""
+  checkpoint, prompts, accum, hardware, memory_gb = LORA_PRESETS[preset]
+  c.model.checkpoint = checkpoint
+  c.model.lora.update(rank=16, alpha=32.0)
+  c.loss.beta = 0.04
+  c.optim.lr = 2e-4  # LoRA takes 10-30x the full-weight rate (1e-5)
+  c.optim.grad_accum_steps = accum
+  c.train.prompts_per_step = prompts
+  c.sampling.max_new_tokens = 512
+  c.mesh = (1, 1, 1)
+  c.hardware.update(name=hardware, memory_gb_per_device=memory_gb, devices=1)

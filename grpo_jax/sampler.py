@@ -94,6 +94,12 @@ class Conversation(NamedTuple):
   prompt_mask: np.ndarray  # [B, P]
 
 
+def variables(params) -> dict:
+  """What model.apply takes, from the sampler's `params` argument: a params pytree, or already
+  variables ({'params': base, 'lora': adapters}: a LoRA policy, sampled unmerged)."""
+  return params if "params" in params else {"params": params}
+
+
 class Sampler:
   """Built once per model; each call compiles once per (B, bucket, G, sampling settings).
 
@@ -158,7 +164,7 @@ class Sampler:
                            compiler_options=opts)
     self._append = jax.jit(self._append_impl, donate_argnums=(1,), compiler_options=opts)
     self._next_logprobs = jax.jit(self._next_logprobs_impl, compiler_options=opts)
-    self._members = None  # generate_members' programs, built on first use
+    self._members = {}  # generate_members' programs (by whether a LoRA base is shared)
 
   # --- device side -------------------------------------------------------------------------
 
@@ -179,7 +185,7 @@ class Sampler:
     b, p = tokens_BP.shape
     cache = qwen.init_cache(cfg, b, p, self.model.dtype)
     cache = jax.tree.map(lambda x: self._constrain(x, CACHE_AXES), cache)
-    hidden_BPD, cache = self.model.apply({"params": params}, tokens_BP,
+    hidden_BPD, cache = self.model.apply(variables(params), tokens_BP,
                                          qwen.positions_from_mask(mask_BP), mask_BP, cache, 0)
     tile = lambda x: jnp.repeat(x, g, axis=0)
     cache = jax.tree.map(lambda x: self._constrain(
@@ -206,12 +212,15 @@ class Sampler:
     # of it: each step then reads the narrow copy (fp32 params, bf16 compute: half the bytes).
     # The forward casts every weight to this dtype anyway, so the numbers are the same. The
     # embedding and head stay as they are (the sampler reads the head in its own dtype).
-    params = dict(params, layers=jax.tree.map(lambda x: x.astype(self.model.dtype),
-                                              params["layers"]))
+    # Integer leaves (an int8 base's kernels) stay as they are.
+    narrow = lambda x: x.astype(self.model.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    params = {col: dict(tree, layers=jax.tree.map(narrow, tree["layers"]))
+              for col, tree in variables(params).items()}
     keys_R = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(rng, i[0]), i[1]))(
         row_ids_R2)
     # qwen.head_kernel is [D, V]; for a tied model its .T is the embedding itself, no copy.
-    head = sampling.prepare_head(qwen.head_kernel(params, cfg).T, self.valid, self.vocab_chunk)
+    head = sampling.prepare_head(qwen.head_kernel(params["params"], cfg).T, self.valid,
+                                 self.vocab_chunk)
     stop = jnp.asarray(self.stop_ids or (-1,), jnp.int32)
 
     def next_token(h_RD, step):
@@ -237,7 +246,7 @@ class Sampler:
       tok = jnp.where(live, tok, self.pad_id)
       stopped = live & jnp.isin(tok, stop)
       hidden, cache = self.model.apply(
-          {"params": params}, tok[:, None], (state["pos"] + i)[:, None], state["mask"],
+          params, tok[:, None], (state["pos"] + i)[:, None], state["mask"],
           s["cache"], p + i)
       put = lambda x_RC, x_R: jax.lax.dynamic_update_index_in_dim(x_RC, x_R, i, 1)
       # A row that stopped keeps the hidden state of its last token (what a later turn
@@ -271,7 +280,7 @@ class Sampler:
     positions_RO = state["pos"][:, None] + qwen.positions_from_mask(mask_RO)
     mask_RS = jax.lax.dynamic_update_slice(state["mask"], mask_RO.astype(state["mask"].dtype),
                                            (0, p))
-    hidden_ROD, cache = self.model.apply({"params": params}, tokens_RO, positions_RO, mask_RS,
+    hidden_ROD, cache = self.model.apply(variables(params), tokens_RO, positions_RO, mask_RS,
                                          cache, p)
     last_RD = jnp.take_along_axis(hidden_ROD, jnp.maximum(n_R - 1, 0)[:, None, None], 1)[:, 0]
     return cache, {"hidden": jnp.where(n_R[:, None] > 0, last_RD, state["hidden"]),
@@ -280,7 +289,7 @@ class Sampler:
   def _next_logprobs_impl(self, params, hidden_RD, ids_K):
     """log_softmax at temperature 1 over the valid vocabulary, at ids_K: [R, K]. One position
     per row, so the [R, V] logits are one decode step's worth."""
-    logits_RV = self.model.apply({"params": params}, hidden_RD[:, None],
+    logits_RV = self.model.apply(variables(params), hidden_RD[:, None],
                                  method=qwen.Qwen.logits)[:, 0, :self.valid]
     return jax.nn.log_softmax(logits_RV.astype(jnp.float32), axis=-1)[:, ids_K]
 
@@ -469,8 +478,10 @@ class Sampler:
                               self._settings(settings), max_tokens)
 
   def generate_members(self, params_K, prompts_K, *, num_samples, keys_K=None, greedy=False):
-    """generate for K runs of a sweep at once: params_K stacked on a leading K axis; the
-    prefill and decode programs under jax.vmap over the members' params and keys.
+    """generate for K runs of a sweep at once: params_K stacked on a leading K axis (LoRA
+    members: variables whose 'lora' adapters are stacked and whose 'params', the frozen base,
+    is one copy they share); the prefill and decode programs under jax.vmap over the members'
+    params and keys.
 
     prompts_K: per member a list of token-id lists (all of one length B), or None for a member
     that sits this call out (it samples another member's prompts, thrown away). Returns per
@@ -478,17 +489,19 @@ class Sampler:
     row's key fold_in(fold_in(key, b), g); every member's prompts left-padded to one bucket
     (the largest any member needs), which changes no number. One process only."""
     g = int(num_samples)
-    if self._members is None:
+    shared_base = isinstance(params_K, dict) and "lora" in params_K
+    if shared_base not in self._members:
       opts = compile_cache.compiler_options(self.mesh)
+      axes = {"params": None, "lora": 0} if shared_base else 0
       prefill = lambda p, t, m, g, c: jax.vmap(
-          lambda p, t, m: self._prefill_impl(p, t, m, g, c))(p, t, m)
+          lambda p, t, m: self._prefill_impl(p, t, m, g, c), in_axes=(axes, 0, 0))(p, t, m)
       decode = lambda p, cache, st, rng, ids, act, sp, c: jax.vmap(
-          lambda p, cache, st, rng: self._decode_impl(p, cache, st, rng, ids, act, sp, c))(
-              p, cache, st, rng)
-      self._members = (jax.jit(prefill, static_argnums=(3, 4), compiler_options=opts),
-                       jax.jit(decode, static_argnums=(6, 7), donate_argnums=(1,),
-                               compiler_options=opts))
-    prefill, decode = self._members
+          lambda p, cache, st, rng: self._decode_impl(p, cache, st, rng, ids, act, sp, c),
+          in_axes=(axes, 0, 0, 0))(p, cache, st, rng)
+      self._members[shared_base] = (
+          jax.jit(prefill, static_argnums=(3, 4), compiler_options=opts),
+          jax.jit(decode, static_argnums=(6, 7), donate_argnums=(1,), compiler_options=opts))
+    prefill, decode = self._members[shared_base]
     sits_out = [p is None for p in prompts_K]
     given = [p for p in prompts_K if p is not None]
     prompts_K = [p if p is not None else given[0] for p in prompts_K]

@@ -53,7 +53,7 @@ from grpo_jax import (checkpoint, compile_cache, data, grpo, hosts, inputs, logg
                       tokenizer as tokenizer_lib, train_step, validate)
 from grpo_jax.agent import rollout as agent_rollout
 from grpo_jax.errors import UserError
-from grpo_jax.models import qwen, weights
+from grpo_jax.models import lora as lora_lib, qwen, weights
 from grpo_jax.rewards import Interrupted, MissingRewardsError, RewardHealth, build_rewards, probe
 
 
@@ -66,6 +66,9 @@ class TooManyBadSteps(UserError):
 # went on: {"error", "message", "step"} in its workdir (grpo_jax.sweep_runner reads it). A run
 # that starts removes it.
 FAILURE_FILE = "failed.json"
+# A LoRA run's frozen base where its warm start made it (a Hugging Face checkpoint, written
+# once): resuming reads it back. Without a warm start the base is the initial model.
+BASE_DIR = "base_model"
 
 
 # --- the program -------------------------------------------------------------------------------
@@ -258,24 +261,26 @@ class Member:
 
 @dataclasses.dataclass
 class Group:
-  """The device side of K runs: train states, frozen references and hparams, stacked on a
-  leading K axis when K > 1; a plain run (K = 1) holds its own, unstacked."""
+  """The device side of K runs: train states, frozen params (the reference, or a LoRA run's
+  base) and hparams, stacked on a leading K axis when K > 1; a plain run (K = 1) holds its own,
+  unstacked. LoRA members share one frozen base (shared_ref): one copy, never stacked."""
   k: int
   state: Any
   ref: Any
   hparams: Any
+  shared_ref: bool = False
 
   @staticmethod
-  def of(states, refs, hparams):
+  def of(states, refs, hparams, shared_ref=False):
     if len(states) == 1:
-      return Group(1, states[0], refs[0], hparams[0])
-    return Group(len(states), stack(states), None if refs[0] is None else stack(refs),
-                 stack(hparams))
+      return Group(1, states[0], refs[0], hparams[0], shared_ref)
+    ref = refs[0] if shared_ref or refs[0] is None else stack(refs)
+    return Group(len(states), stack(states), ref, stack(hparams), shared_ref)
 
   def member(self, k):
-    """Member k's (state, ref) as its checkpoint holds them."""
-    if self.k == 1:
-      return self.state, self.ref
+    """Member k's (state, frozen params)."""
+    if self.k == 1 or self.shared_ref:
+      return (self.state if self.k == 1 else unstack(self.state, k)), self.ref
     return unstack(self.state, k), None if self.ref is None else unstack(self.ref, k)
 
 
@@ -317,7 +322,8 @@ def run_group(configs, workdirs) -> list[dict]:
     m.open(start, main)
     if len(members) > 1:  # a member that got further than the others redoes those steps
       m.ckpt.delete_after(start)
-  group = Group.of(states, refs, [trainer.hparams(m.config) for m in members])
+  group = Group.of(states, refs, [trainer.hparams(m.config) for m in members],
+                   shared_ref=trainer.lora is not None)
   del states, refs  # the group's copies are the live ones
   stop = {"requested": False}
   previous = signal.signal(signal.SIGTERM, lambda *_: (
@@ -333,7 +339,7 @@ def run_group(configs, workdirs) -> list[dict]:
         continue
       state, ref = group.member(k)
       ckpt_state = {"train": state}
-      if ref is not None:
+      if ref is not None and trainer.lora is None:  # a LoRA base is not checkpointed (BASE_DIR)
         ckpt_state["ref"] = ref
       m.ckpt.save(step, ckpt_state, m.it.position())
 
@@ -441,7 +447,8 @@ def run_group(configs, workdirs) -> list[dict]:
     if m.workdir in failures:
       summaries.append({"failed": str(failures[m.workdir])} if main else {})
       continue
-    summaries.append(_finish(m, group.member(k)[0]["params"], finished, done, main))
+    state, ref = group.member(k)
+    summaries.append(_finish(m, trainers[k], state["params"], ref, finished, done, main))
   return summaries
 
 
@@ -456,10 +463,13 @@ def _postfix(ms) -> dict:
   return postfix
 
 
-def _finish(m: Member, params, finished: bool, done: int, main: bool) -> dict:
-  """The run's summary, plots and exported model."""
-  s = m.setup
+def _finish(m: Member, trainer, params, ref, finished: bool, done: int, main: bool) -> dict:
+  """The run's summary, plots and exported model (LoRA: the merged model, and the adapter in
+  PEFT's format)."""
+  s, lcfg = m.setup, trainer.lora
   # Several processes: every one takes part in gathering the params, process 0 writes.
+  if finished and lcfg is not None:
+    params = (params, ref)
   final_params = hosts.fetch(params) if finished and hosts.count() > 1 else params
   if not main:
     return {}
@@ -469,10 +479,28 @@ def _finish(m: Member, params, finished: bool, done: int, main: bool) -> dict:
     plots.plot_metrics(s.workdir)
     gen = s.generation_config or {"eos_token_id": s.stop_ids,
                                   "pad_token_id": s.tokenizer.pad_token_id}
-    with storage.local_dir(storage.path(s.workdir) / "final_model") as out:
-      weights.save_checkpoint(final_params, s.cfg, out, generation_config=gen,
-                              tokenizer=s.tokenizer)
+    root = storage.path(s.workdir)
+    if lcfg is None:
+      with storage.local_dir(root / "final_model") as out:
+        weights.save_checkpoint(final_params, s.cfg, out, generation_config=gen,
+                                tokenizer=s.tokenizer)
+    else:
+      adapters, base = final_params
+      with storage.local_dir(root / "final_model") as out:
+        lora_lib.save_merged(base, adapters, s.cfg, lcfg, out, generation_config=gen,
+                             tokenizer=s.tokenizer)
+      with storage.local_dir(root / "final_adapter") as out:
+        lora_lib.save_peft(adapters, s.cfg, lcfg, out,
+                           base_model=_base_model_name(m.config, s.workdir))
   return summary
+
+
+def _base_model_name(config, workdir) -> str:
+  """What a LoRA adapter's adapter_config.json names as its base: the warm-started base's
+  directory, else the model checkpoint (empty for a random initialisation)."""
+  if config.sft.steps:
+    return os.path.join(workdir, BASE_DIR)
+  return "" if config.model.random_init else str(config.model.checkpoint)
 
 
 def _start(members, trainers):
@@ -499,23 +527,63 @@ def _start(members, trainers):
   states, refs = [], []
   for m, r, trainer in zip(members, restored, trainers):
     c, s = m.config, m.setup
+    lora = trainer.lora is not None
     if r is None:
       params = inputs.initial_params(c, s.cfg, trainer.mesh)
       if c.sft.steps:
         params = sft.run_sft(c, trainer, params, s.train_rows, s.sft_eval_rows)
+        if lora:  # the base GRPO adapts: kept for resuming and for the adapter's export
+          host_params = hosts.fetch(params) if hosts.count() > 1 else params
+          if hosts.is_main():
+            with storage.local_dir(storage.path(m.workdir) / BASE_DIR) as out:
+              weights.save_checkpoint(host_params, s.cfg, out, tokenizer=s.tokenizer)
+          del host_params
       states.append(trainer.init_state(params))
-      refs.append(trainer.reference(params) if grpo.needs_reference(c.loss) else None)
+      refs.append(trainer.reference(params) if lora or grpo.needs_reference(c.loss) else None)
       del params  # the state and the reference are copies
       m.it = data.PromptIterator(len(s.train_rows), c.train.prompts_per_step, c.seed)
       m.fresh = True
     else:
       states.append(r.state["train"])
-      refs.append(r.state.get("ref"))
+      refs.append(_lora_base(m, trainer) if lora else r.state.get("ref"))
       m.it = data.PromptIterator(len(s.train_rows), c.train.prompts_per_step, c.seed,
                                  position=r.data_position)
       print(f"grpo_jax: {m.workdir if len(members) > 1 else ''}"
             f"{': ' if len(members) > 1 else ''}resumed from step {r.step}", flush=True)
+  if len(members) > 1 and trainers[0].lora is not None:
+    _check_one_base(members, refs)
+    refs = [refs[0]] * len(refs)
   return start, states, refs
+
+
+def _lora_base(m, trainer):
+  """A resumed LoRA run's frozen base: the warm-started one it wrote (BASE_DIR), or the initial
+  model, exactly as the run built it."""
+  c = m.config
+  if c.sft.steps:
+    where = storage.path(m.workdir) / BASE_DIR
+    if not where.exists():
+      raise checkpoint.RestoreError(
+          f"{where}: missing; a LoRA run with a warm start (sft.steps={c.sft.steps}) keeps its "
+          "base there, and its checkpoints hold only the adapters")
+    params, _ = weights.load_checkpoint(storage.local_copy(where),
+                                        param_dtype=c.optim.param_dtype, mesh=trainer.mesh)
+  else:
+    params = inputs.initial_params(c, m.setup.cfg, trainer.mesh)
+  return trainer.reference(params)
+
+
+def _check_one_base(members, refs):
+  """LoRA members of a group share one frozen base, so theirs must be equal to the bit."""
+  equal = jax.jit(lambda a, b: jnp.all(jnp.stack([jnp.all(x == y) for x, y in zip(
+      jax.tree.leaves(a), jax.tree.leaves(b))])))
+  for m, ref in zip(members[1:], refs[1:]):
+    if ref is not refs[0] and not bool(equal(refs[0], ref)):
+      raise VmapError(
+          f"{m.workdir} and {members[0].workdir} have different frozen bases (a warm start or "
+          "random initialisation that depends on the seed): LoRA members of a vmapped group "
+          "share one base; run them without --vmap, or from one base (the same seed, or a "
+          "model.checkpoint without a warm start)")
 
 
 # --- one GRPO step ------------------------------------------------------------------------------
@@ -540,10 +608,14 @@ class Trainer:
                     if config.agent.enabled else rollout.SingleTurn(config, tokenizer,
                                                                     self.sampler))
     self.optim = optim_settings(config)
+    # LoRA (config.model.lora.rank > 0): the state trains adapters on a frozen base, which is
+    # also the reference policy (adapters off); None: full fine-tuning.
+    self.lora = lora_settings(config)
     self.step_fn = train_step.TrainStep(
         cfg, config.loss, self.optim, mesh, temperature=s.temperature, valid_vocab_size=valid,
         max_completion_length=self.rollout.completion_width, group_size=s.num_generations,
-        reward_weights=config.rewards.weights, max_turns=self.rollout.max_turns)
+        reward_weights=config.rewards.weights, max_turns=self.rollout.max_turns,
+        lora=self.lora)
     self.accuracy = rollout.accuracy_reward(config)
 
   def for_member(self, config, tokenizer) -> Trainer:
@@ -557,19 +629,34 @@ class Trainer:
     return other
 
   def hparams(self, config):
-    """A run's train-step hyperparameters (its lr, β, ε, ε_high and reward weights)."""
-    return train_step.hparams(config.loss, config.optim, config.rewards.weights)
+    """A run's train-step hyperparameters (its lr, β, ε, ε_high, reward weights and LoRA
+    scale)."""
+    return train_step.hparams(config.loss, config.optim, config.rewards.weights,
+                              lora_settings(config))
 
   def init_state(self, params):
-    return train_step.create_train_state(params, self.cfg, self.optim, self.mesh)
+    """The train state from the starting params: over them (full fine-tuning), or over fresh
+    adapters (LoRA; PEFT's initialisation from the run's seed, b = 0)."""
+    if self.lora is None:
+      return train_step.create_train_state(params, self.cfg, self.optim, self.mesh)
+    key = jax.random.fold_in(jax.random.key(self.config.seed), LORA_INIT_STREAM)
+    adapters = lora_lib.init(key, self.cfg, self.lora, jnp.dtype(self.optim.param_dtype))
+    return train_step.create_train_state(adapters, self.cfg, self.optim, self.mesh, self.lora)
 
   def reference(self, params):
-    """The frozen reference (loss.beta > 0): params in train_step.reference_dtype."""
-    return train_step.reference_params(params, self.cfg, self.optim, self.mesh)
+    """The frozen params: the reference (loss.beta > 0) or LoRA's base (always), in
+    train_step.reference_dtype (LoRA: int8 kernels where model.lora.quantize says)."""
+    return train_step.reference_params(params, self.cfg, self.optim, self.mesh, self.lora)
+
+  def policy(self, params, frozen):
+    """What the sampler runs: the params, or LoRA's base with the adapters on (unmerged)."""
+    if self.lora is None:
+      return params
+    return lora_lib.variables(frozen, params, self.lora)
 
   def abstract_checkpoint(self):
-    abstract = {"train": train_step.abstract_state(self.cfg, self.optim, self.mesh)}
-    if grpo.needs_reference(self.config.loss):
+    abstract = {"train": train_step.abstract_state(self.cfg, self.optim, self.mesh, self.lora)}
+    if self.lora is None and grpo.needs_reference(self.config.loss):
       abstract["ref"] = train_step.abstract_reference(self.cfg, self.optim, self.mesh)
     return abstract
 
@@ -604,9 +691,10 @@ class Trainer:
 
 def evaluate_group(trainers, group: Group, rows_K) -> list[float]:
   """Greedy pass@1 of each member on its rows (trainers: one per member, for_member)."""
+  policy = trainers[0].policy(group.state["params"], group.ref)
   if group.k == 1:
-    return [trainers[0].evaluate(group.state["params"], rows_K[0], group.ref)]
-  return rollout.evaluate_members([t.rollout for t in trainers], group.state["params"], rows_K,
+    return [trainers[0].evaluate(policy, rows_K[0], group.ref)]
+  return rollout.evaluate_members([t.rollout for t in trainers], policy, rows_K,
                                   trainers[0].accuracy)
 
 
@@ -619,7 +707,7 @@ def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
   gets None metrics and samples. Returns (group, per run metrics, per run samples)."""
   first, k = trainers[0], group.k
   configs = [t.config for t in trainers]
-  params = group.state["params"]
+  params = first.policy(group.state["params"], group.ref)  # what the sampler runs
   colls = [rollout.Collection(c) for c in configs]
   keys = [jax.random.fold_in(jax.random.key(c.seed), step) for c in configs]
   next_rows_K = list(next_rows_K)
@@ -666,6 +754,14 @@ def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
   samples = [None if pool is None else _samples(c, pool, adv_k, rewards)
              for c, pool, adv_k, rewards in zip(configs, pools, adv, rewards_K)]
   return dataclasses.replace(group, state=state), ms, samples
+
+
+LORA_INIT_STREAM = 0x10A  # fold_in stream of the seed for the adapters' initialisation
+
+
+def lora_settings(config) -> lora_lib.LoraConfig | None:
+  """config.model.lora as a LoraConfig, or None (rank 0, or a config without the block)."""
+  return lora_lib.LoraConfig.from_config(config.model.get("lora"))
 
 
 def optim_settings(config):

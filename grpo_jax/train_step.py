@@ -89,7 +89,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_dict
 
 from grpo_jax import compile_cache, grpo, hosts, logprobs, sharding
-from grpo_jax.models import qwen
+from grpo_jax.models import lora as lora_lib, qwen, quant
 
 SCHEDULES = ("constant", "cosine")
 
@@ -162,9 +162,11 @@ def cosine_total_steps(cfg, updates: int) -> int:
 
 
 def decay_mask(params):
-  """Weight decay on matrices (kernels, embedding, lm_head), not on norm weights or biases."""
+  """Weight decay on matrices (kernels, embedding, lm_head, LoRA factors), not on norm weights
+  or biases."""
   def one(path, _):
-    return getattr(path[-1], "key", None) in ("kernel", "embedding", "lm_head")
+    return getattr(path[-1], "key", None) in ("kernel", "embedding", "lm_head", "lora_a",
+                                              "lora_b")
   return jax.tree_util.tree_map_with_path(one, params)
 
 
@@ -184,49 +186,88 @@ def make_optimizer(cfg, lr=None) -> optax.GradientTransformation:
 # State and shardings.
 
 
-def abstract_state(model_cfg, optim_cfg, mesh=None):
-  """ShapeDtypeStructs of the train state (with shardings if a mesh is given); no allocation."""
+def abstract_trainable(model_cfg, optim_cfg, lcfg=None):
+  """ShapeDtypeStructs of what the optimizer trains, in param_dtype: the model's params, or with
+  LoRA (lcfg a lora.LoraConfig) the adapters alone."""
   dtype = jnp.dtype(optim_cfg.param_dtype)
-  params = qwen.abstract_params(model_cfg, dtype)
+  if lcfg is None:
+    return qwen.abstract_params(model_cfg, dtype)
+  return lora_lib.abstract(model_cfg, lcfg, dtype)
+
+
+def _trainable_axes(model_cfg, lcfg=None):
+  return qwen.logical_axes(model_cfg) if lcfg is None else lora_lib.logical_axes(model_cfg, lcfg)
+
+
+def abstract_state(model_cfg, optim_cfg, mesh=None, lcfg=None):
+  """ShapeDtypeStructs of the train state (with shardings if a mesh is given); no allocation.
+  With LoRA the state's params are the adapters (abstract_trainable)."""
+  params = abstract_trainable(model_cfg, optim_cfg, lcfg)
   opt_state = jax.eval_shape(make_optimizer(optim_cfg).init, params)
   state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params, "opt_state": opt_state}
   if mesh is None:
     return state
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
-                      state_shardings(model_cfg, optim_cfg, mesh))
+                      state_shardings(model_cfg, optim_cfg, mesh, lcfg))
 
 
 def reference_dtype(optim_cfg):
   """The dtype the frozen reference params are stored in: compute_dtype where it is narrower
   than param_dtype, else param_dtype. The forward casts every parameter to compute_dtype before
   using it (qwen.Linear, RMSNorm, Embed, the head), so a reference stored in compute_dtype gives
-  the same log-probs bit for bit, in half the memory with fp32 params and bf16 compute."""
+  the same log-probs bit for bit, in half the memory with fp32 params and bf16 compute. A LoRA
+  run's frozen base is stored the same way."""
   param, compute = jnp.dtype(optim_cfg.param_dtype), jnp.dtype(optim_cfg.compute_dtype)
   return compute if compute.itemsize < param.itemsize else param
 
 
-def abstract_reference(model_cfg, optim_cfg, mesh=None):
-  """ShapeDtypeStructs of the frozen reference params as the run stores them (reference_dtype,
-  placed like the policy's params)."""
+def abstract_reference(model_cfg, optim_cfg, mesh=None, lcfg=None):
+  """ShapeDtypeStructs of the frozen params as the run stores them: the reference policy
+  (reference_dtype, placed like the policy's params), or with LoRA the frozen base (the same,
+  its projection kernels int8 where lcfg.quantize says so)."""
   dtype = reference_dtype(optim_cfg)
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=getattr(x, "sharding", None)),
-      abstract_state(model_cfg, optim_cfg, mesh)["params"])
+  if lcfg is not None and lcfg.quantize == "int8":
+    params = quant.abstract(model_cfg, dtype)
+  else:
+    params = qwen.abstract_params(model_cfg, dtype)
+  if mesh is None:
+    return params
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+                      reference_shardings(model_cfg, optim_cfg, mesh, lcfg))
 
 
-def reference_params(params, model_cfg, optim_cfg, mesh):
-  """The frozen reference policy: a fresh copy of params in reference_dtype, placed like the
-  state's params (the caller's params may be dropped afterwards)."""
-  sh = state_shardings(model_cfg, optim_cfg, mesh)["params"]
+def reference_shardings(model_cfg, optim_cfg, mesh, lcfg=None):
+  """NamedShardings of the frozen params (abstract_reference), by the logical-axis rules."""
   dtype = reference_dtype(optim_cfg)
-  return jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p),
-                 out_shardings=sh)(jax.device_put(params, sh))
+  if lcfg is not None and lcfg.quantize == "int8":
+    return sharding.param_shardings(quant.logical_axes(model_cfg),
+                                    quant.abstract(model_cfg, dtype), mesh)
+  return sharding.param_shardings(qwen.logical_axes(model_cfg),
+                                  qwen.abstract_params(model_cfg, dtype), mesh)
 
 
-def state_shardings(model_cfg, optim_cfg, mesh):
-  """NamedShardings of the state: params by the logical-axis rules, optimizer moments alike."""
-  params = qwen.abstract_params(model_cfg, jnp.dtype(optim_cfg.param_dtype))
-  param_sh = sharding.param_shardings(qwen.logical_axes(model_cfg), params, mesh)
+def reference_params(params, model_cfg, optim_cfg, mesh, lcfg=None):
+  """The frozen params: a fresh copy of params in reference_dtype, placed by the rules (the
+  caller's params may be dropped afterwards). Full fine-tuning: the reference policy. LoRA: the
+  base under the adapters, which with the adapters off is the reference too; lcfg.quantize =
+  'int8' stores its projection kernels as int8 (QLoRA, models/quant.py)."""
+  dtype = reference_dtype(optim_cfg)
+  sh = reference_shardings(model_cfg, optim_cfg, mesh, lcfg)
+  quantize = lcfg is not None and lcfg.quantize == "int8"
+
+  def make(p):
+    p = jax.tree.map(lambda x: x.astype(dtype), p)
+    return quant.quantize(p) if quantize else p
+  plain_sh = sharding.param_shardings(qwen.logical_axes(model_cfg),
+                                      qwen.abstract_params(model_cfg, dtype), mesh)
+  return jax.jit(make, out_shardings=sh)(jax.device_put(params, plain_sh))
+
+
+def state_shardings(model_cfg, optim_cfg, mesh, lcfg=None):
+  """NamedShardings of the state: params (or LoRA adapters) by the logical-axis rules,
+  optimizer moments alike."""
+  params = abstract_trainable(model_cfg, optim_cfg, lcfg)
+  param_sh = sharding.param_shardings(_trainable_axes(model_cfg, lcfg), params, mesh)
   optimizer = make_optimizer(optim_cfg)
   opt_sh = optax.tree_map_params(
       optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params), param_sh,
@@ -234,9 +275,10 @@ def state_shardings(model_cfg, optim_cfg, mesh):
   return {"step": sharding.replicated(mesh), "params": param_sh, "opt_state": opt_sh}
 
 
-def create_train_state(params, model_cfg, optim_cfg, mesh):
-  """The initial state from a params pytree: cast to param_dtype, placed by the rules."""
-  sh = state_shardings(model_cfg, optim_cfg, mesh)
+def create_train_state(params, model_cfg, optim_cfg, mesh, lcfg=None):
+  """The initial state from a params pytree (with LoRA: the adapters, lora.init): cast to
+  param_dtype, placed by the rules."""
+  sh = state_shardings(model_cfg, optim_cfg, mesh, lcfg)
   dtype = jnp.dtype(optim_cfg.param_dtype)
   # device_put may hand back the caller's own buffers (e.g. as one shard of a replicated leaf);
   # the jitted cast makes fresh ones, so donating the state never deletes the caller's params
@@ -409,9 +451,11 @@ def build_model(model_cfg, optim_cfg, mesh):
                     remat=optim_cfg.remat, mesh=mesh)
 
 
-def completion_logprobs(model, params, tokens_BS, attn_mask_BS, C, *, temperature, valid,
+def completion_logprobs(model, variables, tokens_BS, attn_mask_BS, C, *, temperature, valid,
                         block_bytes, group=1, prompts=None):
   """Per-token log-probs and entropies of the last C tokens: ([B, C], [B, C]) fp32.
+
+  variables: what model.apply takes, {'params': ...} and with LoRA {'lora': ...} (policy_vars).
 
   Position t's hidden state predicts token t + 1, so the completion's C tokens are predicted
   from positions P − 1 … S − 2. Only the first `valid` head rows enter the softmax: rows past
@@ -435,15 +479,15 @@ def completion_logprobs(model, params, tokens_BS, attn_mask_BS, C, *, temperatur
     prompt_bP, pmask_bP = prompts
     pack = lambda prompt_bP, x_BS: jnp.concatenate([prompt_bP, x_BS[:, P_:-1].reshape(b, -1)], 1)
     hidden_bTD, _ = model.clone(packed=(P_, group)).apply(
-        {"params": params}, pack(prompt_bP, tokens_BS),
+        variables, pack(prompt_bP, tokens_BS),
         pack(qwen.positions_from_mask(pmask_bP), positions_BS), (pmask_bP, attn_mask_BS[:, :-1]))
     last_B1D = jnp.repeat(hidden_bTD[:, P_ - 1:P_], group, axis=0)  # predicts token 0
     hidden_BCD = jnp.concatenate([last_B1D, hidden_bTD[:, P_:].reshape(B, c, -1)], axis=1)
   else:
-    hidden_BTD, _ = model.apply({"params": params}, tokens_BS[:, :-1], positions_BS[:, :-1],
+    hidden_BTD, _ = model.apply(variables, tokens_BS[:, :-1], positions_BS[:, :-1],
                                 attn_mask_BS[:, :-1])
     hidden_BCD = hidden_BTD[:, -C:]
-  head_VD = qwen.head_kernel(params, model.cfg).T[:valid].astype(model.dtype)
+  head_VD = qwen.head_kernel(variables["params"], model.cfg).T[:valid].astype(model.dtype)
   return logprobs.token_logprobs(hidden_BCD, head_VD, tokens_BS[:, -C:],
                                  temperature=temperature, block_bytes=block_bytes)
 
@@ -481,7 +525,8 @@ def make_logprob_fn(model_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_
   def fn(params, tokens_BS, attn_mask_BS, C):
     micro = (_split_micro(tokens_BS, accum, mesh, unit),
              _split_micro(attn_mask_BS, accum, mesh, unit))
-    logp_ABC = jax.lax.map(lambda xs: completion_logprobs(model, params, *xs, C, **kw)[0], micro)
+    logp_ABC = jax.lax.map(
+        lambda xs: completion_logprobs(model, {"params": params}, *xs, C, **kw)[0], micro)
     return _join_micro(logp_ABC, unit)
 
   return jax.jit(fn, in_shardings=(param_sh, row_sh, row_sh), out_shardings=row_sh,
@@ -551,7 +596,10 @@ class StepSpec:
   group_size, num_rewards: rollout batches (advantages are computed in the step).
   objective: 'grpo' or 'sft' (the warm start: mean NLL of the completion tokens).
   max_turns: flow_grpo's static bound on a row's turns (grpo.flow_grpo_weights).
-  with_ref: whether the program takes reference params (β > 0 and no ref_logp_BC given).
+  with_ref: whether the program takes frozen params: the reference (β > 0 and no ref_logp_BC
+    given), or with LoRA always (the base the adapters attach to, also the reference).
+  lora: a lora.LoraConfig: the state's params are adapters on the frozen base; None: full
+    fine-tuning.
   """
   model: qwen.QwenConfig
   loss: LossSpec
@@ -565,11 +613,12 @@ class StepSpec:
   objective: str = "grpo"
   max_turns: int | None = None
   with_ref: bool = False
+  lora: lora_lib.LoraConfig | None = None
 
   @staticmethod
   def build(model_cfg, loss_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_size=None,
             max_completion_length=None, group_size=None, num_rewards=None, objective="grpo",
-            max_turns=None) -> StepSpec:
+            max_turns=None, lora=None) -> StepSpec:
     """Validates the settings (ValueError naming the first bad one) and freezes them."""
     if objective not in OBJECTIVES:
       raise ValueError(f"objective={objective!r} is not one of {OBJECTIVES}")
@@ -583,18 +632,40 @@ class StepSpec:
                        f"a row's turns), got max_turns={max_turns!r}")
     return StepSpec(model_cfg, LossSpec.of(loss_cfg), OptimSpec.of(optim_cfg), mesh,
                     float(temperature), int(valid_vocab_size or model_cfg.vocab_size),
-                    max_completion_length, group_size, num_rewards, objective, max_turns)
+                    max_completion_length, group_size, num_rewards, objective, max_turns,
+                    lora=lora)
 
 
-def hparams(loss_cfg, optim_cfg, reward_weights=()) -> dict[str, np.ndarray]:
+def hparams(loss_cfg, optim_cfg, reward_weights=(), lora=None) -> dict[str, np.ndarray]:
   """The step's array settings, which a vmapped sweep varies per member: float32 scalars (and
-  the reward weights). The clip bounds are formed here in float64 and rounded once, as Python
-  folds `1.0 - epsilon` when it is a constant."""
+  the reward weights; with LoRA its scale alpha / r). The clip bounds are formed here in
+  float64 and rounded once, as Python folds `1.0 - epsilon` when it is a constant."""
   f32 = lambda x: np.asarray(x, np.float32)
-  return {"lr": f32(optim_cfg.lr), "beta": f32(loss_cfg.beta),
-          "clip_low": f32(1.0 - float(loss_cfg.epsilon)),
-          "clip_high": f32(1.0 + float(loss_cfg.epsilon_high)),
-          "reward_weights": f32(tuple(map(float, reward_weights)))}
+  hp = {"lr": f32(optim_cfg.lr), "beta": f32(loss_cfg.beta),
+        "clip_low": f32(1.0 - float(loss_cfg.epsilon)),
+        "clip_high": f32(1.0 + float(loss_cfg.epsilon_high)),
+        "reward_weights": f32(tuple(map(float, reward_weights)))}
+  if lora is not None:
+    hp["lora_scale"] = f32(lora.scale)
+  return hp
+
+
+def policy_vars(spec: StepSpec, params, frozen, hp=None) -> dict:
+  """The policy's variables for model.apply: {'params': params} (full fine-tuning), or with
+  LoRA the frozen base with the adapters (params) on, b scaled by hp['lora_scale']."""
+  if spec.lora is None:
+    return {"params": params}
+  scale = None if hp is None else hp.get("lora_scale")
+  return lora_lib.variables(frozen, params, spec.lora, scale=scale)
+
+
+def _policy_is_reference(spec, params, frozen, dtype):
+  """A traced bool: whether the policy computes exactly what the reference does. Full
+  fine-tuning: the params equal the reference's as the forward uses them. LoRA: every b is 0,
+  so each adapted projection adds exact zeros to the base's."""
+  if spec.lora is None:
+    return same_params(params, frozen, dtype)
+  return jnp.all(jnp.stack([jnp.all(b == 0) for b in lora_lib.b_factors(params)]))
 
 
 def same_params(params, ref_params, dtype):
@@ -644,13 +715,14 @@ def _normalisers(spec, mask_BC, unit=1, group=1):
 
 def _loss(spec, model, hp, params, ref_params, mb, norm, ref_is_policy):
   """One micro-batch's share of the loss; aux: metric sums, log-probs, reference log-probs.
-  ref_is_policy: a traced bool, whether ref_params equal params as the forward uses them."""
+  ref_params: the frozen params (the reference; with LoRA the base, adapters off).
+  ref_is_policy: a traced bool, whether the policy computes what the reference does."""
   C = mb["completion_mask_BC"].shape[1]
   kw = dict(temperature=spec.temperature, valid=spec.valid,
             block_bytes=spec.optim.logprob_block_bytes, group=norm["group"],
             prompts=(mb["prompt_NP"], mb["prompt_mask_NP"]) if "prompt_NP" in mb else None)
-  logp_BC, entropy_BC = completion_logprobs(model, params, mb["tokens_BS"], mb["attn_mask_BS"],
-                                            C, **kw)
+  logp_BC, entropy_BC = completion_logprobs(model, policy_vars(spec, params, ref_params, hp),
+                                            mb["tokens_BS"], mb["attn_mask_BS"], C, **kw)
   mask_BC = mb["mask_BC"]
   if spec.objective == "sft":
     loss = -jnp.sum(mask_BC * logp_BC) / jnp.maximum(norm["tokens"], 1.0)
@@ -666,7 +738,7 @@ def _loss(spec, model, hp, params, ref_params, mb, norm, ref_is_policy):
       ref_BC = jax.lax.cond(
           ref_is_policy, lambda: jax.lax.stop_gradient(logp_BC),
           lambda: jax.lax.stop_gradient(completion_logprobs(
-              model, ref_params, mb["tokens_BS"], mb["attn_mask_BS"], C, **kw)[0]))
+              model, {"params": ref_params}, mb["tokens_BS"], mb["attn_mask_BS"], C, **kw)[0]))
     weights_BC = grpo.token_weights(mask_BC, spec.loss.loss_type,
                                     num_sequences=norm["sequences"], num_tokens=norm["tokens"],
                                     max_completion_length=norm["max_completion_length"],
@@ -682,7 +754,9 @@ def _grads(spec, hp, params, ref_params, batch, norm):
   """Gradients summed over grad_accum_steps micro-batches, metric sums, [B, C] log-probs and
   reference log-probs (None unless computed)."""
   model = build_model(spec.model, spec.optim, spec.mesh)
-  ref_is_policy = False if ref_params is None else same_params(params, ref_params, model.dtype)
+  ref_is_policy = (False if ref_params is None or not grpo.needs_reference(spec.loss)
+                   or spec.objective != "grpo"
+                   else _policy_is_reference(spec, params, ref_params, model.dtype))
   accum, mesh = spec.optim.grad_accum_steps, spec.mesh
   keys = ("tokens_BS", "attn_mask_BS", "advantages_B", "old_logp_BC", "ref_logp_BC", "mask_BC",
           "completion_mask_BC", "turn_ids_BC")
@@ -698,7 +772,7 @@ def _grads(spec, hp, params, ref_params, batch, norm):
             NamedSharding(mesh, P(None, sharding.BATCH_AXES)))
   grad_fn = jax.grad(lambda p, mb: _loss(spec, model, hp, p, ref_params, mb, norm, ref_is_policy),
                      has_aux=True)
-  param_sh = state_shardings(spec.model, spec.optim, mesh)["params"]
+  param_sh = state_shardings(spec.model, spec.optim, mesh, spec.lora)["params"]
   constrain = lambda g: jax.lax.with_sharding_constraint(g, param_sh)
   if accum == 1:
     grads, (sums, logp, ref) = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
@@ -772,7 +846,8 @@ def train_step(state, batch, hparams, ref_params=None, *, spec: StepSpec):
       later["ref_logp_BC"] = ref_BC
 
     def body(st, _):
-      st, m_it, _, _ = _update(spec, hp, st, None, later, norm)
+      # The reference log-probs are the first update's; LoRA's policy still needs its base.
+      st, m_it, _, _ = _update(spec, hp, st, ref_params if spec.lora else None, later, norm)
       return st, m_it
     state, ms = jax.lax.scan(body, state, None, length=lc.num_iterations - 1)
     m = jax.tree.map(lambda x: x[-1], ms)
@@ -802,23 +877,28 @@ class TrainStep:
   host-side checks of the batch (a bad batch raises and the state survives).
 
   `step.members(state_K, batches, hparams_K, ref_K)` runs K > 1 runs as one program: the same
-  `train_step` under jax.vmap over a leading K axis of everything.
+  `train_step` under jax.vmap over a leading K axis of everything; with LoRA but the frozen
+  base, which the members share (one copy, unstacked).
 
   Keyword arguments as StepSpec.build; reward_weights and the configs' lr, beta, epsilon and
-  epsilon_high are the default hparams.
+  epsilon_high (and LoRA's alpha / r) are the default hparams. With `lora` (a lora.LoraConfig)
+  the state holds the adapters and `ref_params` is the frozen base, passed on every call.
   """
 
   def __init__(self, model_cfg, loss_cfg, optim_cfg, mesh, *, temperature=1.0,
                valid_vocab_size=None, max_completion_length=None, group_size=None,
-               reward_weights=None, objective="grpo", max_turns=None):
+               reward_weights=None, objective="grpo", max_turns=None, lora=None):
     self.spec = StepSpec.build(
         model_cfg, loss_cfg, optim_cfg, mesh, temperature=temperature,
         valid_vocab_size=valid_vocab_size, max_completion_length=max_completion_length,
         group_size=group_size, num_rewards=None if reward_weights is None else len(
-            reward_weights), objective=objective, max_turns=max_turns)
-    self.hparams = hparams(loss_cfg, optim_cfg, () if reward_weights is None else reward_weights)
+            reward_weights), objective=objective, max_turns=max_turns, lora=lora)
+    self.hparams = hparams(loss_cfg, optim_cfg, () if reward_weights is None else reward_weights,
+                           lora)
     self.model_cfg, self.mesh = model_cfg, mesh
-    self.state_sh = state_shardings(model_cfg, self.spec.optim, mesh)
+    self.state_sh = state_shardings(model_cfg, self.spec.optim, mesh, lora)
+    self.ref_sh = (self.state_sh["params"] if lora is None
+                   else reference_shardings(model_cfg, self.spec.optim, mesh, lora))
     self.num_traces = 0  # programs traced (compiled): one per batch layout
     self._programs = {}
     self._ahead = set()  # layout keys whose program precompile has started
@@ -832,11 +912,15 @@ class TrainStep:
     return len(self._programs)
 
   def needs_ref(self, batch) -> bool:
-    return (self.spec.objective == "grpo" and grpo.needs_reference(self.spec.loss)
-            and "ref_logp_BC" not in batch)
+    """Whether the program takes the frozen params: always with LoRA (its base)."""
+    return self.spec.lora is not None or (
+        self.spec.objective == "grpo" and grpo.needs_reference(self.spec.loss)
+        and "ref_logp_BC" not in batch)
 
   def check(self, batch, has_ref_params: bool) -> None:
     s = self.spec
+    if s.lora is not None and not has_ref_params:
+      raise ValueError("a LoRA train step needs the frozen base params (ref_params)")
     check_batch(batch, s.loss, s.optim, s.mesh, s.objective, has_ref_params=has_ref_params,
                 group_size=s.group_size, num_rewards=s.num_rewards, max_turns=s.max_turns)
 
@@ -852,13 +936,15 @@ class TrainStep:
         one = functools.partial(train_step, spec=spec)
         if k is None:
           return one(state, b, hp, ref)
-        return jax.vmap(one)(state, b, hp, ref)
+        # LoRA members share one frozen base: it enters unbatched.
+        shared = ref is not None and spec.lora is not None
+        return jax.vmap(one, in_axes=(0, 0, 0, None if shared else 0))(state, b, hp, ref)
       if k is None:
         rep = sharding.replicated(self.mesh)
         row_sh = NamedSharding(self.mesh, P(sharding.BATCH_AXES))
         self._programs[key] = jax.jit(
             traced, in_shardings=(self.state_sh, rep,
-                                  self.state_sh["params"] if with_ref else None,
+                                  self.ref_sh if with_ref else None,
                                   batch_shardings(batch, self.mesh)),
             out_shardings=(self.state_sh, rep, row_sh), donate_argnums=0,
             compiler_options=compile_cache.compiler_options(self.mesh))
@@ -876,7 +962,8 @@ class TrainStep:
 
   def members(self, state_K, batches, hparams_K, ref_K=None):
     """K runs at once: batches is K host batches of one layout (pad_batches), hparams_K the
-    members' hparams stacked, state_K and ref_K their states stacked on a leading K axis."""
+    members' hparams stacked, state_K and ref_K their states stacked on a leading K axis (with
+    LoRA ref_K is the one frozen base they share, unstacked)."""
     for b in batches:
       self.check(b, ref_K is not None)
     k = len(batches)
@@ -916,21 +1003,25 @@ def _background() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def make_grad_fn(model_cfg, loss_cfg, optim_cfg, mesh, batch, **step_kw):
-  """Jitted (params, batch) → (loss, grads) of the train step's first update, for tests."""
+  """Jitted (params, batch, frozen=None) → (loss, grads) of the train step's first update, for
+  tests; with lora= in step_kw, params are the adapters and frozen the base."""
   step = TrainStep(model_cfg, loss_cfg, optim_cfg, mesh, **step_kw)
   spec, hp = step.spec, step.hparams
-  check_batch(batch, loss_cfg, optim_cfg, mesh, max_turns=spec.max_turns)
+  check_batch(batch, loss_cfg, optim_cfg, mesh, max_turns=spec.max_turns,
+              has_ref_params=spec.lora is not None)
 
-  def fn(params, batch):
+  def fn(params, batch, frozen):
     mask_BC = grpo.loss_mask(batch["completion_mask_BC"], batch.get("truncated_B"),
                              loss_cfg.mask_truncated_completions)
-    grads, sums, _, _ = _grads(spec, hp, params, None, dict(batch, mask_BC=mask_BC),
+    grads, sums, _, _ = _grads(spec, hp, params, frozen, dict(batch, mask_BC=mask_BC),
                                _normalisers(spec, mask_BC))
     return sums["loss"], grads
   param_sh = step.state_sh["params"]
-  return jax.jit(fn, in_shardings=(param_sh, batch_shardings(batch, mesh)),
-                 out_shardings=(sharding.replicated(mesh), param_sh),
-                 compiler_options=compile_cache.compiler_options(mesh))
+  jitted = jax.jit(fn, in_shardings=(param_sh, batch_shardings(batch, mesh),
+                                     step.ref_sh if spec.lora is not None else None),
+                   out_shardings=(sharding.replicated(mesh), param_sh),
+                   compiler_options=compile_cache.compiler_options(mesh))
+  return lambda params, batch, frozen=None: jitted(params, batch, frozen)
 
 
 def make_train_step(model_cfg, loss_cfg, optim_cfg, mesh, **kw) -> TrainStep:

@@ -6,6 +6,7 @@ import math
 
 from grpo_jax import grpo, train_step
 from grpo_jax.errors import UserError
+from grpo_jax.models import lora
 from grpo_jax.rewards import KNOWN_REWARDS
 
 
@@ -54,6 +55,12 @@ def validate(config, num_devices: int) -> None:
     grpo.validate_loss_config(lc)
   except ValueError as e:
     raise ConfigError(f"config.{e}") from None
+
+  if config.model.get("lora") is not None:
+    try:
+      lora.LoraConfig.from_config(config.model.lora)
+    except ValueError as e:
+      raise ConfigError(f"config.{e}") from None
 
   for name in config.rewards.names:
     _check(name in KNOWN_REWARDS, "rewards.names",

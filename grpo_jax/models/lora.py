@@ -174,6 +174,11 @@ def variables(params, adapters, lcfg: LoraConfig | None, scale=None) -> dict:
   return {"params": params, "lora": scaled}
 
 
+def b_factors(adapters) -> list:
+  """Every target's b factor (all zero: the adapters change nothing)."""
+  return [_get(adapters, _kernel_path(t))["lora_b"] for t in _targets_of(adapters)]
+
+
 def _targets_of(adapters) -> list[str]:
   layers = adapters.get("layers", {})
   return [t for t, (parent, _) in TARGETS.items() if t in layers.get(parent, {})]

@@ -1,0 +1,298 @@
+"""LoRA in the train step and the loop: adapter gradients against the chain rule through the
+full-weight step, the reference as the base with the adapters off, the frozen base untouched,
+K members on one shared base against separate steps, sharded against one device, and a tiny
+LoRA run that resumes bit for bit and exports an adapter that PEFT loads."""
+import functools
+import json
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import cli
+from grpo_jax import grpo, sharding, train_step
+from grpo_jax.models import lora, qwen
+
+MODEL = qwen.QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10_000.0,
+                        tie_word_embeddings=True, qkv_bias=True)
+B, P, C, G = 16, 6, 8, 4
+EOS = MODEL.vocab_size - 1
+LCFG = lora.LoraConfig(rank=4, alpha=8.0)
+
+
+def loss_config(**kw):
+  cfg = grpo.default_loss_config()
+  cfg.update(loss_type="grpo", beta=0.0, kl_estimator="k3", num_iterations=1,
+             mask_truncated_completions=False)
+  cfg.update(**kw)
+  return cfg
+
+
+def optim_config(**kw):
+  cfg = train_step.default_optim_config()
+  # max_grad_norm 0 and no decay: AdamW's first moment after one step is (1 − b1)·grad.
+  cfg.update(lr=1e-2, weight_decay=0.0, max_grad_norm=0.0, grad_accum_steps=2,
+             compute_dtype="float32", remat=False)
+  cfg.update(**kw)
+  return cfg
+
+
+@pytest.fixture(scope="module")
+def base():
+  # At qwen's own initialisation. (Params scaled ×5 make the fp32 forward ill-conditioned
+  # enough that merged and unmerged weights round apart: the chain-rule comparison below then
+  # differs by 9e-4 of its scale, against 6e-6 here; in both it shrinks with the adapters.)
+  return qwen.init_params(MODEL, jax.random.key(0))
+
+
+def adapters_like_trained(key, scale=0.3):
+  """Adapters with b != 0 (a trained adapter), so every path through them carries signal."""
+  a = lora.init(key, MODEL, LCFG)
+  leaves, tree = jax.tree.flatten(a)
+  keys = jax.random.split(jax.random.fold_in(key, 1), len(leaves))
+  return jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape)
+                                   for x, k in zip(leaves, keys)])
+
+
+def train_batch(seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = np.zeros((B, P + C), np.int32)
+  attn = np.zeros((B, P + C), np.int32)
+  cmask = np.zeros((B, C), np.int32)
+  for b in range(B):
+    plen, clen = rng.integers(2, P + 1), rng.integers(1, C + 1)
+    tokens[b, P - plen:P] = rng.integers(1, EOS, plen)
+    tokens[b, P:P + clen] = rng.integers(1, EOS, clen)
+    attn[b, P - plen:P + clen] = 1
+    cmask[b, :clen] = 1
+  adv, _ = grpo.group_advantages(rng.normal(size=(B, 1)), G)
+  return {"tokens_BS": tokens, "attn_mask_BS": attn, "completion_mask_BC": cmask,
+          "advantages_B": np.asarray(adv, np.float32)}
+
+
+def first_moment(state):
+  found = [s.mu for s in jax.tree.leaves(state["opt_state"], is_leaf=lambda s: hasattr(s, "mu"))
+           if hasattr(s, "mu")]
+  return found[0]
+
+
+def _flat2(x, n_in):
+  """[*in, *out] → [prod(in), prod(out)]."""
+  return x.reshape(int(np.prod(x.shape[:n_in])), -1)
+
+
+def test_adapter_gradients_are_the_chain_rule_of_the_full_weight_gradient(base):
+  """W' = W + s·a·b, so dL/da = s·dL/dW'·bᵀ and dL/db = s·aᵀ·dL/dW', with dL/dW' the
+  full-weight step's gradient at the merged weights (a path tested against finite differences
+  in train_step_test)."""
+  mesh = sharding.make_mesh((1, 1, 1))
+  batch = train_batch()
+  adapters = adapters_like_trained(jax.random.key(3))
+  lora_grad = train_step.make_grad_fn(MODEL, loss_config(), optim_config(), mesh, batch,
+                                      group_size=G, lora=LCFG)
+  full_grad = train_step.make_grad_fn(MODEL, loss_config(), optim_config(), mesh, batch,
+                                      group_size=G)
+  loss_l, g_ad = lora_grad(adapters, batch, base)
+  merged = lora.merge(base, adapters, LCFG)
+  loss_f, g_w = full_grad(merged, batch)
+  np.testing.assert_allclose(loss_l, loss_f, rtol=1e-5)
+  s = LCFG.scale
+  for t, (parent, n_in) in lora.TARGETS.items():
+    gw = np.asarray(g_w["layers"][parent][t]["kernel"], np.float64)
+    a = np.asarray(adapters["layers"][parent][t]["lora_a"], np.float64)
+    b = np.asarray(adapters["layers"][parent][t]["lora_b"], np.float64)
+    ga = np.asarray(g_ad["layers"][parent][t]["lora_a"])
+    gb = np.asarray(g_ad["layers"][parent][t]["lora_b"])
+    for layer in range(MODEL.num_layers):
+      gw2 = _flat2(gw[layer], n_in)                     # [in, out]
+      a2 = a[layer].reshape(gw2.shape[0], -1)           # [in, r]
+      b2 = b[layer].reshape(-1, gw2.shape[1])           # [r, out]
+      want_a = s * gw2 @ b2.T
+      want_b = s * a2.T @ gw2
+      scale_a, scale_b = np.abs(want_a).max(), np.abs(want_b).max()
+      assert scale_a > 1e-6 and scale_b > 1e-6, t  # signal, not two zeros compared
+      np.testing.assert_allclose(ga[layer].reshape(want_a.shape), want_a, atol=2e-5 * scale_a,
+                                 err_msg=f"{t} lora_a layer {layer}")
+      np.testing.assert_allclose(gb[layer].reshape(want_b.shape), want_b, atol=2e-5 * scale_b,
+                                 err_msg=f"{t} lora_b layer {layer}")
+
+
+def test_reference_is_the_base_with_adapters_off_and_the_base_stays_frozen(base):
+  """β > 0: the step's own reference forward gives the metrics that the base model's
+  log-probs (the full-weight log-prob function on the base params) give as ref_logp_BC; with
+  fresh adapters (b = 0) the KL is exactly 0. The base is not donated and not changed, and
+  the state holds the adapters alone."""
+  mesh = sharding.make_mesh((1, 1, 1))
+  loss_cfg, optim = loss_config(beta=0.1), optim_config()
+  step = train_step.TrainStep(MODEL, loss_cfg, optim, mesh, group_size=G, lora=LCFG)
+  frozen = train_step.reference_params(base, MODEL, optim, mesh, LCFG)
+  before = jax.tree.map(np.asarray, frozen)
+  batch = train_batch(1)
+  adapters = adapters_like_trained(jax.random.key(4))
+  logp_fn = train_step.make_logprob_fn(MODEL, optim, mesh)
+  ref_logp = np.asarray(logp_fn(base, batch["tokens_BS"], batch["attn_mask_BS"], C))
+
+  got, got_m, _ = step(train_step.create_train_state(adapters, MODEL, optim, mesh, LCFG),
+                       batch, frozen)
+  want, want_m, _ = step(train_step.create_train_state(adapters, MODEL, optim, mesh, LCFG),
+                         dict(batch, ref_logp_BC=ref_logp), frozen)
+  assert got_m["loss/kl"] > 1e-6
+  np.testing.assert_allclose(got_m["loss/kl"], want_m["loss/kl"], rtol=1e-5)
+  np.testing.assert_allclose(got_m["loss"], want_m["loss"], rtol=1e-5, atol=1e-7)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7),
+               jax.device_get(got["params"]), jax.device_get(want["params"]))
+  assert jax.tree.structure(got["params"]) == jax.tree.structure(adapters)
+  jax.tree.map(np.testing.assert_array_equal, before, jax.device_get(frozen))
+
+  fresh = lora.init(jax.random.key(5), MODEL, LCFG)
+  _, fresh_m, _ = step(train_step.create_train_state(fresh, MODEL, optim, mesh, LCFG), batch,
+                       frozen)
+  assert fresh_m["loss/kl"] == 0.0
+
+
+def test_a_lora_step_without_its_base_is_refused(base):
+  mesh = sharding.make_mesh((1, 1, 1))
+  step = train_step.TrainStep(MODEL, loss_config(), optim_config(), mesh, group_size=G,
+                              lora=LCFG)
+  state = train_step.create_train_state(lora.init(jax.random.key(0), MODEL, LCFG), MODEL,
+                                        optim_config(), mesh, LCFG)
+  with pytest.raises(ValueError, match="frozen base"):
+    step(state, train_batch())
+
+
+def test_members_share_one_base_and_match_separate_steps(base):
+  """K = 2 LoRA members with different lr and β: the vmapped program takes the base once
+  (unstacked) and gives each member what its own step gives."""
+  mesh = sharding.make_mesh((1, 1, 1))
+  optim = optim_config()
+  cfgs = [(loss_config(beta=0.05), 1e-2), (loss_config(beta=0.2), 3e-3)]
+  step = train_step.TrainStep(MODEL, cfgs[0][0], optim, mesh, group_size=G, lora=LCFG)
+  frozen = train_step.reference_params(base, MODEL, optim, mesh, LCFG)
+  adapters = [adapters_like_trained(jax.random.key(10 + k)) for k in range(2)]
+  batches = [train_batch(20 + k) for k in range(2)]
+  hps = [train_step.hparams(lc, optim_config(lr=lr), (), LCFG) for lc, lr in cfgs]
+  want = [step(train_step.create_train_state(a, MODEL, optim, mesh, LCFG), b, frozen, hp)
+          for a, b, hp in zip(adapters, batches, hps)]
+  stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+  state_K = stack([train_step.create_train_state(a, MODEL, optim, mesh, LCFG)
+                   for a in adapters])
+  got, got_m, _ = step.members(state_K, batches, stack(hps), frozen)
+  for k in range(2):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x[k], y, rtol=2e-5, atol=1e-7),
+                 jax.device_get(got["params"]), jax.device_get(want[k][0]["params"]))
+    for name in ("loss", "loss/kl", "grad_norm"):
+      np.testing.assert_allclose(got_m[name][k], want[k][1][name], rtol=2e-5, atol=1e-7)
+  # The base entered once, unstacked (vmapped over a K axis it would not have run at all: its
+  # leaves' leading sizes differ).
+  assert frozen["embed_tokens"]["embedding"].shape == (MODEL.vocab_size, MODEL.hidden_size)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 2, 4)])
+def test_sharded_lora_step_equals_one_device(base, mesh_shape):
+  optim = optim_config()
+  batch = train_batch(7)
+  adapters = adapters_like_trained(jax.random.key(7))
+  results = []
+  for shape in ((1, 1, 1), mesh_shape):
+    mesh = sharding.make_mesh(shape)
+    step = train_step.TrainStep(MODEL, loss_config(beta=0.05), optim, mesh, group_size=G,
+                                lora=LCFG)
+    frozen = train_step.reference_params(base, MODEL, optim, mesh, LCFG)
+    state, m, _ = step(train_step.create_train_state(adapters, MODEL, optim, mesh, LCFG),
+                       batch, frozen)
+    results.append((jax.device_get(state["params"]), jax.device_get(first_moment(state)), m))
+  (p1, mu1, m1), (p2, mu2, m2) = results
+  # Gradients (AdamW's first moment) to 5e-5 of their scale: the advantage-weighted sum
+  # cancels, so summation order shows there. On one device, 1 against 2 micro-batches already
+  # differ by 1.5e-5 of the scale, and these meshes by 2.3-2.6e-5; a wrong split is off by O(1).
+  scale = max(np.abs(x).max() for x in jax.tree.leaves(mu1))
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=5e-5 * scale), mu1, mu2)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), p1, p2)
+  np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-5, atol=1e-7)
+
+
+LORA_FLAGS = ["--config=configs/gsm8k.py:tiny_lora", "--config.sft.steps=200",
+              "--config.sft.target_accuracy=0.0", "--config.train.steps=8",
+              "--config.train.checkpoint_every=2", "--config.train.prompts_per_step=4",
+              "--config.train.eval_examples=8", "--config.train.eval_every=0",
+              "--config.train.tensorboard=False",
+              "--config.data.synthetic_train=400", "--config.data.synthetic_test=40"]
+
+
+def _lora_run(workdir, stop_at=None):
+  """A shortened tiny_lora run; stop_at: SIGTERM once that step's checkpoint is written."""
+  import time
+  from pathlib import Path
+  cmd = [sys.executable, "-m", "grpo_jax.main", f"--workdir={workdir}", *LORA_FLAGS]
+  proc = subprocess.Popen(cmd, cwd=cli.REPO, env=cli.env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  if stop_at is not None:
+    target = Path(workdir) / "checkpoints" / str(stop_at) / "SHA256SUMS"
+    deadline = time.time() + 600
+    while not target.is_file() and proc.poll() is None and time.time() < deadline:
+      time.sleep(0.05)
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 0, out[-3000:]
+  return out
+
+
+def _dir_bytes(d):
+  return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+
+
+def test_a_tiny_lora_run_resumes_bit_for_bit_and_exports_what_peft_loads(tmp_path):
+  """The loop with model.lora: small checkpoints (adapters and their moments, no base), the
+  warm-started base written once, a SIGTERM-and-resume run equal to a straight one to the bit,
+  and at the end a PEFT adapter that peft loads onto that base with the merged export's
+  logits and greedy tokens."""
+  import peft
+  import torch
+  import fixtures
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  _lora_run(straight)
+  out = _lora_run(resumed, stop_at=2)
+  assert "SIGTERM: saved step" in out
+  out = _lora_run(resumed)
+  assert "resumed from step" in out
+  for d in (straight, resumed):
+    assert (d / "final_adapter" / "adapter_config.json").is_file()
+  a = load_file(str(straight / "final_adapter" / "adapter_model.safetensors"))
+  b = load_file(str(resumed / "final_adapter" / "adapter_model.safetensors"))
+  assert a.keys() == b.keys() and len(a) == 2 * 7 * 2  # A and B, 7 targets, 2 layers
+  for name in a:
+    np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+  assert any(np.abs(v).max() > 0 for k, v in a.items() if "lora_B" in k)  # GRPO moved b
+
+  # Checkpoints: the adapters with two AdamW moments, in fp32, and small scalars; no base.
+  adapter_bytes = sum(v.size * 4 for v in a.values())
+  base_bytes = _dir_bytes(straight / "base_model")
+  ckpt = _dir_bytes(straight / "checkpoints" / "8")
+  assert 3 * adapter_bytes <= ckpt < 3 * adapter_bytes + 200_000 < base_bytes, (
+      ckpt, adapter_bytes, base_bytes)
+
+  # PEFT onto the warm-started base against the merged final model, in transformers.
+  config = json.loads((straight / "final_adapter" / "adapter_config.json").read_text())
+  assert config["base_model_name_or_path"] == str(straight / "base_model")
+  model = peft.PeftModel.from_pretrained(fixtures.hf_model(straight / "base_model"),
+                                         straight / "final_adapter").eval()
+  merged = fixtures.hf_model(straight / "final_model")
+  rng = np.random.default_rng(0)
+  vocab = json.loads((straight / "base_model" / "config.json").read_text())["vocab_size"]
+  tokens = torch.tensor(rng.integers(1, vocab, (2, 12)))
+  with torch.no_grad():
+    got = model(input_ids=tokens).logits.numpy()
+    want = merged(input_ids=tokens).logits.numpy()
+    assert np.abs(got - want).max() <= 1e-4
+    model.generation_config.eos_token_id = None
+    merged.generation_config.eos_token_id = None
+    kw = dict(do_sample=False, max_new_tokens=10, pad_token_id=0)
+    np.testing.assert_array_equal(model.generate(input_ids=tokens, **kw).numpy(),
+                                  merged.generate(input_ids=tokens, **kw).numpy())
