@@ -86,7 +86,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
-from ml_collections import config_dict
 
 from grpo_jax import compile_cache, grpo, hosts, logprobs, sharding
 from grpo_jax.models import qwen
@@ -94,24 +93,6 @@ from grpo_jax.models import qwen
 SCHEDULES = ("constant", "cosine")
 
 OBJECTIVES = ("grpo", "sft")
-
-
-def default_optim_config() -> config_dict.ConfigDict:
-  return config_dict.ConfigDict(dict(
-      lr=1e-6,
-      warmup_steps=0,          # linear from 0 to lr over these steps
-      schedule="constant",     # after warmup: 'constant' or 'cosine' (to 0 at total_steps)
-      total_steps=0,           # needed by 'cosine'; the loop may fill it in
-      weight_decay=0.0,        # AdamW, on kernels and embeddings only (not norms, biases)
-      b1=0.9,
-      b2=0.99,
-      max_grad_norm=1.0,       # global-norm clipping; 0 disables it
-      grad_accum_steps=1,      # micro-batches per optimizer step
-      param_dtype="float32",   # dtype the params and optimizer moments are stored in
-      compute_dtype="bfloat16",  # dtype of the forward/backward matmuls
-      remat=True,              # rematerialise each decoder layer in the backward pass
-      logprob_block_bytes=logprobs.DEFAULT_BLOCK_BYTES,  # fp32 logits per head-pass block
-  ))
 
 
 def validate_optim_config(cfg) -> None:
@@ -499,7 +480,7 @@ def _fields_of(cls, cfg):
 
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
-  """The static part of a loss config (grpo.default_loss_config): what shapes the program.
+  """The static part of a loss config (grpo_jax.config.loss): what shapes the program.
   beta, epsilon and epsilon_high are kept for reading; the program takes them from hparams."""
   loss_type: str
   beta: float
@@ -520,7 +501,7 @@ class LossSpec:
 
 @dataclasses.dataclass(frozen=True)
 class OptimSpec:
-  """The static part of an optimizer config (default_optim_config); lr comes from hparams."""
+  """The static part of an optimizer config (grpo_jax.config.optim); lr comes from hparams."""
   lr: float
   warmup_steps: int
   schedule: str

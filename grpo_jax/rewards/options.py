@@ -248,3 +248,13 @@ class DiversityOptions:
   def __post_init__(self):
     _check_frozen_model(self)
     check(self.attention in ATTENTION, "attention", f"must be one of {ATTENTION}, got {self.attention!r}")
+
+
+# Each reward's options, by its name in rewards.names (the registry's table; KNOWN_REWARDS).
+REWARDS = {
+    "math_accuracy": MathAccuracyOptions,
+    "format": FormatOptions,
+    "quality": QualityOptions,
+    "verifier": VerifierOptions,
+    "diversity": DiversityOptions,
+}
