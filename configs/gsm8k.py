@@ -107,7 +107,7 @@ def _tiny(c: config_dict.ConfigDict) -> None:
   c.rewards.weights = (1.0,)
   c.loss.beta = 0.0
   # 3e-4 decayed to 0 by a cosine over the run (optim.total_steps 0: the run's updates, see
-  # grpo_jax.train.optim_settings). At 3e-5 constant, seeds whose warm start left part of the
+  # grpo_jax.config.optim_settings). At 3e-5 constant, seeds whose warm start left part of the
   # units-digit table unlearnt plateaued at 40-50% (seed 11: +13.7 points); the larger rate
   # learns it (experiments/tiny_seeds.md, "Seeds 7-12"). The cosine's end settles what was
   # learnt.

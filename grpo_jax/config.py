@@ -4,10 +4,11 @@ from them.
 A config file builds on `defaults()` and states only what its presets change
 (configs/gsm8k.py, configs/gsm8k_agent.py); `grpo_jax.validate.validate` checks the result
 before anything loads. A field that is not here is unknown: `--config.train.stepz=3` stops main
-with the field named, and `validate` will refuse a config carrying one.
+with the field named, and `validate` refuses a config carrying one.
 
     c = config.defaults()           # a runnable config: Qwen2.5-1.5B-Instruct on openai/gsm8k
     c.loss.loss_type = "grpo"       # what a preset changes
+    optim = config.optim_settings(c)  # derived values: a new ConfigDict, c is never rewritten
 
 Sections: model, data, sampling, rewards, loss, optim, train, sft, agent, hardware, with
 `preset`, `seed` and `mesh` at the top. The rewards' per-reward option blocks are typed by their
@@ -101,7 +102,7 @@ def data() -> ConfigDict:
 
 def sampling() -> ConfigDict:
   return ConfigDict(dict(
-      num_generations=8,            # G completions per prompt
+      num_generations=8,            # G completions per prompt (read it through group_size)
       max_new_tokens=1024,          # a completion's budget (an agent's: per turn, see agent)
       temperature=1.0,              # > 0; log-probs are those of logits / temperature
       top_k=0,                      # 0 = off
@@ -146,7 +147,7 @@ def optim() -> ConfigDict:
       lr=1e-6,                 # peak learning rate
       warmup_steps=0,          # linear from 0 to lr over these steps
       schedule="constant",     # after warmup: 'constant' or 'cosine' (to 0 at total_steps)
-      total_steps=0,           # cosine's length; 0 = the run's updates (train.optim_settings)
+      total_steps=0,           # cosine's length; 0 = the run's updates (optim_settings)
       weight_decay=0.0,        # AdamW, on kernels and embeddings only (not norms, biases)
       b1=0.9,                  # Adam's first-moment decay
       b2=0.99,                 # Adam's second-moment decay
@@ -253,3 +254,44 @@ def hardware() -> ConfigDict:
       devices=8,
   ))
 
+
+# --- accessors for settings read in many places, and derived values -------------------------------
+
+def group_size(config) -> int:
+  """G, the completions sampled per prompt (sampling.num_generations)."""
+  return config.sampling.num_generations
+
+
+def rows_per_step(config) -> int:
+  """The completions (rows) of one GRPO step's batch: train.prompts_per_step × G."""
+  return config.train.prompts_per_step * group_size(config)
+
+
+def cosine_total_steps(optim_cfg, updates: int) -> int:
+  """What optim.total_steps = 0 means for the cosine schedule: the run's optimizer updates. A
+  run with none (train.steps = 0: a warm start alone) never reads the schedule; any valid
+  length then serves."""
+  return int(updates) if updates else optim_cfg.warmup_steps + 1
+
+
+def optim_settings(config) -> ConfigDict:
+  """The run's optimizer settings: a copy of config.optim with the derived values filled in
+  (cosine's total_steps counts optimizer updates, μ per GRPO step). config is never rewritten."""
+  out = config.optim.copy_and_resolve_references()
+  if out.schedule == "cosine" and not out.total_steps:
+    out.total_steps = cosine_total_steps(out, config.train.steps * config.loss.num_iterations)
+  return out
+
+
+def unknown_fields(config, schema: ConfigDict | None = None, prefix: str = "") -> list[str]:
+  """The dotted names of fields in `config` that the schema does not have (sorted)."""
+  schema = defaults() if schema is None else schema
+  out = []
+  for key in sorted(config.keys()):
+    if key not in schema:
+      out.append(prefix + key)
+      continue
+    value, known = config[key], schema[key]
+    if isinstance(value, config_dict.ConfigDict) and isinstance(known, config_dict.ConfigDict):
+      out += unknown_fields(value, known, f"{prefix}{key}.")
+  return out

@@ -135,13 +135,6 @@ def learning_rate_schedule(cfg, lr=None) -> optax.Schedule:
   return optax.join_schedules([warmup, after], [cfg.warmup_steps])
 
 
-def cosine_total_steps(cfg, updates: int) -> int:
-  """What optim.total_steps = 0 means for the cosine schedule: the run's optimizer updates. A
-  run with none (train.steps = 0: a warm start alone) never reads the schedule; any valid
-  length then serves."""
-  return int(updates) if updates else cfg.warmup_steps + 1
-
-
 def decay_mask(params):
   """Weight decay on matrices (kernels, embedding, lm_head), not on norm weights or biases."""
   def one(path, _):
@@ -556,8 +549,7 @@ class StepSpec:
       raise ValueError(f"objective={objective!r} is not one of {OBJECTIVES}")
     grpo.validate_loss_config(loss_cfg)
     validate_optim_config(optim_cfg)
-    if not temperature > 0:
-      raise ValueError(f"temperature={temperature!r} must be > 0")
+    logprobs.check_temperature(temperature)
     if objective == "grpo" and loss_cfg.loss_type == "flow_grpo" and not (
         isinstance(max_turns, int) and max_turns >= 1):
       raise ValueError(f"loss.loss_type='flow_grpo' needs max_turns, an int >= 1 (the bound on "

@@ -56,7 +56,7 @@ def test_unknown_reward_lists_known_ones():
 
 
 @pytest.mark.parametrize("mutate,match", [
-    (lambda c: setattr(c, "weights", (1.0,)), "rewards.names has 2 entries but rewards.weights has 1"),
+    (lambda c: setattr(c, "weights", (1.0,)), r"rewards\.weights: 1 weights for 2 rewards"),
     (lambda c: setattr(c, "weights", (1.0, "x")), "weight of 'format'"),
     (lambda c: setattr(c, "names", ("format", "format")), "twice"),
     (lambda c: c.math_accuracy.update({"order": ("boxed", "nope")}), "rewards.math_accuracy: order"),

@@ -52,17 +52,8 @@ def _build_fn(name: str, opts: Any, interrupt):
 def build_rewards(rewards_cfg: Any, interrupt: threading.Event | None = None) -> list[Reward]:
   """The configured rewards. `interrupt`: set it (on SIGTERM) to make a reward waiting on a
   remote scorer raise Interrupted instead of waiting out its deadline."""
-  names, weights = tuple(rewards_cfg.names), tuple(rewards_cfg.weights)
-  if len(names) != len(weights):
-    raise ValueError(f"rewards.names has {len(names)} entries but rewards.weights has {len(weights)}")
-  if len(set(names)) != len(names):
-    raise ValueError(f"rewards.names lists a reward twice: {names}")
   out = []
-  for name, weight in zip(names, weights):
-    if name not in options.REWARDS:
-      raise ValueError(f"unknown reward {name!r} in rewards.names; known rewards: {list(KNOWN_REWARDS)}")
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-      raise ValueError(f"rewards.weights: weight of {name!r} must be a number, got {weight!r}")
+  for name, weight in options.weighted_names(rewards_cfg):
     sub = rewards_cfg.get(name) if hasattr(rewards_cfg, "get") else getattr(rewards_cfg, name, None)
     try:
       opts = options.from_config(options.REWARDS[name], sub, f"rewards.{name}")
@@ -70,5 +61,5 @@ def build_rewards(rewards_cfg: Any, interrupt: threading.Event | None = None) ->
     except ValueError as e:  # bad options, a missing judge checkpoint: the user's to fix
       msg = str(e)
       raise RewardConfigError(msg if msg.startswith(f"rewards.{name}") else f"rewards.{name}: {msg}") from e
-    out.append(Reward(name=name, weight=float(weight), fn=fn))
+    out.append(Reward(name=name, weight=weight, fn=fn))
   return out
