@@ -175,7 +175,7 @@ def validate_processes(config, num_devices: int, num_processes: int) -> None:
   _check(not config.agent.enabled, "agent.enabled",
          f"multi-turn agent runs use one process; {where}, run single-turn GRPO or one host")
   split = batch_devices(config, num_devices)
-  used = num_devices if -1 in config.mesh else math.prod(config.mesh)  # -1 takes the rest
+  used = math.prod(sharding.mesh_shape(config.mesh, num_devices))
   _check(used == num_devices, "mesh",
          f"{tuple(config.mesh)} uses {used} of the {num_devices} devices; {where} the mesh must "
          f"span them all, e.g. (1, -1, 1)")
