@@ -27,6 +27,13 @@ def test_presets_equal_their_snapshot_from_before_the_schema():
     assert not changed, (preset, changed)
 
 
+@pytest.mark.parametrize("path,preset", [(path, preset) for path, presets in
+                                         config_snapshot.PRESETS.items() for preset in presets])
+def test_every_preset_validates_on_its_hardware(path, preset):
+  config = config_snapshot.load(path).get_config(preset)
+  validate.validate(config, num_devices=config.hardware.devices)
+
+
 def test_the_lora_block_defaults_to_off_as_documented():
   block = config_lib.defaults().model.lora
   # docs/lora.md, "Settings".
