@@ -55,11 +55,11 @@ def model() -> ConfigDict:
       tiny=ConfigDict(dict(
           hidden_size=128,          # D
           intermediate_size=384,    # MLP width
-          num_layers=2,
+          num_layers=2,             # decoder layers
           num_heads=4,              # query heads
           num_kv_heads=2,           # key/value heads (grouped-query attention)
-          head_dim=32,
-          rope_theta=10000.0,
+          head_dim=32,              # H, per attention head
+          rope_theta=10000.0,       # RoPE base frequency
           tie_word_embeddings=True,  # the LM head is the embedding
           vocab_size=512)),         # for tokenizer='tiny': BPE vocabulary learnt offline
       # LoRA (docs/lora.md): rank 0 = off (full fine-tuning). Else the optimizer trains
@@ -80,9 +80,9 @@ def data() -> ConfigDict:
   return ConfigDict(dict(
       source="openai/gsm8k",        # hub id, a directory of {train,test}.jsonl, or 'synthetic'
       config_name="main",           # the hub dataset's config
-      train_split="train",
-      eval_split="test",
-      question_field="question",
+      train_split="train",          # the split GRPO (and the warm start) trains on
+      eval_split="test",            # the split greedy pass@1 is measured on
+      question_field="question",    # the column holding the question
       answer_field="answer",        # the gold text; GSM8K's ends in '#### N'
       system_prompt=placeholder(str),  # None: the chat template's default
       user_template=(               # the user turn; {question} is the row's question
@@ -177,7 +177,7 @@ def train() -> ConfigDict:
       # DAPO's dynamic sampling: set aside groups whose G rewards are all equal (they teach
       # nothing) and sample more prompts, up to max_sampling_rounds rounds per step.
       dynamic_sampling=False,
-      max_sampling_rounds=3,
+      max_sampling_rounds=3,        # rounds per step, the first included
       # Consecutive steps with a reward missing on >= 50% of completions (scorer down, judge
       # replies that do not parse) before the run saves a checkpoint and stops; 0 = warn only.
       max_missing_reward_steps=3,
@@ -230,11 +230,11 @@ def agent() -> ConfigDict:
       # agent.server); 'none' (verifier only: the planner alone decides when to stop).
       executor="none",              # writes a tool action's input from its sub-goal ('none': the
                                     # planner writes the input itself)
-      executor_prompt="Write only the input for the {tool} tool that does this.",
+      executor_prompt="Write only the input for the {tool} tool that does this.",  # its turn
       executor_tokens=32,           # the executor's input budget
       generator="policy",           # writes the scored final answer when a trajectory ends
       verifier="none",              # after each tool observation: is the memory enough? Yes ends it
-      generator_prompt="Give the final answer as <answer>NUMBER</answer>.",
+      generator_prompt="Give the final answer as <answer>NUMBER</answer>.",  # its turn
       generator_tokens=32,          # the generator's answer budget
       verifier_prompt=("Is the information above enough to answer the question? "
                        "Answer Yes or No."),
@@ -250,8 +250,8 @@ def hardware() -> ConfigDict:
   `devices` (fake) devices and checks their peaks against memory_gb_per_device (GB = 1e9 B)."""
   return ConfigDict(dict(
       name="TPU v5e-8",             # in words, for the report
-      memory_gb_per_device=16.0,
-      devices=8,
+      memory_gb_per_device=16.0,    # each device's memory (GB = 1e9 B)
+      devices=8,                    # how many devices
   ))
 
 
