@@ -142,26 +142,31 @@ def rollout_batch(config, rows, prompt_len, completion_len, mesh):
 
 
 def measure_train_step(config, cfg, valid, mesh, prompt_len):
+  """The train step's peak. With model.lora the state is the adapters and their moments, and
+  the frozen base (bf16, or int8 kernels) an argument: the reference is that base."""
   import jax  # pylint: disable=import-outside-toplevel
-  from grpo_jax import grpo, train_step  # pylint: disable=import-outside-toplevel
-  optim = resolved_optim(config)
-  s = config.sampling
+  from grpo_jax import config as config_lib, train, train_step  # pylint: disable=C0415
+  optim = config_lib.optim_settings(config)
+  s, g = config.sampling, config_lib.group_size(config)
+  lcfg = train.lora_settings(config)
   step = train_step.TrainStep(
       cfg, config.loss, optim, mesh, temperature=s.temperature, valid_vocab_size=valid,
-      max_completion_length=s.max_new_tokens, group_size=s.num_generations,
-      reward_weights=config.rewards.weights)
-  state = train_step.abstract_state(cfg, optim, mesh)
-  rows = config.train.prompts_per_step * s.num_generations
+      max_completion_length=s.max_new_tokens, group_size=g,
+      reward_weights=config.rewards.weights, lora=lcfg)
+  state = train_step.abstract_state(cfg, optim, mesh, lcfg)
+  rows = config.train.prompts_per_step * g
   batch = rollout_batch(config, rows, prompt_len, s.max_new_tokens, mesh)
-  with_ref = grpo.needs_reference(config.loss)
-  ref = train_step.abstract_reference(cfg, optim, mesh) if with_ref else None
+  with_ref = step.needs_ref(batch)
+  ref = train_step.abstract_reference(cfg, optim, mesh, lcfg) if with_ref else None
   t0 = time.time()
   hp = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), step.hparams)
   compiled = step.program(batch, with_ref).lower(state, hp, ref, batch).compile()
   peak, line = peak_bytes(compiled)
+  frozen = ("none" if ref is None else
+            f"{'LoRA base' if lcfg else 'reference'} {jax.tree.leaves(ref)[0].dtype}"
+            f"{', int8 kernels' if lcfg and lcfg.quantize == 'int8' else ''}")
   print(f"  train step, {rows} rows × ({prompt_len} + {s.max_new_tokens}) tokens, "
-        f"grad_accum_steps={optim.grad_accum_steps}, reference "
-        f"{'none' if ref is None else jax.tree.leaves(ref)[0].dtype} "
+        f"grad_accum_steps={optim.grad_accum_steps}, frozen params {frozen} "
         f"(compiled in {time.time() - t0:.0f} s): {line}", flush=True)
   return peak, state, ref
 
@@ -173,19 +178,25 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=C0415
   from grpo_jax import sampler as sampler_lib, sharding  # pylint: disable=import-outside-toplevel
   from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
-  optim, s = resolved_optim(config), config.sampling
+  from grpo_jax import config as config_lib, train  # pylint: disable=import-outside-toplevel
+  optim, s = config_lib.optim_settings(config), config.sampling
+  lcfg = train.lora_settings(config)
   model = qwen.build(cfg, dtype=optim.compute_dtype, param_dtype=optim.param_dtype)
   smp = sampler_lib.Sampler(
       model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
       max_new_tokens=s.max_new_tokens, stop_ids=(0,), buckets=(prompt_len,),
       valid_vocab_size=valid, pad_id=0, mesh=mesh)
-  # Resident while sampling, outside the sampler's arguments: all but the policy params.
-  resident = device_bytes(state) - device_bytes(state["params"]) + (
-      device_bytes(ref) if ref is not None else 0)
-  params = state["params"]
+  # Resident while sampling, outside the sampler's arguments: all but the policy params (with
+  # LoRA the sampler takes the base and the adapters, unmerged).
+  resident = device_bytes(state) - device_bytes(state["params"])
+  if lcfg is None:
+    resident += device_bytes(ref) if ref is not None else 0
+    params = state["params"]
+  else:
+    params = {"params": ref, "lora": state["params"]}
   mult = int(jax.numpy.prod(jnp.array([mesh.shape[a] for a in sharding.BATCH_AXES])))
   row_sh = lambda nd: sharding.batch_sharding(mesh, nd)
-  shapes = [("rollout", config.train.prompts_per_step, s.num_generations, {})]
+  shapes = [("rollout", config.train.prompts_per_step, config_lib.group_size(config), {})]
   if eval_too:
     shapes.append(("eval", config.train.eval_batch_size, 1, {"greedy": True}))
   worst = 0
@@ -218,13 +229,6 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
           f" → {peak / GB:.2f} GB", flush=True)
     worst = max(worst, peak)
   return worst
-
-
-def resolved_optim(config):
-  optim = config.optim.copy_and_resolve_references()
-  if optim.schedule == "cosine" and not optim.total_steps:
-    optim.total_steps = config.train.steps * config.loss.num_iterations
-  return optim
 
 
 def main(argv):

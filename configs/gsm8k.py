@@ -56,162 +56,22 @@ tiny — offline, CPU, minutes: a 2-layer 128-wide Qwen2 with random weights, a 
 
 from ml_collections import config_dict
 
-from grpo_jax import grpo, train_step
-from grpo_jax.rewards import default_rewards_config
-from grpo_jax.rewards.options import HttpOptions, to_config
+from grpo_jax import config as schema
 
 
 def get_config(preset: str = "default") -> config_dict.ConfigDict:
-  c = config_dict.ConfigDict()
+  # Every field and its default: grpo_jax/config.py. Here only what these presets choose.
+  c = schema.defaults()
   c.preset = preset or "default"
-  c.seed = 0
 
-  c.model = config_dict.ConfigDict(dict(
-      checkpoint="Qwen/Qwen2.5-1.5B-Instruct",  # local directory or hub id
-      tokenizer="",                 # '' = the checkpoint's tokenizer
-      random_init=False,            # True: no checkpoint, build `tiny` below with random weights
-      # jax.nn.dot_product_attention's implementation: None (JAX's choice, XLA today), 'xla',
-      # or 'cudnn' (NVIDIA GPUs, bf16/fp16 compute). See docs/performance.md.
-      attention=config_dict.placeholder(str),
-      # LoRA (docs/lora.md): rank 0 = off (full fine-tuning). Else the optimizer trains
-      # adapters of this rank on the target projections of a frozen base (stored in the compute
-      # dtype, or int8 with quantize='int8'), which with the adapters off is the reference.
-      lora=config_dict.ConfigDict(dict(
-          rank=0, alpha=32.0,
-          targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-          dropout=0.0, quantize="none")),
-      # Used only when random_init: a Qwen2 architecture of this size.
-      tiny=config_dict.ConfigDict(dict(
-          hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
-          head_dim=32, rope_theta=10000.0, tie_word_embeddings=True,
-          vocab_size=512)),            # for tokenizer='tiny': BPE vocabulary learnt offline
-  ))
-
-  c.data = config_dict.ConfigDict(dict(
-      source="openai/gsm8k",       # hub id, a directory of {train,test}.jsonl, or 'synthetic'
-      config_name="main",          # the hub dataset's config
-      train_split="train",
-      eval_split="test",
-      question_field="question",
-      answer_field="answer",
-      system_prompt=config_dict.placeholder(str),  # None: the chat template's default
-      user_template=(
-          "{question}\nThink step by step inside <think> </think>, then give the final number "
-          "inside <answer> </answer>."),
-      # A batch's prompts are left-padded to the smallest of these that holds its longest:
-      # fine steps keep padding small; each one used compiles the sampler and step once.
-      prompt_buckets=tuple(range(64, 513, 32)),
-      # For source='synthetic' (see grpo_jax/synthetic.py).
-      synthetic_train=7000,
-      synthetic_test=500,
-      synthetic_digits=2,
-      synthetic_operands=2,
-      synthetic_ops=("+",),        # operations drawn from, applied left to right
-  ))
-
-  c.sampling = config_dict.ConfigDict(dict(
-      num_generations=8,            # G completions per prompt
-      max_new_tokens=1024,
-      temperature=1.0,
-      top_k=0,                      # 0 = off
-      top_p=1.0,
-      min_p=0.0,
-  ))
-
-  c.rewards = default_rewards_config()
-  c.rewards.names = ("math_accuracy", "format")
-  c.rewards.weights = (1.0, 1.0)
-
-  c.loss = grpo.default_loss_config()
+  # The reference GSM8K GRPO recipe (the docstring): the schema's model, data, sampling
+  # (G = 8, up to 1,024 new tokens, temperature 1), rewards (math_accuracy + format), mesh and
+  # hardware, with GRPO's loss and this learning rate.
   c.loss.loss_type = "grpo"
   c.loss.beta = 0.001
-  c.loss.kl_estimator = "k3"
-  c.loss.epsilon = 0.2
-  c.loss.epsilon_high = 0.2
-
-  c.optim = train_step.default_optim_config()  # also param/compute dtypes and remat
   c.optim.lr = 1e-5
-  c.optim.schedule = "constant"
   # 12 micro-batches of 64 rows (8 whole groups, one per device): what fits 16 GB per chip.
   c.optim.grad_accum_steps = 12
-
-  c.train = config_dict.ConfigDict(dict(
-      steps=500,                    # GRPO steps (each: sample, reward, num_iterations updates)
-      prompts_per_step=96,
-      eval_every=50,                # greedy pass@1 on the eval split; 0 = only at start and end
-      eval_examples=0,              # 0 = the whole eval split
-      eval_batch_size=64,
-      checkpoint_every=50,
-      keep_checkpoints=3,
-      samples_per_step=4,           # completions written to samples.md per step
-      # A batch's completions are padded to its longest, rounded up to a multiple of this
-      # (at most sampling.max_new_tokens): fine widths, few compiled shapes.
-      pad_multiple=16,
-      max_bad_steps=5,              # consecutive non-finite steps before the run stops
-      # DAPO's dynamic sampling: set aside groups whose G rewards are all equal (they teach
-      # nothing) and sample more prompts, up to max_sampling_rounds rounds per step.
-      dynamic_sampling=False,
-      max_sampling_rounds=3,
-      # Consecutive steps with a reward missing on >= 50% of completions (scorer down, judge
-      # replies that do not parse) before the run saves a checkpoint and stops; 0 = warn only.
-      max_missing_reward_steps=3,
-      tensorboard=True,
-      wandb=False,
-      # Compiled programs on disk, loaded by a resumed or repeated run instead of compiled
-      # (grpo_jax.compile_cache): None = $JAX_COMPILATION_CACHE_DIR or ~/.cache/grpo_jax/xla;
-      # a path (gs:// too); "" = off.
-      compilation_cache=config_dict.placeholder(str),
-  ))
-
-  # Supervised warm start (cold start) on the training answers before GRPO; 0 = off.
-  # The targets are the dataset's answers without GSM8K's <<calculator>> annotations.
-  # target_accuracy > 0: stop at the first check (every eval_every steps) whose greedy accuracy
-  # on eval_examples training problems, held out of both phases, reaches it; steps is the most.
-  c.sft = config_dict.ConfigDict(dict(steps=0, batch_size=32, lr=1e-3, target_accuracy=0.0,
-                                      eval_every=50, eval_examples=256))
-
-  # Multi-turn agent rollouts with tools (Flow-GRPO; configs/gsm8k_agent.py). Off: one
-  # completion per sample. See grpo_jax/agent/.
-  c.agent = config_dict.ConfigDict(dict(
-      enabled=False,
-      tools=("calculator",),        # by name: grpo_jax.agent.tools.TOOLS
-      max_turns=4,                  # actions per trajectory, the final answer included
-      action_tokens=32,             # sampled tokens per action (the turn's budget)
-      observation_tokens=32,        # a tool's output is cut to this many tokens
-      tool_workers=8,               # tool calls run in parallel, at most this many at once
-      tool_timeout_s=5.0,           # wall-clock limit of every tool call
-      # The python tool's sandbox (docs/sandbox.md): 'strict' needs bubblewrap, libseccomp and
-      # the kernel's namespaces, and refuses to start without them; 'unsafe' runs model code
-      # without those layers (warns at every start).
-      sandbox="strict",
-      # The first user turn: the toolset K ({tools}: each tool's description with its call
-      # syntax; {tool_names}: just the names) and the query.
-      user_template="{tools}\n\n{question}",
-      # Frozen roles beside the planner (grpo_jax/agent/roles.py; never trained, loss mask 0):
-      # 'policy' (generator only: the planner's own <answer> action, trained), 'frozen_policy'
-      # (the policy's params under stop-gradient, on the carried cache), 'reference' (the
-      # reference params; needs loss.beta > 0), 'server' (an OpenAI-compatible endpoint,
-      # agent.server); 'none' (verifier only: the planner alone decides when to stop).
-      executor="none",              # writes a tool action's input from its sub-goal ('none': the
-                                    # planner writes the input itself)
-      executor_prompt="Write only the input for the {tool} tool that does this.",
-      executor_tokens=32,           # the executor's input budget
-      generator="policy",           # writes the scored final answer when a trajectory ends
-      verifier="none",              # after each tool observation: is the memory enough? Yes ends it
-      generator_prompt="Give the final answer as <answer>NUMBER</answer>.",
-      generator_tokens=32,          # the generator's answer budget
-      verifier_prompt=("Is the information above enough to answer the question? "
-                       "Answer Yes or No."),
-      verifier_yes="Yes",           # P(first token of each) at one position; 'server': the
-      verifier_no="No",             # reply starting with verifier_yes means Yes
-      server=to_config(HttpOptions(max_tokens=256)),  # the 'server' roles' endpoint
-  ))
-
-  c.mesh = (1, -1, 1)               # (data, fsdp, tensor); -1 takes the remaining devices
-  # What the preset is sized for: benchmarks/memory.py compiles its train step and sampler on
-  # `devices` (fake) devices and checks their peaks against memory_gb_per_device (GB = 1e9 B).
-  c.hardware = config_dict.ConfigDict(dict(name="TPU v5e-8", memory_gb_per_device=16.0,
-                                           devices=8))
 
   if c.preset == "default":
     pass
@@ -248,37 +108,31 @@ def _tiny(c: config_dict.ConfigDict) -> None:
   c.data.user_template = "{question}"
   c.data.prompt_buckets = (24, 32, 40, 48, 56, 64)
   c.sampling.max_new_tokens = 20
-  c.data.synthetic_test = 512
+  c.data.synthetic_test = 512       # held-out problems, all evaluated (train.eval_examples 0)
   c.rewards.names = ("math_accuracy",)
   c.rewards.weights = (1.0,)
-  c.loss.loss_type = "grpo"
   c.loss.beta = 0.0
-  # 3e-4 decayed to 0 by a cosine over the run (the trainer sets optim.total_steps to the run's
-  # updates). At 3e-5 constant, seeds whose warm start left part of the units-digit table
-  # unlearnt plateaued at 40-50% (seed 11: +13.7 points); the larger rate learns it
-  # (experiments/tiny_seeds.md, "Seeds 7-12"). The cosine's end settles what was learnt.
+  # 3e-4 decayed to 0 by a cosine over the run (optim.total_steps 0: the run's updates, see
+  # grpo_jax.config.optim_settings). At 3e-5 constant, seeds whose warm start left part of the
+  # units-digit table unlearnt plateaued at 40-50% (seed 11: +13.7 points); the larger rate
+  # learns it (experiments/tiny_seeds.md, "Seeds 7-12"). The cosine's end settles what was
+  # learnt.
   c.optim.lr = 3e-4
   c.optim.schedule = "cosine"
-  c.optim.b2 = 0.99
   c.optim.grad_accum_steps = 1
-  c.optim.max_grad_norm = 1.0
   c.train.steps = 400
   c.train.prompts_per_step = 16
   c.train.dynamic_sampling = True   # sampling is ~15% of a step here; zero-spread groups are not
   c.train.eval_every = 100
-  c.train.eval_examples = 0         # all 512 held-out problems
   c.train.eval_batch_size = 128
   c.train.checkpoint_every = 50
   c.train.samples_per_step = 2
-  c.train.tensorboard = True
   # Stop the warm start on validation accuracy, not a step count: it climbs from ~5% to ~70%
   # within ~100 steps, and where that happens depends on the seed (experiments/tiny_seeds.md).
   c.sft.steps = 1000
   c.sft.target_accuracy = 0.2
   c.sft.eval_every = 10
-  c.sft.eval_examples = 256
   c.sft.batch_size = 64
-  c.sft.lr = 1e-3
   c.mesh = (1, 1, 1)
   c.hardware.update(name="a CPU", memory_gb_per_device=4.0, devices=1)
 

@@ -42,6 +42,7 @@ _spec.loader.exec_module(gsm8k)
 
 
 def get_config(preset: str = "default"):
+  # The single-turn presets' choices (on grpo_jax/config.py's schema), then the agent's.
   preset = preset or "default"
   if preset not in ("default", "tiny"):
     raise ValueError(f"unknown preset {preset!r} for configs/gsm8k_agent.py; use default or tiny")
@@ -59,9 +60,9 @@ def get_config(preset: str = "default"):
 def _default(c) -> None:
   """AgentFlow's recipe (its train/config.yaml: 32 queries × 8 rollouts, lr 1e-6, KL loss
   0.001, clip 0.2 / 0.3, temperature 0.7 in training, 3 tool steps) with the planner giving
-  the final answer itself (so 3 tool calls + the answer = 4 turns)."""
+  the final answer itself (so 3 tool calls + the answer = 4 turns, the schema's
+  agent.max_turns). The KL coefficient and the lower clip are configs/gsm8k.py's already."""
   c.agent.tools = ("python",)
-  c.agent.max_turns = 4
   c.agent.action_tokens = 384
   c.agent.observation_tokens = 128
   c.agent.user_template = (
@@ -72,8 +73,6 @@ def _default(c) -> None:
   c.train.prompts_per_step = 32
   c.optim.grad_accum_steps = 4      # gsm8k's default (12) is sized for its 96 prompts per step
   c.optim.lr = 1e-6
-  c.loss.beta = 0.001
-  c.loss.epsilon = 0.2
   c.loss.epsilon_high = 0.3
 
 
@@ -82,14 +81,11 @@ def _tiny(c) -> None:
   c.data.synthetic_operands = 3
   c.data.synthetic_ops = ("+", "-")
   c.data.prompt_buckets = tuple(range(32, 129, 8))
-  c.agent.tools = ("calculator",)
-  c.agent.max_turns = 4
   c.agent.action_tokens = 20
   c.agent.observation_tokens = 8
   # K by name only: the tiny model learns the call syntax from the warm start's traces, and
   # every prompt token costs at every turn.
   c.agent.user_template = "Tools: {tool_names}\n{question}"
-  c.sampling.max_new_tokens = 20
   # Sampling at 0.7, as AgentFlow trains. At the tiny preset's 1.0, a trajectory of up to four
   # sampled actions rarely survives: sampled reward stayed near 0 while greedy accuracy was
   # 37%, and seed 2 fell from 37% to 22% in 100 steps (experiments/agent_vs_single.md).

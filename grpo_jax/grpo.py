@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from ml_collections import config_dict
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "flow_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -57,23 +56,6 @@ REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 # A group whose reward spread is below this is reported as giving no learning signal.
 _ZERO_STD_ATOL = 1e-6
-
-
-def default_loss_config() -> config_dict.ConfigDict:
-  """The loss settings, with TRL-like defaults (DAPO token aggregation, no KL)."""
-  return config_dict.ConfigDict(dict(
-      loss_type="dapo",              # one of LOSS_TYPES
-      beta=0.0,                      # KL coefficient; 0 skips the reference forward entirely
-      kl_estimator="k3",             # one of KL_ESTIMATORS
-      epsilon=0.2,                   # lower clip: ratio >= 1 - epsilon
-      epsilon_high=0.2,              # upper clip: ratio <= 1 + epsilon_high (DAPO uses 0.28)
-      delta=config_dict.placeholder(float),  # None, or cap of the unclipped ratio (> 1 + eps_high)
-      importance_sampling_level="token",     # 'token' or 'sequence' (GSPO)
-      num_iterations=1,              # μ: optimizer steps per generation batch
-      scale_rewards="group",         # one of SCALE_REWARDS
-      reward_aggregation="sum_then_normalize",  # one of REWARD_AGGREGATIONS
-      mask_truncated_completions=False,  # drop completions that hit max length from the loss
-  ))
 
 
 def _one_of(cfg, name, allowed):

@@ -37,6 +37,14 @@ _MAX_BLOCK_TOKENS = 1024
 _MIN_BLOCK_ROWS = 128
 
 
+def check_temperature(temperature, setting: str = "temperature") -> None:
+  """The temperature rule, for the sampler, the train step and the config alike: log-probs are
+  those of logits / temperature, so a number > 0. ValueError naming `setting`."""
+  if isinstance(temperature, bool) or not (isinstance(temperature, (int, float))
+                                           and temperature > 0):
+    raise ValueError(f"{setting}: must be a number > 0, got {temperature!r}")
+
+
 def block_shape(num_tokens: int, vocab: int, block_bytes: int = DEFAULT_BLOCK_BYTES):
   """(t, c): tokens and vocabulary rows per block, t·c·4 bytes <= block_bytes where possible.
 

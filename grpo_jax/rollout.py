@@ -30,7 +30,7 @@ import time
 import jax
 import numpy as np
 
-from grpo_jax import data, grpo, hosts, sft
+from grpo_jax import config as config_lib, data, grpo, hosts, sft
 from grpo_jax.rewards import Interrupted, build_rewards, merge_metrics, score
 
 
@@ -170,7 +170,7 @@ def sample_members(rollouts_K, params_K, rows_K, rewards_K, keys_K):
   first = rollouts_K[0]
   outs = first.sampler.generate_members(
       params_K, [None if p is None else p.ids for p in prompts],
-      num_samples=first.config.sampling.num_generations, keys_K=keys_K)
+      num_samples=config_lib.group_size(first.config), keys_K=keys_K)
   return [None if rows is None else score_samples(r.config, r.tokenizer, rows, p, out, rewards,
                                                   t0)
           for r, rows, p, out, rewards in zip(rollouts_K, rows_K, prompts, outs, rewards_K)]
@@ -199,7 +199,7 @@ def batch_layout(config, tokenizer, rows, num_rewards: int) -> dict[str, jax.Sha
   """The layout (shapes, dtypes) of the train batch that single-turn rollouts of `rows` give
   when their longest completion runs to sampling.max_new_tokens: what a run's first step
   compiles for while it samples (train_step.TrainStep.precompile)."""
-  prompts, g = encode(config, tokenizer, rows), config.sampling.num_generations
+  prompts, g = encode(config, tokenizer, rows), config_lib.group_size(config)
   b, width = len(rows) * g, config.sampling.max_new_tokens
   longest = Rollouts(rows, prompts.texts, prompts.ids, np.zeros((b, width), np.int32),
                      np.full(b, width), np.ones(b, bool), [""] * b,
@@ -215,7 +215,7 @@ def sample_and_score(config, sampler, tokenizer, params, rows, rewards, key):
   mine = hosts.share(len(rows))  # all rows with one process
   rows = rows[mine]
   prompts = encode(config, tokenizer, rows)
-  out = sampler.generate(params, prompts.ids, num_samples=config.sampling.num_generations,
+  out = sampler.generate(params, prompts.ids, num_samples=config_lib.group_size(config),
                          key=key, prompt_ids=np.arange(mine.start, mine.stop))
   if hosts.count() == 1:
     return score_samples(config, tokenizer, rows, prompts, out, rewards, t0)
@@ -254,7 +254,7 @@ def score_samples(config, tokenizer, rows, prompts, out, rewards, t0):
   """sample_and_score's second half: the sampler's output (anything with tokens, lengths,
   truncated, metrics; sample_members hands in one member's share) decoded and scored; t0 is
   when sampling began."""
-  g = config.sampling.num_generations
+  g = config_lib.group_size(config)
   completion_ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
   t1 = time.perf_counter()
   texts = tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids, lengths)],
@@ -294,7 +294,7 @@ class Collection:
 
   def __init__(self, config):
     cfg = self.config = config
-    self.g, self.n = cfg.sampling.num_generations, cfg.train.prompts_per_step
+    self.g, self.n = config_lib.group_size(cfg), cfg.train.prompts_per_step
     self.weights_R = np.asarray(cfg.rewards.weights, np.float32)
     self.rounds = cfg.train.max_sampling_rounds if cfg.train.dynamic_sampling else 1
     self.m = {"time/sample_s": 0.0, "time/reward_s": 0.0}

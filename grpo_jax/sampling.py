@@ -54,7 +54,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax import logprobs
+
 Array = jax.Array
+
+
+def _is_number(v) -> bool:
+  return not isinstance(v, bool) and isinstance(v, (int, float, np.number))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +73,16 @@ class SamplingParams:
   min_p: float = 0.0  # 0: off
 
   def __post_init__(self):
-    if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
-      raise ValueError(f"temperature={self.temperature!r} must be a number > 0")
-    if not (isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0):
-      raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 disables it)")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p={self.top_p!r} must be in (0, 1] (1 disables it)")
-    if not 0.0 <= self.min_p < 1.0:
-      raise ValueError(f"min_p={self.min_p!r} must be in [0, 1) (0 disables it)")
+    """The sampling settings' rules, written once: grpo_jax.validate checks a config's
+    sampling section with them (prefixing `config.sampling.`)."""
+    logprobs.check_temperature(self.temperature)
+    if isinstance(self.top_k, bool) or not (isinstance(self.top_k, (int, np.integer))
+                                            and self.top_k >= 0):
+      raise ValueError(f"top_k: must be an int >= 0 (0 = off), got {self.top_k!r}")
+    if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
+      raise ValueError(f"top_p: must be in (0, 1] (1 = off), got {self.top_p!r}")
+    if not (_is_number(self.min_p) and 0.0 <= self.min_p < 1.0):
+      raise ValueError(f"min_p: must be in [0, 1) (0 = off), got {self.min_p!r}")
 
   @property
   def cuts(self) -> bool:
@@ -85,9 +93,9 @@ def parse_settings(greedy=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
   """SamplingParams from user values; temperature 0 means greedy (log-probs at temperature 1)."""
   for name, v in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
     if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not math.isfinite(v):
-      raise ValueError(f"{name}={v!r} must be a finite number")
+      raise ValueError(f"{name}: must be a finite number, got {v!r}")
   if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
-    raise ValueError(f"top_k={top_k!r} must be an int >= 0 (0 disables it)")
+    raise ValueError(f"top_k: must be an int >= 0 (0 = off), got {top_k!r}")
   if temperature == 0:
     greedy, temperature = True, 1.0
   if greedy:  # the cuts cannot change an argmax; normalised away so greedy compiles once

@@ -11,6 +11,7 @@ MLP width / vocabulary). Changing the parallelism is a change of mesh shape, not
 from __future__ import annotations
 
 import logging
+import math
 
 import jax
 import numpy as np
@@ -35,23 +36,33 @@ RULES: dict[str, str | None] = {
 }
 
 
+def mesh_shape(shape, num_devices: int) -> tuple[int, int, int]:
+  """The (data, fsdp, tensor) extents of `shape` on num_devices devices, -1 resolved: the mesh
+  rules, written once (grpo_jax.validate checks config.mesh with them). ValueError naming
+  `mesh`."""
+  shape = list(shape)
+  if len(shape) != 3:
+    raise ValueError(f"mesh: needs 3 entries (data, fsdp, tensor), got {tuple(shape)}")
+  if not (all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and (s >= 1 or s == -1)
+              for s in shape) and shape.count(-1) <= 1):
+    raise ValueError(f"mesh: entries must be >= 1, with at most one -1; got {tuple(shape)}")
+  shape = [int(s) for s in shape]
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape:
+    if num_devices % known:
+      raise ValueError(f"mesh: {tuple(shape)} does not divide the {num_devices} devices")
+    shape[shape.index(-1)] = num_devices // known
+  if math.prod(shape) > num_devices:
+    raise ValueError(f"mesh: {tuple(shape)} needs {math.prod(shape)} devices, only "
+                     f"{num_devices} present")
+  return tuple(shape)
+
+
 def make_mesh(shape: tuple[int, int, int], devices=None) -> Mesh:
   """A (data, fsdp, tensor) mesh over the first prod(shape) devices; -1 takes the rest."""
   devices = list(jax.devices() if devices is None else devices)
-  shape = tuple(int(s) for s in shape)
-  if len(shape) != 3:
-    raise ValueError(f"mesh shape must have 3 entries (data, fsdp, tensor), got {shape}")
-  if shape.count(-1) > 1:
-    raise ValueError(f"mesh shape {shape}: at most one entry may be -1")
-  if -1 in shape:
-    known = int(np.prod([s for s in shape if s != -1]))
-    if len(devices) % known:
-      raise ValueError(f"mesh shape {shape} does not divide {len(devices)} devices")
-    shape = tuple(len(devices) // known if s == -1 else s for s in shape)
-  n = int(np.prod(shape))
-  if n > len(devices) or n < 1:
-    raise ValueError(f"mesh shape {shape} needs {n} devices; {len(devices)} available")
-  grid = np.asarray(devices[:n], dtype=object).reshape(shape)
+  shape = mesh_shape(shape, len(devices))
+  grid = np.asarray(devices[:math.prod(shape)], dtype=object).reshape(shape)
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 

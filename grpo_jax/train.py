@@ -48,9 +48,9 @@ from tqdm.auto import tqdm
 
 import numpy as np
 
-from grpo_jax import (checkpoint, compile_cache, data, grpo, hosts, inputs, logging_io, plots,
-                      rollout, sampler as sampler_lib, sft, sharding, storage, sweep,
-                      tokenizer as tokenizer_lib, train_step, validate)
+from grpo_jax import (checkpoint, compile_cache, config as config_lib, data, grpo, hosts, inputs,
+                      logging_io, plots, rollout, sampler as sampler_lib, sft, sharding, storage,
+                      sweep, tokenizer as tokenizer_lib, train_step, validate)
 from grpo_jax.agent import rollout as agent_rollout
 from grpo_jax.errors import UserError
 from grpo_jax.models import lora as lora_lib, qwen, weights
@@ -607,15 +607,15 @@ class Trainer:
     self.rollout = (agent_rollout.Agent(config, tokenizer, self.sampler, interrupt)
                     if config.agent.enabled else rollout.SingleTurn(config, tokenizer,
                                                                     self.sampler))
-    self.optim = optim_settings(config)
+    self.optim = config_lib.optim_settings(config)
     # LoRA (config.model.lora.rank > 0): the state trains adapters on a frozen base, which is
     # also the reference policy (adapters off); None: full fine-tuning.
     self.lora = lora_settings(config)
     self.step_fn = train_step.TrainStep(
         cfg, config.loss, self.optim, mesh, temperature=s.temperature, valid_vocab_size=valid,
-        max_completion_length=self.rollout.completion_width, group_size=s.num_generations,
-        reward_weights=config.rewards.weights, max_turns=self.rollout.max_turns,
-        lora=self.lora)
+        max_completion_length=self.rollout.completion_width,
+        group_size=config_lib.group_size(config), reward_weights=config.rewards.weights,
+        max_turns=self.rollout.max_turns, lora=self.lora)
     self.accuracy = rollout.accuracy_reward(config)
 
   def for_member(self, config, tokenizer) -> Trainer:
@@ -764,20 +764,10 @@ def lora_settings(config) -> lora_lib.LoraConfig | None:
   return lora_lib.LoraConfig.from_config(config.model.get("lora"))
 
 
-def optim_settings(config):
-  """The run's optimizer settings: config.optim with the derived values filled in (cosine's
-  total_steps counts optimizer updates, μ per GRPO step). config itself is never rewritten."""
-  optim = config.optim.copy_and_resolve_references()
-  if optim.schedule == "cosine" and not optim.total_steps:
-    optim.total_steps = train_step.cosine_total_steps(
-        optim, config.train.steps * config.loss.num_iterations)
-  return optim
-
-
 def _samples(config, batch_r, adv_B, rewards):
   """The samples file's records: the first completion of the first train.samples_per_step
   prompts, with its rewards, advantage and gold answer."""
-  g = config.sampling.num_generations
+  g = config_lib.group_size(config)
   k = min(config.train.samples_per_step, len(batch_r.rows))
   texts = batch_r.trajectories or batch_r.texts
   return [{"prompt": batch_r.prompts[p], "completion": texts[p * g],

@@ -86,7 +86,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
-from ml_collections import config_dict
 
 from grpo_jax import compile_cache, grpo, hosts, logprobs, sharding
 from grpo_jax.models import lora as lora_lib, qwen, quant
@@ -94,24 +93,6 @@ from grpo_jax.models import lora as lora_lib, qwen, quant
 SCHEDULES = ("constant", "cosine")
 
 OBJECTIVES = ("grpo", "sft")
-
-
-def default_optim_config() -> config_dict.ConfigDict:
-  return config_dict.ConfigDict(dict(
-      lr=1e-6,
-      warmup_steps=0,          # linear from 0 to lr over these steps
-      schedule="constant",     # after warmup: 'constant' or 'cosine' (to 0 at total_steps)
-      total_steps=0,           # needed by 'cosine'; the loop may fill it in
-      weight_decay=0.0,        # AdamW, on kernels and embeddings only (not norms, biases)
-      b1=0.9,
-      b2=0.99,
-      max_grad_norm=1.0,       # global-norm clipping; 0 disables it
-      grad_accum_steps=1,      # micro-batches per optimizer step
-      param_dtype="float32",   # dtype the params and optimizer moments are stored in
-      compute_dtype="bfloat16",  # dtype of the forward/backward matmuls
-      remat=True,              # rematerialise each decoder layer in the backward pass
-      logprob_block_bytes=logprobs.DEFAULT_BLOCK_BYTES,  # fp32 logits per head-pass block
-  ))
 
 
 def validate_optim_config(cfg) -> None:
@@ -152,13 +133,6 @@ def learning_rate_schedule(cfg, lr=None) -> optax.Schedule:
   else:
     after = optax.cosine_decay_schedule(lr, cfg.total_steps - cfg.warmup_steps)
   return optax.join_schedules([warmup, after], [cfg.warmup_steps])
-
-
-def cosine_total_steps(cfg, updates: int) -> int:
-  """What optim.total_steps = 0 means for the cosine schedule: the run's optimizer updates. A
-  run with none (train.steps = 0: a warm start alone) never reads the schedule; any valid
-  length then serves."""
-  return int(updates) if updates else cfg.warmup_steps + 1
 
 
 def decay_mask(params):
@@ -544,7 +518,7 @@ def _fields_of(cls, cfg):
 
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
-  """The static part of a loss config (grpo.default_loss_config): what shapes the program.
+  """The static part of a loss config (grpo_jax.config.loss): what shapes the program.
   beta, epsilon and epsilon_high are kept for reading; the program takes them from hparams."""
   loss_type: str
   beta: float
@@ -565,7 +539,7 @@ class LossSpec:
 
 @dataclasses.dataclass(frozen=True)
 class OptimSpec:
-  """The static part of an optimizer config (default_optim_config); lr comes from hparams."""
+  """The static part of an optimizer config (grpo_jax.config.optim); lr comes from hparams."""
   lr: float
   warmup_steps: int
   schedule: str
@@ -624,8 +598,7 @@ class StepSpec:
       raise ValueError(f"objective={objective!r} is not one of {OBJECTIVES}")
     grpo.validate_loss_config(loss_cfg)
     validate_optim_config(optim_cfg)
-    if not temperature > 0:
-      raise ValueError(f"temperature={temperature!r} must be > 0")
+    logprobs.check_temperature(temperature)
     if objective == "grpo" and loss_cfg.loss_type == "flow_grpo" and not (
         isinstance(max_turns, int) and max_turns >= 1):
       raise ValueError(f"loss.loss_type='flow_grpo' needs max_turns, an int >= 1 (the bound on "

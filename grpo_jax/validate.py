@@ -1,13 +1,21 @@
-"""Config validation before anything loads or compiles: each error names the setting."""
+"""The one config validator: before anything loads or compiles, each error names the setting.
+
+Each rule is written once, where its subject lives, and checked here for a config:
+sampling.SamplingParams (sampling.temperature through logprobs.check_temperature, top_k, top_p,
+min_p), sharding.mesh_shape (mesh), rewards.options.weighted_names (rewards.names,
+rewards.weights), grpo.validate_loss_config (loss), models.lora.LoraConfig (model.lora),
+train_step.validate_optim_config (optim); the rest are here. The schema, with every field's
+default, is grpo_jax/config.py; a field it does not have is refused.
+"""
 
 from __future__ import annotations
 
 import math
 
-from grpo_jax import grpo, train_step
+from grpo_jax import config as config_lib, grpo, sampling, sharding, train_step
 from grpo_jax.errors import UserError
 from grpo_jax.models import lora
-from grpo_jax.rewards import KNOWN_REWARDS
+from grpo_jax.rewards import options as reward_options
 
 
 class ConfigError(UserError, ValueError):
@@ -19,19 +27,17 @@ def _check(ok: bool, setting: str, message: str) -> None:
     raise ConfigError(f"config.{setting}: {message}")
 
 
+def _named(rule, *args):
+  """rule(*args), its ValueError ('<setting>: ...' or '<setting>=...') as a ConfigError."""
+  try:
+    return rule(*args)
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
+
+
 def batch_devices(config, num_devices: int) -> int:
   """How many ways the batch is split: the data × fsdp extent of the configured mesh."""
-  shape = list(config.mesh)
-  _check(len(shape) == 3, "mesh", f"needs 3 entries (data, fsdp, tensor), got {tuple(shape)}")
-  _check(all(isinstance(s, int) and (s >= 1 or s == -1) for s in shape) and shape.count(-1) <= 1,
-         "mesh", f"entries must be >= 1, with at most one -1; got {tuple(shape)}")
-  known = math.prod(s for s in shape if s != -1)
-  if -1 in shape:
-    _check(num_devices % known == 0, "mesh",
-           f"{tuple(shape)} does not divide the {num_devices} devices")
-    shape[shape.index(-1)] = num_devices // known
-  _check(math.prod(shape) <= num_devices, "mesh",
-         f"{tuple(shape)} needs {math.prod(shape)} devices, only {num_devices} present")
+  shape = _named(sharding.mesh_shape, config.mesh, num_devices)
   # A mesh over a subset of the devices is allowed (a 1-device run on an 8-device host), but
   # only a divisor of the device count: (1, 3, 1) on 8 devices is a typo, not a plan.
   _check(num_devices % math.prod(shape) == 0, "mesh",
@@ -42,51 +48,35 @@ def batch_devices(config, num_devices: int) -> int:
 
 
 def validate(config, num_devices: int) -> None:
+  """Raises ConfigError naming the first bad setting of `config` for a run on num_devices."""
+  unknown = config_lib.unknown_fields(config)
+  _check(not unknown, unknown[0] if unknown else "",
+         "no such field in the config schema (grpo_jax/config.py)")
   s, t, o, lc = config.sampling, config.train, config.optim, config.loss
-  g = s.num_generations
+  g = config_lib.group_size(config)
   _check(isinstance(g, int) and g >= 2, "sampling.num_generations",
          f"must be an int >= 2 (group-relative advantages need a group), got {g!r}")
   _check(s.max_new_tokens >= 1, "sampling.max_new_tokens", f"must be >= 1, got {s.max_new_tokens}")
-  _check(s.temperature > 0, "sampling.temperature", f"must be > 0, got {s.temperature}")
-  _check(0 < s.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {s.top_p}")
-  _check(s.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 = off), got {s.top_k}")
-  _check(0 <= s.min_p < 1, "sampling.min_p", f"must be in [0, 1), got {s.min_p}")
   try:
-    grpo.validate_loss_config(lc)
+    sampling.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                            min_p=s.min_p)
   except ValueError as e:
-    raise ConfigError(f"config.{e}") from None
-
-  if config.model.get("lora") is not None:
-    try:
-      lora.LoraConfig.from_config(config.model.lora)
-    except ValueError as e:
-      raise ConfigError(f"config.{e}") from None
-
-  for name in config.rewards.names:
-    _check(name in KNOWN_REWARDS, "rewards.names",
-           f"unknown reward {name!r}; known rewards: {list(KNOWN_REWARDS)}")
-  _check(len(config.rewards.names) == len(config.rewards.weights), "rewards.weights",
-         f"{len(config.rewards.weights)} weights for {len(config.rewards.names)} rewards")
-  _check(len(config.rewards.names) >= 1, "rewards.names", "at least one reward is needed")
+    raise ConfigError(f"config.sampling.{e}") from None
+  _named(grpo.validate_loss_config, lc)
+  _named(lora.LoraConfig.from_config, config.model.get("lora"))
+  _named(reward_options.weighted_names, config.rewards)
 
   updates = t.steps * lc.num_iterations
-  try:
-    # total_steps 0 with the cosine schedule: the trainer fills in the run's updates
-    # (train.Trainer), so check the schedule it will run.
-    filled = o
-    if o.schedule == "cosine" and not o.total_steps:
-      filled = o.copy_and_resolve_references()
-      filled.total_steps = train_step.cosine_total_steps(o, updates)
-    train_step.validate_optim_config(filled)
-  except ValueError as e:
-    raise ConfigError(f"config.{e}") from None
+  # total_steps 0 with the cosine schedule means the run's updates: check the schedule the
+  # trainer will run.
+  _named(train_step.validate_optim_config, config_lib.optim_settings(config))
   _check(o.schedule != "cosine" or o.total_steps in (0, updates), "optim.total_steps",
          f"leave it 0: the cosine schedule spans the run's {updates} optimizer updates "
          "(train.steps × loss.num_iterations)")
   _check(isinstance(t.pad_multiple, int) and t.pad_multiple >= 1, "train.pad_multiple",
          f"must be an int >= 1, got {t.pad_multiple!r}")
 
-  rows = t.prompts_per_step * g
+  rows = config_lib.rows_per_step(config)
   _check(t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
   _check(rows % o.grad_accum_steps == 0, "optim.grad_accum_steps",
          f"{o.grad_accum_steps} does not divide the {rows} completions of a step "
@@ -173,10 +163,7 @@ def _validate_roles(config) -> None:
          "agent.verifier_yes", f"verifier_yes={a.verifier_yes!r} and verifier_no="
          f"{a.verifier_no!r} must be two different non-empty words")
   if "server" in (a.executor, a.generator, a.verifier):
-    try:
-      roles.server_options(a)
-    except ValueError as e:
-      raise ConfigError(f"config.{e}") from None
+    _named(roles.server_options, a)
 
 
 def validate_processes(config, num_devices: int, num_processes: int) -> None:
@@ -188,7 +175,7 @@ def validate_processes(config, num_devices: int, num_processes: int) -> None:
   _check(not config.agent.enabled, "agent.enabled",
          f"multi-turn agent runs use one process; {where}, run single-turn GRPO or one host")
   split = batch_devices(config, num_devices)
-  used = num_devices if -1 in config.mesh else math.prod(config.mesh)  # -1 takes the rest
+  used = math.prod(sharding.mesh_shape(config.mesh, num_devices))
   _check(used == num_devices, "mesh",
          f"{tuple(config.mesh)} uses {used} of the {num_devices} devices; {where} the mesh must "
          f"span them all, e.g. (1, -1, 1)")

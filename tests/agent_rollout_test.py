@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import sampler as sampler_lib
+from grpo_jax import config as config_lib, sampler as sampler_lib
 from grpo_jax.models import qwen
 
 VOCAB, PAD = 96, 0
@@ -119,7 +119,7 @@ def assert_rows_give_sampler_logprobs(agent, cfg, params, prompts, rows, records
   tokens = np.concatenate([np.repeat(batch["prompt_NP"], g, 0), batch["completion_BC"]], 1)
   attn = np.concatenate([np.repeat(batch["prompt_mask_NP"], g, 0),
                          (np.arange(c)[None] < batch["lengths_B"][:, None]).astype(np.int32)], 1)
-  optim = train_step.default_optim_config()
+  optim = config_lib.optim()
   optim.compute_dtype, optim.remat = "float32", False
   fn = train_step.make_logprob_fn(cfg, optim, sharding.make_mesh((1, 1, 1)),
                                   valid_vocab_size=len(agent.tokenizer))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from grpo_test import finite_diff_grad
-from grpo_jax import grpo, sharding, train_step
+from grpo_jax import config as config_lib, grpo, sharding, train_step
 from grpo_jax.models import qwen
 
 EPS, EPS_HIGH, BETA = 0.2, 0.28, 0.05
@@ -101,7 +101,7 @@ def np_flow_loss(logp, old, ref, rewards, rows, group, beta=BETA, eps=EPS, eps_h
 
 
 def flow_config(**kw):
-  cfg = grpo.default_loss_config()
+  cfg = config_lib.loss()
   cfg.update(loss_type="flow_grpo", beta=BETA, kl_estimator="k3", epsilon=EPS,
              epsilon_high=EPS_HIGH)
   cfg.update(**kw)
@@ -235,7 +235,7 @@ STEP_ROWS = [  # two queries × 4 trajectories; completion width C = 12
 
 
 def step_optim(accum):
-  cfg = train_step.default_optim_config()
+  cfg = config_lib.optim()
   # max_grad_norm=0: AdamW's first moment after one step is (1 − b1)·grad (train_step_test).
   cfg.update(lr=1e-3, max_grad_norm=0.0, grad_accum_steps=accum, compute_dtype="float32")
   return cfg

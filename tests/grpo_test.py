@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import grpo, logprobs
+from grpo_jax import config as config_lib, grpo, logprobs
 
 # ------------------------------------------------------------------------------------------------
 # NumPy references.
@@ -261,7 +261,7 @@ def test_constant_group_has_exactly_zero_advantage_and_policy_gradient(scale):
   rewards[3:6] = 0.1  # 0.1 + 0.1 + 0.1 != 0.3 in floating point: the mean must not round
   adv, _ = grpo.group_advantages(rewards, 3, scale_rewards=scale)
   assert np.all(np.asarray(adv[3:6]) == 0.0)
-  cfg = grpo.default_loss_config()
+  cfg = config_lib.loss()
   logp = jnp.asarray(rng.normal(size=(12, 5)) - 2, jnp.float32)
   old = logp + jnp.asarray(rng.normal(scale=0.3, size=(12, 5)), jnp.float32)
   mask = jnp.ones((12, 5))
@@ -331,7 +331,7 @@ def _check_loss(cfg, case, gen_tokens=None):
 @pytest.mark.parametrize("loss_type,level", list(itertools.product(
     [t for t in grpo.LOSS_TYPES if t != "flow_grpo"], grpo.IS_LEVELS)))
 def test_loss_types_and_is_levels_match_numpy(loss_type, level):
-  cfg = grpo.default_loss_config()
+  cfg = config_lib.loss()
   cfg.update(loss_type=loss_type, importance_sampling_level=level, beta=0.04, epsilon_high=0.28)
   case = _loss_case()
   metrics = _check_loss(cfg, case)
@@ -341,7 +341,7 @@ def test_loss_types_and_is_levels_match_numpy(loss_type, level):
 
 @pytest.mark.parametrize("estimator,delta", [("k1", None), ("k2", 1.5), ("k3", 1.5)])
 def test_kl_estimators_and_delta_in_loss_match_numpy(estimator, delta):
-  cfg = grpo.default_loss_config()
+  cfg = config_lib.loss()
   cfg.update(loss_type="grpo", beta=0.1, kl_estimator=estimator, delta=delta)
   case = _loss_case(seed=4)
   logp, old, _, adv, mask = case
@@ -351,14 +351,14 @@ def test_kl_estimators_and_delta_in_loss_match_numpy(estimator, delta):
 
 
 def test_dapo_uses_the_generation_batch_token_count():
-  cfg = grpo.default_loss_config()
+  cfg = config_lib.loss()
   cfg.loss_type = "dapo"
   case = _loss_case(seed=5)
   _check_loss(cfg, case, gen_tokens=57.0)
 
 
 def test_truncated_completions_are_masked_out():
-  cfg = grpo.default_loss_config()
+  cfg = config_lib.loss()
   cfg.update(loss_type="bnpo", mask_truncated_completions=True)
   logp, old, ref, adv, mask = _loss_case(seed=6)
   truncated = np.array([0, 1, 0, 0, 1, 0], bool)
@@ -372,7 +372,7 @@ def test_truncated_completions_are_masked_out():
 
 @pytest.mark.parametrize("level", grpo.IS_LEVELS)
 def test_on_policy_ratio_is_exactly_one_with_no_clipping(level):
-  cfg = grpo.default_loss_config()
+  cfg = config_lib.loss()
   cfg.update(loss_type="grpo", importance_sampling_level=level)
   logp, _, _, adv, mask = _loss_case(seed=7)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
@@ -387,7 +387,7 @@ def test_on_policy_ratio_is_exactly_one_with_no_clipping(level):
 
 
 def test_beta_zero_needs_no_reference_and_positive_beta_requires_one():
-  cfg = grpo.default_loss_config()
+  cfg = config_lib.loss()
   assert cfg.beta == 0 and not grpo.needs_reference(cfg)
   logp, old, _, adv, mask = _loss_case()
   loss, m = grpo.grpo_loss(jnp.asarray(logp), jnp.asarray(adv), jnp.asarray(mask), cfg,
@@ -404,7 +404,7 @@ def test_beta_zero_needs_no_reference_and_positive_beta_requires_one():
     ("scale_rewards", "std"), ("reward_aggregation", "max"), ("beta", -0.1), ("epsilon", 1.5),
     ("epsilon_high", 0.0), ("delta", 1.1), ("num_iterations", 0)])
 def test_bad_loss_config_names_the_setting(name, value):
-  cfg = grpo.default_loss_config()
+  cfg = config_lib.loss()
   grpo.validate_loss_config(cfg)
   cfg[name] = value
   with pytest.raises(ValueError, match=f"loss.{name}="):

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import cli
-from grpo_jax import grpo, sharding, train_step
+from grpo_jax import config as config_lib, grpo, sharding, train_step
 from grpo_jax.models import lora, qwen
 
 MODEL = qwen.QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -27,7 +27,7 @@ LCFG = lora.LoraConfig(rank=4, alpha=8.0)
 
 
 def loss_config(**kw):
-  cfg = grpo.default_loss_config()
+  cfg = config_lib.loss()
   cfg.update(loss_type="grpo", beta=0.0, kl_estimator="k3", num_iterations=1,
              mask_truncated_completions=False)
   cfg.update(**kw)
@@ -35,7 +35,7 @@ def loss_config(**kw):
 
 
 def optim_config(**kw):
-  cfg = train_step.default_optim_config()
+  cfg = config_lib.optim()
   # max_grad_norm 0 and no decay: AdamW's first moment after one step is (1 − b1)·grad.
   cfg.update(lr=1e-2, weight_decay=0.0, max_grad_norm=0.0, grad_accum_steps=2,
              compute_dtype="float32", remat=False)

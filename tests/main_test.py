@@ -81,6 +81,8 @@ def test_bad_field_value_is_named(tmp_path):
 def test_unknown_override_and_missing_config_file_are_named(tmp_path):
   proc = run_main(tmp_path / "run", "--config.train.stepz=3")
   assert_user_error(proc, "'stepz'", 'Did you mean "steps"')
+  proc = run_main(tmp_path / "run", "--config.foo.bar=1")  # a section the schema lacks
+  assert_user_error(proc, "names no config field 'foo'")
   proc = subprocess.run([sys.executable, "-m", "grpo_jax.main", "--config=configs/nope.py:tiny",
                          f"--workdir={tmp_path}/run"], cwd=REPO, capture_output=True, text=True,
                         timeout=300)

@@ -8,7 +8,7 @@ import torch
 
 from fixtures import REAL_TOKENIZER, hf_model, make_checkpoint
 from grpo_jax import data
-from grpo_jax import rewards as rewards_lib
+from grpo_jax import config as config_lib, rewards as rewards_lib
 from grpo_jax import tokenizer as tokenizer_lib
 from grpo_jax.rewards import model_rewards
 from grpo_jax.rewards.options import DiversityOptions, VerifierOptions
@@ -186,7 +186,7 @@ def test_group_diversity_edge_cases():
 
 def test_model_rewards_from_config_and_errors(embedder_dirs):
   ckpt, tok = embedder_dirs
-  cfg = rewards_lib.default_rewards_config()
+  cfg = config_lib.rewards()
   cfg.names, cfg.weights = ("diversity",), (0.1,)
   with pytest.raises(ValueError, match="rewards.diversity.checkpoint is empty"):
     rewards_lib.build_rewards(cfg)

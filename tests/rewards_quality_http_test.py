@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from grpo_jax import rewards as rewards_lib
+from grpo_jax import config as config_lib, rewards as rewards_lib
 from grpo_jax.rewards import chat_http, quality, scoring
 from grpo_jax.rewards.options import HttpOptions, QualityOptions
 from fake_chat_server import FakeChatServer
@@ -182,7 +182,7 @@ def test_server_down_never_crashes():
 
 
 def test_metrics_flow_through_score():
-  cfg = rewards_lib.default_rewards_config()
+  cfg = config_lib.rewards()
   with FakeChatServer(max_requests=20, lifetime_s=30) as server:
     cfg.names, cfg.weights = ("quality", "format"), (0.5, 1.0)
     cfg.quality.http.base_url = server.url

@@ -5,13 +5,13 @@ import ml_collections
 import numpy as np
 import pytest
 
-from grpo_jax import rewards as rewards_lib
+from grpo_jax import config as config_lib, rewards as rewards_lib
 from grpo_jax.errors import UserError
 from grpo_jax.rewards import Reward
 
 
 def test_default_config_builds_math_and_format():
-  rewards = rewards_lib.build_rewards(rewards_lib.default_rewards_config())
+  rewards = rewards_lib.build_rewards(config_lib.rewards())
   assert [(r.name, r.weight) for r in rewards] == [("math_accuracy", 1.0), ("format", 1.0)]
   good = "<think>48/2 = 24, 48 + 24 = 72</think>\n<answer>72</answer>"
   R, metrics = rewards_lib.score(rewards, ["q"] * 4, [good, "72", "<think>x</think><answer>71</answer>", ""],
@@ -49,21 +49,21 @@ def test_rewards_receive_group_size_and_columns():
 
 
 def test_unknown_reward_lists_known_ones():
-  cfg = rewards_lib.default_rewards_config()
+  cfg = config_lib.rewards()
   cfg.names, cfg.weights = ("math_accuracy", "helpfulness"), (1.0, 1.0)
   with pytest.raises(ValueError, match=r"'helpfulness'.*math_accuracy.*format.*quality.*verifier.*diversity"):
     rewards_lib.build_rewards(cfg)
 
 
 @pytest.mark.parametrize("mutate,match", [
-    (lambda c: setattr(c, "weights", (1.0,)), "rewards.names has 2 entries but rewards.weights has 1"),
+    (lambda c: setattr(c, "weights", (1.0,)), r"rewards\.weights: 1 weights for 2 rewards"),
     (lambda c: setattr(c, "weights", (1.0, "x")), "weight of 'format'"),
     (lambda c: setattr(c, "names", ("format", "format")), "twice"),
     (lambda c: c.math_accuracy.update({"order": ("boxed", "nope")}), "rewards.math_accuracy: order"),
     (lambda c: c.format.unlock().update({"corect": 1.0}), r"rewards.format: unknown option\(s\) \['corect'\]"),
 ])
 def test_bad_config_names_the_setting(mutate, match):
-  cfg = rewards_lib.default_rewards_config()
+  cfg = config_lib.rewards()
   mutate(cfg)
   with pytest.raises(ValueError, match=match):
     rewards_lib.build_rewards(cfg)
@@ -94,7 +94,7 @@ def test_bad_batch_names_the_field(kwargs, match):
   args = dict(group_size=2, columns={})
   args.update(kwargs)
   with pytest.raises(ValueError, match=match):
-    rewards_lib.score(rewards_lib.build_rewards(rewards_lib.default_rewards_config()),
+    rewards_lib.score(rewards_lib.build_rewards(config_lib.rewards()),
                       ["p"] * 4, ["c"] * 4, **args)
 
 

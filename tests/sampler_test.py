@@ -323,12 +323,12 @@ def test_bad_input_gets_a_clear_error(greedy_cases):
     sampler(params, np.array([[1, 2, 0]]), np.array([[1, 1, 0]]))
   with pytest.raises(ValueError, match="key is required"):
     sampler(params, [[1, 2]], greedy=False)
-  with pytest.raises(ValueError, match="top_p=1.5"):
+  with pytest.raises(ValueError, match=r"top_p: must be in \(0, 1\].*got 1\.5"):
     sampler(params, [[1, 2]], top_p=1.5, greedy=False, key=jax.random.key(0))
   for bad in (0, -3):
     with pytest.raises(ValueError, match=f"max_new_tokens={bad}"):
       sampler_lib.Sampler(cfg, max_new_tokens=bad)
-  with pytest.raises(ValueError, match="temperature=-1"):
+  with pytest.raises(ValueError, match=r"temperature: must be a number > 0, got -1"):
     sampler_lib.Sampler(cfg, max_new_tokens=2, temperature=-1.0)
   with pytest.raises(ValueError, match="valid_vocab_size=129"):
     sampler_lib.Sampler(cfg, max_new_tokens=2, valid_vocab_size=VOCAB + 1)

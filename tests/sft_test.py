@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fixtures
-from grpo_jax import grpo, sft, sharding, train_step
+from grpo_jax import config as config_lib, sft, sharding, train_step
 from grpo_jax.models import weights
 
 
@@ -43,10 +43,10 @@ def test_sft_loss_equals_transformers_cross_entropy(tmp_path):
   batch = sft.sft_batch(prompts, completions, pad_id=0, buckets=(3,), multiple=1,
                         max_completion=4)
   # max_grad_norm=0: AdamW's first moment after one step is (1 − b1)·grad, read back below.
-  optim = train_step.default_optim_config()
+  optim = config_lib.optim()
   optim.update(lr=1e-3, max_grad_norm=0.0, compute_dtype="float32", grad_accum_steps=1)
   mesh = sharding.make_mesh((1, 1, 1))
-  step = train_step.TrainStep(cfg, grpo.default_loss_config(), optim, mesh, objective="sft")
+  step = train_step.TrainStep(cfg, config_lib.loss(), optim, mesh, objective="sft")
   state, metrics, _ = step(train_step.create_train_state(params, cfg, optim, mesh), batch)
 
   tokens = batch["tokens_BS"]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from cli import REPO
-from grpo_jax import sweep, sweep_runner, train_step
+from grpo_jax import config as config_lib, sweep, sweep_runner, train_step
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 TINY = "configs/gsm8k.py:tiny"
@@ -93,9 +93,7 @@ def test_step0_optimizer_state_does_not_depend_on_the_shared_optim_keys():
   changed one key at a time from the tiny preset's; max_grad_norm=0 changes the structure,
   which is why it is not on the list."""
   config = sweep.load_config(TINY)
-  base = config.optim
-  if base.schedule == "cosine" and not base.total_steps:
-    base.total_steps = config.train.steps  # what train.Trainer fills in
+  base = config_lib.optim_settings(config)  # what the trainer runs (cosine's total_steps filled)
   # The schedule changed from whichever the preset uses to the other one.
   schedule = ({"schedule": "constant", "total_steps": 0} if base.schedule == "cosine"
               else {"schedule": "cosine", "total_steps": 100})

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import grpo, sharding, train_step
+from grpo_jax import config as config_lib, grpo, sharding, train_step
 from grpo_jax.models import qwen
 
 MODEL = qwen.QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -21,7 +21,7 @@ _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax.monitorin
 
 
 def loss_config(**kw):
-  cfg = grpo.default_loss_config()
+  cfg = config_lib.loss()
   cfg.update(loss_type="dapo", beta=0.05, kl_estimator="k3", epsilon_high=0.28,
              num_iterations=1, mask_truncated_completions=True)
   cfg.update(**kw)
@@ -29,7 +29,7 @@ def loss_config(**kw):
 
 
 def optim_config(**kw):
-  cfg = train_step.default_optim_config()
+  cfg = config_lib.optim()
   # max_grad_norm=0: AdamW's first moment after one step is exactly (1 − b1)·grad, which is how
   # these tests read the step's gradients back without compiling a second program.
   cfg.update(lr=1e-3, weight_decay=0.1, max_grad_norm=0.0, grad_accum_steps=4,

@@ -3,7 +3,7 @@
 import pytest
 
 from configs import gsm8k
-from grpo_jax import train_step, validate
+from grpo_jax import config as config_lib, validate
 
 
 @pytest.mark.parametrize("preset", ["default", "0.5b", "tiny"])
@@ -25,6 +25,7 @@ def test_presets_are_valid(preset):
     ("sampling.top_p", 0.0, r"config\.sampling\.top_p: must be in \(0, 1\]"),
     ("optim.grad_accum_steps", 5, r"config\.optim\.grad_accum_steps: 5 does not divide"),
     ("train.max_missing_reward_steps", -1, r"config\.train\.max_missing_reward_steps: must be an int >= 0"),
+    ("model.lora.rank", -1, r"config\.model\.lora\.rank must be a positive integer, got -1"),
 ])
 def test_bad_settings_are_named(field, value, message):
   config = gsm8k.get_config("default")
@@ -57,7 +58,7 @@ def test_settings_have_one_home_and_the_cosine_schedule_counts_mu():
   # preset's cosine must not stop such a run (tests/train_test.py runs one).
   config.train.steps = 0
   validate.validate(config, num_devices=1)
-  assert train_step.cosine_total_steps(config.optim, 0) == config.optim.warmup_steps + 1
+  assert config_lib.cosine_total_steps(config.optim, 0) == config.optim.warmup_steps + 1
   # A cosine that cannot fit its own warmup is still refused, naming the setting.
   config.train.steps = 4  # 8 updates (μ = 2)
   config.optim.update(total_steps=0, warmup_steps=10)

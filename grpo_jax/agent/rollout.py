@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import numpy as np
 
-from grpo_jax import data, rollout
+from grpo_jax import config as config_lib, data, rollout
 from grpo_jax.agent import env as env_lib
 from grpo_jax.agent import roles as roles_lib
 from grpo_jax.agent import tools as tools_lib
@@ -245,7 +245,7 @@ class Agent:
     """rollout.SingleTurn.sample for trajectories: (Rollouts, reward metrics, agent metrics,
     (seconds sampling and stepping environments, seconds scoring)); ref_params feed a
     'reference' role."""
-    g = g or self.config.sampling.num_generations
+    g = g or config_lib.group_size(self.config)
     prompts, records, sample_s, env_s = self.run(params, rows, g, key, ref_params=ref_params)
     t1 = time.perf_counter()
     texts = [rec["answer"] or "" for rec in records]

@@ -3,7 +3,7 @@
 Completions of one prompt are contiguous (groups of G); dataset columns arrive repeated per
 completion (e.g. `answer=[...]`). None means "could not score" and becomes NaN in the matrix.
 
-  cfg = default_rewards_config()            # names=('math_accuracy', 'format'), weights=(1., 1.)
+  cfg = grpo_jax.config.rewards()           # names=('math_accuracy', 'format'), weights=(1., 1.)
   rewards = build_rewards(cfg)
   R, metrics = score(rewards, prompts, completions, group_size=G, columns={"answer": answers})
 
@@ -18,37 +18,15 @@ import functools
 import threading
 from typing import Any
 
-import ml_collections
-
 from grpo_jax.errors import UserError
 from grpo_jax.rewards import format_reward, math_accuracy, options, quality
 from grpo_jax.rewards.scoring import (Interrupted, MissingRewardsError, Reward, RewardHealth,
                                       merge_metrics, probe, score)
 
-__all__ = ["Reward", "build_rewards", "default_rewards_config", "score", "KNOWN_REWARDS",
-           "probe", "RewardHealth", "MissingRewardsError", "Interrupted", "RewardConfigError"]
+__all__ = ["Reward", "build_rewards", "score", "KNOWN_REWARDS", "probe", "RewardHealth",
+           "MissingRewardsError", "Interrupted", "RewardConfigError"]
 
-_OPTIONS = {
-    "math_accuracy": options.MathAccuracyOptions,
-    "format": options.FormatOptions,
-    "quality": options.QualityOptions,
-    "verifier": options.VerifierOptions,
-    "diversity": options.DiversityOptions,
-}
-KNOWN_REWARDS = tuple(_OPTIONS)
-
-
-def default_rewards_config() -> ml_collections.ConfigDict:
-  """Every reward's options at their defaults; `names`/`weights` select what is used."""
-  cfg = ml_collections.ConfigDict()
-  cfg.names = ("math_accuracy", "format")
-  cfg.weights = (1.0, 1.0)
-  # False: a model-based reward that cannot score the start-up probe (scorer unreachable,
-  # replies that do not parse) stops the run before training; True: warn and train on.
-  cfg.allow_missing = False
-  for name, cls in _OPTIONS.items():
-    cfg[name] = options.to_config(cls())
-  return cfg
+KNOWN_REWARDS = tuple(options.REWARDS)
 
 
 class RewardConfigError(UserError, ValueError):
@@ -74,23 +52,14 @@ def _build_fn(name: str, opts: Any, interrupt):
 def build_rewards(rewards_cfg: Any, interrupt: threading.Event | None = None) -> list[Reward]:
   """The configured rewards. `interrupt`: set it (on SIGTERM) to make a reward waiting on a
   remote scorer raise Interrupted instead of waiting out its deadline."""
-  names, weights = tuple(rewards_cfg.names), tuple(rewards_cfg.weights)
-  if len(names) != len(weights):
-    raise ValueError(f"rewards.names has {len(names)} entries but rewards.weights has {len(weights)}")
-  if len(set(names)) != len(names):
-    raise ValueError(f"rewards.names lists a reward twice: {names}")
   out = []
-  for name, weight in zip(names, weights):
-    if name not in _OPTIONS:
-      raise ValueError(f"unknown reward {name!r} in rewards.names; known rewards: {list(KNOWN_REWARDS)}")
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-      raise ValueError(f"rewards.weights: weight of {name!r} must be a number, got {weight!r}")
+  for name, weight in options.weighted_names(rewards_cfg):
     sub = rewards_cfg.get(name) if hasattr(rewards_cfg, "get") else getattr(rewards_cfg, name, None)
     try:
-      opts = options.from_config(_OPTIONS[name], sub, f"rewards.{name}")
+      opts = options.from_config(options.REWARDS[name], sub, f"rewards.{name}")
       fn = _build_fn(name, opts, interrupt)
     except ValueError as e:  # bad options, a missing judge checkpoint: the user's to fix
       msg = str(e)
       raise RewardConfigError(msg if msg.startswith(f"rewards.{name}") else f"rewards.{name}: {msg}") from e
-    out.append(Reward(name=name, weight=float(weight), fn=fn))
+    out.append(Reward(name=name, weight=weight, fn=fn))
   return out

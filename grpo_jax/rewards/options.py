@@ -248,3 +248,30 @@ class DiversityOptions:
   def __post_init__(self):
     _check_frozen_model(self)
     check(self.attention in ATTENTION, "attention", f"must be one of {ATTENTION}, got {self.attention!r}")
+
+
+# Each reward's options, by its name in rewards.names (the registry's table; KNOWN_REWARDS).
+REWARDS = {
+    "math_accuracy": MathAccuracyOptions,
+    "format": FormatOptions,
+    "quality": QualityOptions,
+    "verifier": VerifierOptions,
+    "diversity": DiversityOptions,
+}
+
+
+def weighted_names(rewards_cfg) -> tuple[tuple[str, float], ...]:
+  """The (name, weight) pairs of rewards.names and rewards.weights: the one check of the two
+  (grpo_jax.validate and build_rewards both use it). ValueError naming the setting."""
+  names, weights = tuple(rewards_cfg.names), tuple(rewards_cfg.weights)
+  for name in names:
+    check(name in REWARDS, "rewards.names",
+          f"unknown reward {name!r}; known rewards: {list(REWARDS)}")
+  check(len(names) == len(weights), "rewards.weights",
+        f"{len(weights)} weights for {len(names)} rewards")
+  check(len(names) >= 1, "rewards.names", "at least one reward is needed")
+  check(len(set(names)) == len(names), "rewards.names", f"lists a reward twice: {names}")
+  for name, weight in zip(names, weights):
+    check(not isinstance(weight, bool) and isinstance(weight, (int, float)), "rewards.weights",
+          f"weight of {name!r} must be a number, got {weight!r}")
+  return tuple((name, float(weight)) for name, weight in zip(names, weights))

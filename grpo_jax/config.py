@@ -1,0 +1,297 @@
+"""The one config schema: every section's fields with their defaults, and the values derived
+from them.
+
+A config file builds on `defaults()` and states only what its presets change
+(configs/gsm8k.py, configs/gsm8k_agent.py); `grpo_jax.validate.validate` checks the result
+before anything loads. A field that is not here is unknown: `--config.train.stepz=3` stops main
+with the field named, and `validate` refuses a config carrying one.
+
+    c = config.defaults()           # a runnable config: Qwen2.5-1.5B-Instruct on openai/gsm8k
+    c.loss.loss_type = "grpo"       # what a preset changes
+    optim = config.optim_settings(c)  # derived values: a new ConfigDict, c is never rewritten
+
+Sections: model, data, sampling, rewards, loss, optim, train, sft, agent, hardware, with
+`preset`, `seed` and `mesh` at the top. The rewards' per-reward option blocks are typed by their
+dataclasses in grpo_jax/rewards/options.py (defaults and checks beside the reward code).
+"""
+
+from __future__ import annotations
+
+from ml_collections import config_dict
+from ml_collections.config_dict import ConfigDict, placeholder
+
+from grpo_jax import logprobs
+from grpo_jax.rewards import options as reward_options
+
+
+def defaults() -> ConfigDict:
+  """The whole schema at its defaults."""
+  c = ConfigDict()
+  c.preset = "default"              # the preset a config file was asked for (after the colon)
+  c.seed = 0                        # data order, initial weights, warm start and GRPO draws
+  c.model = model()
+  c.data = data()
+  c.sampling = sampling()
+  c.rewards = rewards()
+  c.loss = loss()
+  c.optim = optim()
+  c.train = train()
+  c.sft = sft()
+  c.agent = agent()
+  c.mesh = (1, -1, 1)               # (data, fsdp, tensor); -1 takes the remaining devices
+  c.hardware = hardware()
+  return c
+
+
+def model() -> ConfigDict:
+  return ConfigDict(dict(
+      checkpoint="Qwen/Qwen2.5-1.5B-Instruct",  # local directory or hub id
+      tokenizer="",                 # '' = the checkpoint's; 'tiny' = a BPE learnt offline
+      random_init=False,            # True: no checkpoint, build `tiny` below with random weights
+      # jax.nn.dot_product_attention's implementation: None (JAX's choice, XLA today), 'xla',
+      # or 'cudnn' (NVIDIA GPUs, bf16/fp16 compute). See docs/performance.md.
+      attention=placeholder(str),
+      # Used only when random_init: a Qwen2 architecture of this size.
+      tiny=ConfigDict(dict(
+          hidden_size=128,          # D
+          intermediate_size=384,    # MLP width
+          num_layers=2,             # decoder layers
+          num_heads=4,              # query heads
+          num_kv_heads=2,           # key/value heads (grouped-query attention)
+          head_dim=32,              # H, per attention head
+          rope_theta=10000.0,       # RoPE base frequency
+          tie_word_embeddings=True,  # the LM head is the embedding
+          vocab_size=512)),         # for tokenizer='tiny': BPE vocabulary learnt offline
+      # LoRA (docs/lora.md): rank 0 = off (full fine-tuning). Else the optimizer trains
+      # adapters of this rank on the target projections of a frozen base (stored in the compute
+      # dtype, or int8 with quantize='int8'), which with the adapters off is the reference.
+      lora=ConfigDict(dict(
+          rank=0,                   # r; 0 = off
+          alpha=32.0,               # the update is scaled by alpha / r, as PEFT's lora_alpha
+          # The decoder layer's projections adapted (names: grpo_jax.models.lora.TARGETS).
+          targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+          dropout=0.0,              # only 0 is supported
+          quantize="none",          # 'int8': the frozen base's projection kernels as int8 (QLoRA)
+      )),
+  ))
+
+
+def data() -> ConfigDict:
+  return ConfigDict(dict(
+      source="openai/gsm8k",        # hub id, a directory of {train,test}.jsonl, or 'synthetic'
+      config_name="main",           # the hub dataset's config
+      train_split="train",          # the split GRPO (and the warm start) trains on
+      eval_split="test",            # the split greedy pass@1 is measured on
+      question_field="question",    # the column holding the question
+      answer_field="answer",        # the gold text; GSM8K's ends in '#### N'
+      system_prompt=placeholder(str),  # None: the chat template's default
+      user_template=(               # the user turn; {question} is the row's question
+          "{question}\nThink step by step inside <think> </think>, then give the final number "
+          "inside <answer> </answer>."),
+      # A batch's prompts are left-padded to the smallest of these that holds its longest:
+      # fine steps keep padding small; each one used compiles the sampler and step once.
+      prompt_buckets=tuple(range(64, 513, 32)),
+      # For source='synthetic' (see grpo_jax/synthetic.py).
+      synthetic_train=7000,         # training problems
+      synthetic_test=500,           # held-out problems
+      synthetic_digits=2,           # digits per operand
+      synthetic_operands=2,         # operands per problem
+      synthetic_ops=("+",),         # operations drawn from, applied left to right
+  ))
+
+
+def sampling() -> ConfigDict:
+  return ConfigDict(dict(
+      num_generations=8,            # G completions per prompt (read it through group_size)
+      max_new_tokens=1024,          # a completion's budget (an agent's: per turn, see agent)
+      temperature=1.0,              # > 0; log-probs are those of logits / temperature
+      top_k=0,                      # 0 = off
+      top_p=1.0,                    # 1 = off
+      min_p=0.0,                    # 0 = off
+  ))
+
+
+def rewards() -> ConfigDict:
+  """Every reward's options at their defaults; `names`/`weights` select what is used."""
+  c = ConfigDict()
+  c.names = ("math_accuracy", "format")  # the rewards trained on (rewards.KNOWN_REWARDS)
+  c.weights = (1.0, 1.0)            # one per name: the advantage is of the weighted sum
+  # False: a model-based reward that cannot score the start-up probe (scorer unreachable,
+  # replies that do not parse) stops the run before training; True: warn and train on.
+  c.allow_missing = False
+  for name, cls in reward_options.REWARDS.items():  # one block per reward: its options
+    c[name] = reward_options.to_config(cls())
+  return c
+
+
+def loss() -> ConfigDict:
+  """The loss settings, with TRL-like defaults (DAPO token aggregation, no KL)."""
+  return ConfigDict(dict(
+      loss_type="dapo",              # one of grpo.LOSS_TYPES
+      beta=0.0,                      # KL coefficient; 0 skips the reference forward entirely
+      kl_estimator="k3",             # one of grpo.KL_ESTIMATORS
+      epsilon=0.2,                   # lower clip: ratio >= 1 - epsilon
+      epsilon_high=0.2,              # upper clip: ratio <= 1 + epsilon_high (DAPO uses 0.28)
+      delta=placeholder(float),      # None, or cap of the unclipped ratio (> 1 + eps_high)
+      importance_sampling_level="token",     # 'token' or 'sequence' (GSPO)
+      num_iterations=1,              # μ: optimizer steps per generation batch
+      scale_rewards="group",         # one of grpo.SCALE_REWARDS
+      reward_aggregation="sum_then_normalize",  # one of grpo.REWARD_AGGREGATIONS
+      mask_truncated_completions=False,  # drop completions that hit max length from the loss
+  ))
+
+
+def optim() -> ConfigDict:
+  """The optimizer, with the param/compute dtypes and remat of the train step."""
+  return ConfigDict(dict(
+      lr=1e-6,                 # peak learning rate
+      warmup_steps=0,          # linear from 0 to lr over these steps
+      schedule="constant",     # after warmup: 'constant' or 'cosine' (to 0 at total_steps)
+      total_steps=0,           # cosine's length; 0 = the run's updates (optim_settings)
+      weight_decay=0.0,        # AdamW, on kernels and embeddings only (not norms, biases)
+      b1=0.9,                  # Adam's first-moment decay
+      b2=0.99,                 # Adam's second-moment decay
+      max_grad_norm=1.0,       # global-norm clipping; 0 disables it
+      grad_accum_steps=1,      # micro-batches per optimizer step
+      param_dtype="float32",   # dtype the params and optimizer moments are stored in
+      compute_dtype="bfloat16",  # dtype of the forward/backward matmuls
+      remat=True,              # rematerialise each decoder layer in the backward pass
+      logprob_block_bytes=logprobs.DEFAULT_BLOCK_BYTES,  # fp32 logits per head-pass block
+  ))
+
+
+def train() -> ConfigDict:
+  return ConfigDict(dict(
+      steps=500,                    # GRPO steps (each: sample, reward, num_iterations updates)
+      prompts_per_step=96,          # prompts per step; the batch is prompts_per_step × G rows
+      eval_every=50,                # greedy pass@1 on the eval split; 0 = only at start and end
+      eval_examples=0,              # 0 = the whole eval split
+      eval_batch_size=64,           # prompts per greedy eval batch
+      checkpoint_every=50,          # steps between checkpoints
+      keep_checkpoints=3,           # the newest kept on disk
+      samples_per_step=4,           # completions written to samples.md per step
+      # A batch's completions are padded to its longest, rounded up to a multiple of this
+      # (at most sampling.max_new_tokens): fine widths, few compiled shapes.
+      pad_multiple=16,
+      max_bad_steps=5,              # consecutive non-finite steps before the run stops
+      # DAPO's dynamic sampling: set aside groups whose G rewards are all equal (they teach
+      # nothing) and sample more prompts, up to max_sampling_rounds rounds per step.
+      dynamic_sampling=False,
+      max_sampling_rounds=3,        # rounds per step, the first included
+      # Consecutive steps with a reward missing on >= 50% of completions (scorer down, judge
+      # replies that do not parse) before the run saves a checkpoint and stops; 0 = warn only.
+      max_missing_reward_steps=3,
+      tensorboard=True,             # TensorBoard event files beside metrics.jsonl
+      wandb=False,                  # also log to Weights & Biases
+      # Compiled programs on disk, loaded by a resumed or repeated run instead of compiled
+      # (grpo_jax.compile_cache): None = $JAX_COMPILATION_CACHE_DIR or ~/.cache/grpo_jax/xla;
+      # a path (gs:// too); "" = off.
+      compilation_cache=placeholder(str),
+  ))
+
+
+def sft() -> ConfigDict:
+  """Supervised warm start (cold start) on the training answers before GRPO; steps 0 = off.
+  The targets are the dataset's answers without GSM8K's <<calculator>> annotations."""
+  return ConfigDict(dict(
+      steps=0,                      # the most warm-start steps; 0 = no warm start
+      batch_size=32,                # examples per step
+      lr=1e-3,                      # Adam's rate (sft.sft_optim_config: no decay, no clipping)
+      # > 0: stop at the first check (every eval_every steps) whose greedy accuracy on
+      # eval_examples training problems, held out of both phases, reaches it.
+      target_accuracy=0.0,
+      eval_every=50,                # steps between those checks
+      eval_examples=256,            # held-out training problems checked
+  ))
+
+
+def agent() -> ConfigDict:
+  """Multi-turn agent rollouts with tools (Flow-GRPO; configs/gsm8k_agent.py). Off: one
+  completion per sample. See grpo_jax/agent/."""
+  return ConfigDict(dict(
+      enabled=False,                # True: trajectories of tool calls instead of completions
+      tools=("calculator",),        # by name: grpo_jax.agent.tools.TOOLS
+      max_turns=4,                  # actions per trajectory, the final answer included
+      action_tokens=32,             # sampled tokens per action (the turn's budget)
+      observation_tokens=32,        # a tool's output is cut to this many tokens
+      tool_workers=8,               # tool calls run in parallel, at most this many at once
+      tool_timeout_s=5.0,           # wall-clock limit of every tool call
+      # The python tool's sandbox (docs/sandbox.md): 'strict' needs bubblewrap, libseccomp and
+      # the kernel's namespaces, and refuses to start without them; 'unsafe' runs model code
+      # without those layers (warns at every start).
+      sandbox="strict",
+      # The first user turn: the toolset K ({tools}: each tool's description with its call
+      # syntax; {tool_names}: just the names) and the query.
+      user_template="{tools}\n\n{question}",
+      # Frozen roles beside the planner (grpo_jax/agent/roles.py; never trained, loss mask 0):
+      # 'policy' (generator only: the planner's own <answer> action, trained), 'frozen_policy'
+      # (the policy's params under stop-gradient, on the carried cache), 'reference' (the
+      # reference params; needs loss.beta > 0), 'server' (an OpenAI-compatible endpoint,
+      # agent.server); 'none' (verifier only: the planner alone decides when to stop).
+      executor="none",              # writes a tool action's input from its sub-goal ('none': the
+                                    # planner writes the input itself)
+      executor_prompt="Write only the input for the {tool} tool that does this.",  # its turn
+      executor_tokens=32,           # the executor's input budget
+      generator="policy",           # writes the scored final answer when a trajectory ends
+      verifier="none",              # after each tool observation: is the memory enough? Yes ends it
+      generator_prompt="Give the final answer as <answer>NUMBER</answer>.",  # its turn
+      generator_tokens=32,          # the generator's answer budget
+      verifier_prompt=("Is the information above enough to answer the question? "
+                       "Answer Yes or No."),
+      verifier_yes="Yes",           # P(first token of each) at one position; 'server': the
+      verifier_no="No",             # reply starting with verifier_yes means Yes
+      # The 'server' roles' endpoint (rewards.options.HttpOptions).
+      server=reward_options.to_config(reward_options.HttpOptions(max_tokens=256)),
+  ))
+
+
+def hardware() -> ConfigDict:
+  """What the preset is sized for: benchmarks/memory.py compiles its train step and sampler on
+  `devices` (fake) devices and checks their peaks against memory_gb_per_device (GB = 1e9 B)."""
+  return ConfigDict(dict(
+      name="TPU v5e-8",             # in words, for the report
+      memory_gb_per_device=16.0,    # each device's memory (GB = 1e9 B)
+      devices=8,                    # how many devices
+  ))
+
+
+# --- accessors for settings read in many places, and derived values -------------------------------
+
+def group_size(config) -> int:
+  """G, the completions sampled per prompt (sampling.num_generations)."""
+  return config.sampling.num_generations
+
+
+def rows_per_step(config) -> int:
+  """The completions (rows) of one GRPO step's batch: train.prompts_per_step × G."""
+  return config.train.prompts_per_step * group_size(config)
+
+
+def cosine_total_steps(optim_cfg, updates: int) -> int:
+  """What optim.total_steps = 0 means for the cosine schedule: the run's optimizer updates. A
+  run with none (train.steps = 0: a warm start alone) never reads the schedule; any valid
+  length then serves."""
+  return int(updates) if updates else optim_cfg.warmup_steps + 1
+
+
+def optim_settings(config) -> ConfigDict:
+  """The run's optimizer settings: a copy of config.optim with the derived values filled in
+  (cosine's total_steps counts optimizer updates, μ per GRPO step). config is never rewritten."""
+  out = config.optim.copy_and_resolve_references()
+  if out.schedule == "cosine" and not out.total_steps:
+    out.total_steps = cosine_total_steps(out, config.train.steps * config.loss.num_iterations)
+  return out
+
+
+def unknown_fields(config, schema: ConfigDict | None = None, prefix: str = "") -> list[str]:
+  """The dotted names of fields in `config` that the schema does not have (sorted)."""
+  schema = defaults() if schema is None else schema
+  out = []
+  for key in sorted(config.keys()):
+    if key not in schema:
+      out.append(prefix + key)
+      continue
+    value, known = config[key], schema[key]
+    if isinstance(value, config_dict.ConfigDict) and isinstance(known, config_dict.ConfigDict):
+      out += unknown_fields(value, known, f"{prefix}{key}.")
+  return out

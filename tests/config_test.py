@@ -1,0 +1,112 @@
+"""The config schema (grpo_jax/config.py): presets unchanged by its move, one home per default,
+unknown fields refused by name, and nothing written into a config at run time."""
+
+import json
+
+import pytest
+from ml_collections import config_dict
+
+import config_snapshot
+from configs import gsm8k
+from grpo_jax import config as config_lib, train, validate
+from grpo_jax.models import lora
+
+SNAPSHOT = config_snapshot.REPO / "tests" / "testdata" / "preset_configs.json"
+
+
+def test_presets_equal_their_snapshot_from_before_the_schema():
+  """Each preset of configs/gsm8k.py and configs/gsm8k_agent.py, field by field (path, declared
+  type, value), against what the presets built before the schema existed (config_snapshot)."""
+  before = json.loads(SNAPSHOT.read_text())
+  now = config_snapshot.snapshot()
+  assert sorted(now) == sorted(before)
+  for preset in before:
+    changed = {k: (before[preset].get(k), now[preset].get(k))
+               for k in before[preset].keys() | now[preset].keys()
+               if before[preset].get(k) != now[preset].get(k)}
+    assert not changed, (preset, changed)
+
+
+@pytest.mark.parametrize("path,preset", [(path, preset) for path, presets in
+                                         config_snapshot.PRESETS.items() for preset in presets])
+def test_every_preset_validates_on_its_hardware(path, preset):
+  config = config_snapshot.load(path).get_config(preset)
+  validate.validate(config, num_devices=config.hardware.devices)
+
+
+def test_the_lora_block_defaults_to_off_as_documented():
+  block = config_lib.defaults().model.lora
+  # docs/lora.md, "Settings".
+  assert block.to_dict() == dict(rank=0, alpha=32.0, dropout=0.0, quantize="none",
+                                 targets=tuple(lora.TARGETS))
+  assert lora.LoraConfig.from_config(block) is None
+  block.rank = 8
+  assert lora.LoraConfig.from_config(block) == lora.LoraConfig(rank=8, alpha=32.0)
+
+
+def test_each_section_has_one_home():
+  """The defaults come from the schema's section functions, fresh on every call."""
+  c = config_lib.defaults()
+  for name in ("model", "data", "sampling", "rewards", "loss", "optim", "train", "sft", "agent",
+               "hardware"):
+    assert c[name] == getattr(config_lib, name)(), name
+  a, b = config_lib.loss(), config_lib.loss()
+  a.beta = 0.5
+  assert b.beta == 0.0  # no shared mutable default
+  # The presets only state choices: a section they leave alone is the schema's.
+  tiny = gsm8k.get_config("tiny")
+  assert tiny.agent == config_lib.agent() and tiny.model.tiny == config_lib.model().tiny
+
+
+@pytest.mark.parametrize("field", ["foo", "train.stepz", "rewards.format.corect",
+                                   "model.tiny.hidden"])
+def test_a_field_the_schema_lacks_is_refused_by_name(field):
+  config = gsm8k.get_config("tiny")
+  *parents, leaf = field.split(".")
+  node = config
+  for part in parents:
+    node = node[part]
+  node[leaf] = 1
+  assert config_lib.unknown_fields(config) == [field]
+  with pytest.raises(validate.ConfigError, match=rf"^config\.{field}: no such field"):
+    validate.validate(config, num_devices=1)
+
+
+def test_one_rule_for_the_sampling_settings():
+  """validate checks config.sampling with the sampler's own rules (sampling.SamplingParams)."""
+  for field, value, message in (("temperature", 0.0, "must be a number > 0, got 0.0"),
+                                ("top_k", -1, "must be an int >= 0"),
+                                ("min_p", 1.0, r"must be in \[0, 1\)")):
+    config = gsm8k.get_config("tiny")
+    config.sampling[field] = value
+    with pytest.raises(validate.ConfigError, match=rf"^config\.sampling\.{field}: {message}"):
+      validate.validate(config, num_devices=1)
+
+
+def test_derived_values_are_new_values():
+  config = gsm8k.get_config("tiny")
+  before = config.to_dict()
+  optim = config_lib.optim_settings(config)
+  # 400 GRPO steps × μ = 1: the cosine spans the run's 400 optimizer updates.
+  assert optim.total_steps == 400 and config.optim.total_steps == 0
+  config.loss.num_iterations = 2
+  assert config_lib.optim_settings(config).total_steps == 800
+  config.loss.num_iterations = 1
+  assert config.to_dict() == before
+  assert config_lib.group_size(config) == 8 and config_lib.rows_per_step(config) == 16 * 8
+
+
+def test_a_run_leaves_its_config_as_it_was(tmp_path):
+  """The tiny preset, shortened (a warm start with its accuracy check, cosine GRPO steps with
+  dynamic sampling, evals, checkpoints): the ConfigDict after the run equals the one before,
+  field by field with types."""
+  config = gsm8k.get_config("tiny")
+  config.data.update(synthetic_train=200, synthetic_test=16)
+  config.sft.update(steps=2, eval_every=1, eval_examples=8, batch_size=8)
+  config.train.update(steps=2, prompts_per_step=2, eval_examples=8, eval_batch_size=8,
+                      eval_every=1, checkpoint_every=1, tensorboard=False)
+  before, fields = config.to_dict(), config_snapshot.leaves(config)
+  train.run(config, str(tmp_path))
+  assert config.to_dict() == before
+  assert config_snapshot.leaves(config) == fields
+  assert isinstance(config, config_dict.ConfigDict)
