@@ -50,7 +50,7 @@ import numpy as np
 
 from grpo_jax import (checkpoint, compile_cache, config as config_lib, data, grpo, hosts, inputs,
                       logging_io, plots, rollout, sampler as sampler_lib, sft, sharding, storage,
-                      sweep, tokenizer as tokenizer_lib, train_step, validate)
+                      sweep, sweep_runner, tokenizer as tokenizer_lib, train_step, validate)
 from grpo_jax.agent import rollout as agent_rollout
 from grpo_jax.errors import UserError
 from grpo_jax.models import lora as lora_lib, qwen, weights
@@ -68,7 +68,7 @@ class TooManyBadSteps(UserError):
 FAILURE_FILE = "failed.json"
 # A LoRA run's frozen base where its warm start made it (a Hugging Face checkpoint, written
 # once): resuming reads it back. Without a warm start the base is the initial model.
-BASE_DIR = "base_model"
+BASE_DIR = sweep_runner.BASE_DIR
 
 
 # --- the program -------------------------------------------------------------------------------

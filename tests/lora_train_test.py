@@ -296,3 +296,54 @@ def test_a_tiny_lora_run_resumes_bit_for_bit_and_exports_what_peft_loads(tmp_pat
     kw = dict(do_sample=False, max_new_tokens=10, pad_token_id=0)
     np.testing.assert_array_equal(model.generate(input_ids=tokens, **kw).numpy(),
                                   merged.generate(input_ids=tokens, **kw).numpy())
+
+
+def test_vmapped_lora_members_share_one_base_and_match_their_separate_runs(tmp_path):
+  """Two tiny_lora runs (two learning rates, one seed) as one vmapped group from a shared warm
+  start, as `sweep --vmap` runs them: the prefix's base is handed over with its checkpoint, the
+  group holds one copy of it, and the member with the separate run's settings ends where that
+  run ends (tolerances of vmapped_test)."""
+  import os
+  from safetensors.numpy import load_file as load
+  from grpo_jax import logging_io, sweep, sweep_runner, train
+
+  fixed = {"sft.steps": 200, "sft.target_accuracy": 0.0, "train.steps": 3,
+           "train.eval_examples": 8, "train.eval_every": 0, "train.checkpoint_every": 3,
+           "train.tensorboard": False, "train.prompts_per_step": 4,
+           "data.synthetic_train": 400, "data.synthetic_test": 40}
+
+  def config(lr):
+    c = sweep.load_config("configs/gsm8k.py:tiny_lora")
+    sweep.apply_overrides(c, {**fixed, "optim.lr": lr})
+    return c
+  sep, a, b = (str(tmp_path / n) for n in ("separate", "other", "member"))
+  train.run(config(3e-3), sep)
+  for d in (a, b):
+    os.makedirs(d)
+    sweep_runner.start_from_prefix(sep, d)
+    assert os.path.isfile(os.path.join(d, "base_model", "model.safetensors"))
+  seen = {}
+  original = train.Group.of
+
+  def spy(states, refs, hparams, shared_ref=False):
+    group = original(states, refs, hparams, shared_ref)
+    seen.update(shared=shared_ref, ref=group.ref)
+    return group
+  train.Group.of = spy
+  try:
+    train.run_group([config(1e-3), config(3e-3)], [a, b])
+  finally:
+    train.Group.of = original
+  emb = seen["ref"]["embed_tokens"]["embedding"]
+  assert seen["shared"] and emb.ndim == 2  # one base, no K axis
+
+  want, got = (logging_io.read_jsonl(os.path.join(d, "metrics.jsonl")) for d in (sep, b))
+  assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
+  for w, g in zip(want, got):
+    for k in set(w) - set(train.TIMING_METRICS):
+      assert g[k] == pytest.approx(w[k], rel=2e-3, abs=1e-6), (w["step"], k)
+  p_sep, p_b = (load(os.path.join(d, "final_adapter", "adapter_model.safetensors"))
+                for d in (sep, b))
+  assert max(float(np.abs(p_sep[k] - p_b[k]).max()) for k in p_sep) <= 2 * 3e-3 * 3
+  other = logging_io.read_jsonl(os.path.join(a, "metrics.jsonl"))
+  assert other[1]["lr"] == pytest.approx(1e-3) and got[1]["lr"] == pytest.approx(3e-3)
