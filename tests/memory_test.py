@@ -73,3 +73,31 @@ def test_cli_on_the_tiny_preset_prints_peaks_and_the_verdict():
   assert 0 < train < 4 and 0 < sampler < 4, out
   assert values["hardware_gb_per_device"] == "4.0" and values["preset_fits"] == "yes", out
   assert np.isfinite([train, sampler]).all()
+
+
+def test_known_models_have_the_published_sizes():
+  """The shapes memory.py knows without the hub give the parameter totals the hub lists for
+  the Qwen2.5 instruct checkpoints' safetensors (model cards: 0.49B, 1.54B, 3.09B, 7.61B),
+  with 7B's LM head untied and its vocab 152,064."""
+  memory = _memory_module()
+  from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
+  want = {"0.5B": 494_032_768, "1.5B": 1_543_714_304, "3B": 3_085_938_688,
+          "7B": 7_615_616_512}
+  for size, n_want in want.items():
+    config = gsm8k.get_config("tiny")
+    config.model.random_init, config.model.checkpoint = False, f"Qwen/Qwen2.5-{size}-Instruct"
+    cfg, valid = memory.model_config(config)
+    n = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
+    assert n == n_want, (size, n)
+    assert valid == 151_665 and cfg.tie_word_embeddings == (size != "7B"), size
+  assert cfg.vocab_size == 152_064
+
+
+def test_cli_on_the_tiny_lora_preset_compiles_without_hoisted_converts():
+  out = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "memory.py"),
+       "--config=" + os.path.join(ROOT, "configs", "gsm8k.py") + ":tiny_lora", "--skip_eval"],
+      capture_output=True, text=True, timeout=300, cwd=ROOT, check=True).stdout
+  values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line and " " not in line)
+  assert "LoRA base" in out and "without XLA:CPU's while-loop-invariant-code-motion" in out, out
+  assert values["preset_fits"] == "yes", out
