@@ -101,3 +101,16 @@ def test_cli_on_the_tiny_lora_preset_compiles_without_hoisted_converts():
   values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line and " " not in line)
   assert "LoRA base" in out and "without XLA:CPU's while-loop-invariant-code-motion" in out, out
   assert values["preset_fits"] == "yes", out
+
+
+def test_lora_members_share_one_base():
+  """benchmarks/lora_members_memory.py's K-member program takes the base once: its arguments
+  are the base plus K times a member's state, batch and hparams, by the abstract inputs' sizes."""
+  spec = importlib.util.spec_from_file_location(
+      "lora_members_memory", os.path.join(ROOT, "benchmarks", "lora_members_memory.py"))
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  one, many = bench.measure("tiny_lora", 2, 1)
+  per_member = one["state"] + one["batch"] + one["hparams"]
+  assert one["analysis"].argument_size_in_bytes == one["base"] + per_member
+  assert many["analysis"].argument_size_in_bytes == one["base"] + 2 * per_member
