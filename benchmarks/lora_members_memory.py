@@ -23,6 +23,13 @@ Compiled, as benchmarks/memory.py compiles LoRA presets, without XLA:CPU's
 while-loop-invariant-code-motion (it would hoist fp32 copies of the bf16 base out of the layer
 loop, a CPU-only cost that is the same for K = 1 and K = 8 and would flatter the ratio);
 --hoist_converts keeps the pass.
+
+--one_predicate is a diagnostic: train_step runs the reference forward under a lax.cond on
+"this member's b are all 0" (then the reference is the policy and the forward is skipped). Under
+jax.vmap that predicate is per member, so the cond becomes a select whose operands, the shared
+base among them, are made batched: K copies of the base's layers in temporaries. The flag
+replaces the predicate by one constant False for all members (train_step._policy_is_reference
+patched in this process), to measure what a group-wide predicate would take.
 """
 from __future__ import annotations
 
@@ -54,7 +61,8 @@ def _plain(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
-def measure(preset: str, k: int, member_accum: int, prompt_len: int = 0) -> list[dict]:
+def measure(preset: str, k: int, member_accum: int, prompt_len: int = 0,
+            one_predicate: bool = False) -> list[dict]:
   """[one run, K members]: each a dict of k, accum, peak (bytes), line (its breakdown),
   analysis (compiled.memory_analysis()) and the bytes of one member's base, state, batch and
   hparams, for the preset's micro-batch shape."""
@@ -66,6 +74,9 @@ def measure(preset: str, k: int, member_accum: int, prompt_len: int = 0) -> list
   from configs import gsm8k  # pylint: disable=import-outside-toplevel
   from grpo_jax import config as config_lib, sharding, train, train_step  # pylint: disable=C0415
 
+  if one_predicate:
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    train_step._policy_is_reference = lambda *_: jnp.bool_(False)  # pylint: disable=W0212
   config = gsm8k.get_config(preset)
   lcfg = train.lora_settings(config)
   if lcfg is None:
@@ -120,6 +131,8 @@ def main():
                       help="micro-batches each member's rows are split into (K program only)")
   parser.add_argument("--prompt_len", type=int, default=0,
                       help="prompt width; 0 = the largest of data.prompt_buckets")
+  parser.add_argument("--one_predicate", action="store_true",
+                      help="diagnostic: one constant reference predicate (see the docstring)")
   parser.add_argument("--hoist_converts", action="store_true",
                       help="keep XLA:CPU's loop-invariant code motion (see the docstring)")
   a = parser.parse_args()
@@ -127,9 +140,10 @@ def main():
     parser.error("--k must be at least 2")
   if not a.hoist_converts:
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_disable_hlo_passes={LICM}"
-  one, many = measure(a.preset, a.k, a.member_accum, a.prompt_len)
+  one, many = measure(a.preset, a.k, a.member_accum, a.prompt_len, a.one_predicate)
   print(f"{a.preset}, K={a.k} LoRA members on one base against one run "
-        f"({'with' if a.hoist_converts else 'without'} XLA:CPU's {LICM}):")
+        f"({'with' if a.hoist_converts else 'without'} XLA:CPU's {LICM}"
+        f"{'; one constant reference predicate' if a.one_predicate else ''}):")
   print(one["line"] + "\n" + many["line"])
   temps = many["analysis"].temp_size_in_bytes, one["analysis"].temp_size_in_bytes
   print(f"  temporaries (activations, gradients, AdamW's update): {temps[0] / GB:.2f} GB for "
