@@ -75,9 +75,8 @@ tiny_lora — tiny's warm start (the whole model), then GRPO trains rank-8 adapt
   copies of the bf16 base that an accelerator never makes (1.5b_lora: 19.45 / 18.59 GB with
   it; experiments/lora_memory.md). Loading the checkpoint holds it in fp32 beside the bf16 base
   for a moment (by its size, not measured: 6.2 + 3.1 GB for 1.5B, 12.3 + 6.2 for 3B, 30.5 +
-  15.2 for 7B). On a GPU let JAX
-  take the memory: XLA_PYTHON_CLIENT_MEM_FRACTION=.95. Expected scores: not measured here (no
-  accelerator was available).
+  15.2 for 7B). On a GPU let JAX take the memory: XLA_PYTHON_CLIENT_MEM_FRACTION=.95.
+  Expected scores: not measured here (no accelerator was available).
 """
 
 from ml_collections import config_dict
