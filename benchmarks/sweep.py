@@ -18,8 +18,8 @@ difference between a member's metrics and the matching separate run's (timings a
 tests/vmapped_test.py for why they are not bitwise).
 
 --lora runs the tiny_lora preset instead (rank-8 adapters on the warm-started base, β > 0): the
-members share the prefix's base (its base_model/, linked into every run's directory, as each
-LoRA run with a warm start keeps it) and the vmapped process holds it once. It then also prints
+members share the prefix's base (its base_model/, linked into every run's directory by
+sweep_runner.start_from_prefix) and the vmapped process holds it once. It then also prints
 `lora_members_speedup=` (the end-to-end ratio above) and `lora_members_memory_ratio=`: the
 compiled peak of the K-member LoRA train step against one run's at the 1.5b_lora preset's shape
 (Qwen2.5-1.5B, one micro-batch of 8 rows per member), from benchmarks/lora_members_memory.py.
@@ -43,7 +43,6 @@ from grpo_jax import sweep, sweep_runner  # noqa: E402  (no jax: the runs are su
 TIMING = ("time/sample_s", "time/reward_s", "time/train_s", "time/step_s",
           "sampler/tokens_per_s", "sampler/seconds",
           "sampler/prefill_seconds")  # train.TIMING_METRICS (not imported: no jax here)
-BASE_DIR = "base_model"  # train.BASE_DIR: a LoRA run's warm-started base
 
 
 def _main_cmd(config, workdir, args):
@@ -91,10 +90,7 @@ def main():
     out = [os.path.join(a.workdir, arm, f"lr{i}") for i in range(a.k)]
     for d in out:
       os.makedirs(d)
-      sweep_runner.start_from_prefix(prefix, d)
-      base = os.path.join(prefix, BASE_DIR)
-      if a.lora and not os.path.exists(os.path.join(d, BASE_DIR)):
-        shutil.copytree(base, os.path.join(d, BASE_DIR), copy_function=os.link)
+      sweep_runner.start_from_prefix(prefix, d)  # with LoRA, the base_model/ too
     return out
 
   sep_dirs = dirs("separate")

@@ -50,6 +50,7 @@ SUMMARY_FILE = "summary.json"  # logging_io.SUMMARY_FILE; not imported: it would
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"    # checkpoint.SUBDIR; not imported: it would load jax and orbax
 FAILURE_FILE = "failed.json"   # train.FAILURE_FILE: a vmapped member that failed, and why
+BASE_DIR = "base_model"        # train.BASE_DIR: a LoRA run's warm-started base
 STOP_GRACE_S = 300             # how long stopped runs get to save their checkpoint
 POLL_S = 0.5
 
@@ -111,8 +112,9 @@ def _link_or_copy(src, dst):
 
 def start_from_prefix(prefix_dir: str, run_dir: str) -> bool:
   """Gives run_dir the prefix's step-0 checkpoint and step-0 metrics, unless it has a checkpoint
-  of its own (a resumed run). The checkpoint lands by one rename, after the metrics: an
-  interrupted copy leaves no checkpoint, and the run would compute its own warm start."""
+  of its own (a resumed run); and a LoRA prefix's warm-started base (BASE_DIR: its checkpoints
+  hold the adapters only). The checkpoint lands by one rename, after the rest: an interrupted
+  copy leaves no checkpoint, and the run would compute its own warm start."""
   if has_checkpoint(run_dir):
     return False
   src = os.path.join(prefix_dir, CHECKPOINTS, "0")
@@ -124,6 +126,10 @@ def start_from_prefix(prefix_dir: str, run_dir: str) -> bool:
     first = [line for line in f if line.strip() and json.loads(line).get("step", 1) <= 0]
   with open(os.path.join(run_dir, METRICS_FILE), "w") as f:
     f.writelines(first)
+  base = os.path.join(prefix_dir, BASE_DIR)
+  if os.path.isdir(base):
+    shutil.rmtree(os.path.join(run_dir, BASE_DIR), ignore_errors=True)
+    shutil.copytree(base, os.path.join(run_dir, BASE_DIR), copy_function=_link_or_copy)
   tmp = os.path.join(run_dir, ".prefix-tmp")
   shutil.rmtree(tmp, ignore_errors=True)
   shutil.copytree(src, tmp, copy_function=_link_or_copy)
