@@ -44,11 +44,14 @@ GB = 1e9
 
 
 def _memory_module():
-  spec = importlib.util.spec_from_file_location(
-      "memory_bench", os.path.join(ROOT, "benchmarks", "memory.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  """benchmarks/memory.py, loaded once per process (it defines absl flags) as memory_bench."""
+  if "memory_bench" not in sys.modules:
+    spec = importlib.util.spec_from_file_location(
+        "memory_bench", os.path.join(ROOT, "benchmarks", "memory.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules["memory_bench"] = mod
+  return sys.modules["memory_bench"]
 
 
 def _stacked(tree, k):

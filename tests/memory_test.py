@@ -18,12 +18,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @functools.cache
-def _memory_module():  # once: it defines absl flags
-  spec = importlib.util.spec_from_file_location("memory_bench",
-                                                os.path.join(ROOT, "benchmarks", "memory.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+def _memory_module():  # once per process: it defines absl flags (lora_members_memory shares it)
+  if "memory_bench" not in sys.modules:
+    spec = importlib.util.spec_from_file_location("memory_bench",
+                                                  os.path.join(ROOT, "benchmarks", "memory.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules["memory_bench"] = mod
+  return sys.modules["memory_bench"]
 
 
 def test_peak_is_arguments_plus_outputs_minus_aliased_plus_temporaries():
