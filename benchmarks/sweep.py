@@ -1,6 +1,7 @@
 """K = 8 tiny-preset GRPO runs: vmapped in one process against 8 separate runs, one after another.
 
     python3 benchmarks/sweep.py [--steps=4] [--k=8] [--workdir=/tmp/grpo_jax_sweep_bench]
+    python3 benchmarks/sweep.py --lora    # the same on tiny_lora: K adapters on one shared base
 
 The runs are an lr sweep (8 rates, seed 0) sharing one warm start, as `python -m grpo_jax.sweep
 --vmap` runs it: the warm start is computed once (a prefix run, not timed) and each run starts
@@ -15,6 +16,13 @@ Prints `vmapped_sweep_speedup=<separate wall time / vmapped wall time>` (end to 
 time>` (steady state: time/step_s, rollouts and update, the first step left out), and the largest
 difference between a member's metrics and the matching separate run's (timings aside; see
 tests/vmapped_test.py for why they are not bitwise).
+
+--lora runs the tiny_lora preset instead (rank-8 adapters on the warm-started base, β > 0): the
+members share the prefix's base (its base_model/, linked into every run's directory by
+sweep_runner.start_from_prefix) and the vmapped process holds it once. It then also prints
+`lora_members_speedup=` (the end-to-end ratio above) and `lora_members_memory_ratio=`: the
+compiled peak of the K-member LoRA train step against one run's at the 1.5b_lora preset's shape
+(Qwen2.5-1.5B, one micro-batch of 8 rows per member), from benchmarks/lora_members_memory.py.
 """
 from __future__ import annotations
 
@@ -37,8 +45,8 @@ TIMING = ("time/sample_s", "time/reward_s", "time/train_s", "time/step_s",
           "sampler/prefill_seconds")  # train.TIMING_METRICS (not imported: no jax here)
 
 
-def _main_cmd(workdir, args):
-  return ([sys.executable, "-m", "grpo_jax.main", "--config=configs/gsm8k.py:tiny",
+def _main_cmd(config, workdir, args):
+  return ([sys.executable, "-m", "grpo_jax.main", f"--config={config}",
            f"--workdir={workdir}"] + [f"--config.{k}={sweep.cli_value(v)}" for k, v in args.items()])
 
 
@@ -59,39 +67,43 @@ def main():
   parser.add_argument("--steps", type=int, default=4, help="GRPO steps per run")
   parser.add_argument("--k", type=int, default=8, help="runs")
   parser.add_argument("--workdir", default="/tmp/grpo_jax_sweep_bench")
+  parser.add_argument("--lora", action="store_true",
+                      help="tiny_lora members on one shared base, and the memory ratio")
   a = parser.parse_args()
+  config = "configs/gsm8k.py:tiny_lora" if a.lora else "configs/gsm8k.py:tiny"
   shutil.rmtree(a.workdir, ignore_errors=True)
   os.makedirs(a.workdir)
   log = os.path.join(a.workdir, "log.txt")
   fixed = {"sft.steps": 20, "sft.target_accuracy": 0.0, "train.steps": a.steps,
            "train.eval_examples": 32, "train.tensorboard": False}
-  lrs = [1e-5 * 1.5 ** i for i in range(a.k)]
+  # Around each preset's own rate (tiny 3e-4 with its cosine, tiny_lora 3e-3).
+  lrs = [(3e-4 if a.lora else 1e-5) * 1.5 ** i for i in range(a.k)]
   members = [{**fixed, "optim.lr": lr} for lr in lrs]
   load = os.getloadavg()[0]
 
   prefix = os.path.join(a.workdir, "prefix")
   t0 = time.perf_counter()
-  _run(_main_cmd(prefix, {**fixed, **sweep.PREFIX_OVERRIDES}), log)
+  _run(_main_cmd(config, prefix, {**fixed, **sweep.PREFIX_OVERRIDES}), log)
   print(f"warm start (shared, not timed): {time.perf_counter() - t0:.1f} s", flush=True)
 
   def dirs(arm):
     out = [os.path.join(a.workdir, arm, f"lr{i}") for i in range(a.k)]
     for d in out:
       os.makedirs(d)
-      sweep_runner.start_from_prefix(prefix, d)
+      sweep_runner.start_from_prefix(prefix, d)  # with LoRA, the base_model/ too
     return out
 
   sep_dirs = dirs("separate")
   t0 = time.perf_counter()
   for d, args in zip(sep_dirs, members):
-    _run(_main_cmd(d, args), log)
+    _run(_main_cmd(config, d, args), log)
   t_sep = time.perf_counter() - t0
   print(f"{a.k} separate runs: {t_sep:.1f} s", flush=True)
 
   v_dirs = dirs("vmapped")
   spec = os.path.join(a.workdir, "spec.json")
   with open(spec, "w") as f:
-    json.dump({"config": "configs/gsm8k.py:tiny",
+    json.dump({"config": config,
                "members": [{"workdir": d, "args": args} for d, args in zip(v_dirs, members)]}, f)
   t0 = time.perf_counter()
   _run([sys.executable, "-m", "grpo_jax.train", f"--spec={spec}"], log)
@@ -118,6 +130,13 @@ def main():
         f"{step_v:.2f} s (median)")
   print(f"vmapped_sweep_speedup={t_sep / t_v:.2f}")
   print(f"vmapped_step_speedup={step_sep / step_v:.2f}")
+  if a.lora:
+    print(f"lora_members_speedup={t_sep / t_v:.2f}")
+    out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks",
+                                                       "lora_members_memory.py"), f"--k={a.k}"],
+                         cwd=REPO, capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=REPO)).stdout
+    print(out, end="")
 
 
 def _median_step(workdir) -> float:

@@ -52,6 +52,31 @@ tiny — offline, CPU, minutes: a 2-layer 128-wide Qwen2 with random weights, a 
   to 49-90%), from `python -m grpo_jax.sweep experiments/tiny_seeds.py
   --workdir=runs/tiny_seeds` and `python -m grpo_jax.report runs/tiny_seeds`.
   Per-seed tables and the learning-rate diagnosis: experiments/tiny_seeds.md.
+
+tiny_lora — tiny's warm start (the whole model), then GRPO trains rank-8 adapters (alpha 16)
+  on every projection of the warm-started base, beta = 0.01 against that base with the
+  adapters off, lr 3e-3 (docs/lora.md):
+    python -m grpo_jax.main --config=configs/gsm8k.py:tiny_lora --workdir=runs/tiny_lora
+  Hardware: a CPU (memory: train step 0.11 GB, sampler 0.09 GB; 4 GB declared).
+  Expected gain: not measured here.
+
+1.5b_lora, 3b_lora, 7b_lora — the reference recipe with rank-16 LoRA (alpha 32) on all seven
+  projections (q, k, v, o, gate, up, down) of a frozen bf16 base, beta = 0.04 against that base
+  with the adapters off (no reference copy), lr 2e-4, 32 prompts × G = 8 per step, up to 512 new
+  tokens, one device (docs/lora.md):
+    python -m grpo_jax.main --config=configs/gsm8k.py:1.5b_lora --workdir=runs/gsm8k_1.5b_lora
+  | preset    | hardware                              | micro-batches    | train step | sampler  |
+  | 1.5b_lora | one 16 GB device (T4, L4, TPU v5e-1)  | 32 of one group  | 5.75 GB    | 12.63 GB |
+  | 3b_lora   | one 24 GB GPU (L4 24 GB, A10, 4090)   | 32 of one group  | 10.09 GB   | 18.47 GB |
+  | 7b_lora   | one 80 GB GPU (H100, A100 80 GB)      | 16 of two groups | 26.19 GB   | 34.68 GB |
+  Memory from benchmarks/memory.py: the sampler's figure is the rollout's decode or prefill
+  with its 256 × (512 + 512)-slot bf16 KV cache (7.52 / 9.66 / 15.03 GB). memory.py
+  compiles LoRA presets without XLA:CPU's loop-invariant code motion, which would hoist fp32
+  copies of the bf16 base that an accelerator never makes (1.5b_lora: 19.45 / 18.59 GB with
+  it; experiments/lora_memory.md). Loading the checkpoint holds it in fp32 beside the bf16 base
+  for a moment (by its size, not measured: 6.2 + 3.1 GB for 1.5B, 12.3 + 6.2 for 3B, 30.5 +
+  15.2 for 7B). On a GPU let JAX take the memory: XLA_PYTHON_CLIENT_MEM_FRACTION=.95.
+  Expected scores: not measured here (no accelerator was available).
 """
 
 from ml_collections import config_dict

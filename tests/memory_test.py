@@ -18,12 +18,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @functools.cache
-def _memory_module():  # once: it defines absl flags
-  spec = importlib.util.spec_from_file_location("memory_bench",
-                                                os.path.join(ROOT, "benchmarks", "memory.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+def _memory_module():  # once per process: it defines absl flags (lora_members_memory shares it)
+  if "memory_bench" not in sys.modules:
+    spec = importlib.util.spec_from_file_location("memory_bench",
+                                                  os.path.join(ROOT, "benchmarks", "memory.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules["memory_bench"] = mod
+  return sys.modules["memory_bench"]
 
 
 def test_peak_is_arguments_plus_outputs_minus_aliased_plus_temporaries():
@@ -73,3 +75,44 @@ def test_cli_on_the_tiny_preset_prints_peaks_and_the_verdict():
   assert 0 < train < 4 and 0 < sampler < 4, out
   assert values["hardware_gb_per_device"] == "4.0" and values["preset_fits"] == "yes", out
   assert np.isfinite([train, sampler]).all()
+
+
+def test_known_models_have_the_published_sizes():
+  """The shapes memory.py knows without the hub give the parameter totals the hub lists for
+  the Qwen2.5 instruct checkpoints' safetensors (model cards: 0.49B, 1.54B, 3.09B, 7.61B),
+  with 7B's LM head untied and its vocab 152,064."""
+  memory = _memory_module()
+  from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
+  want = {"0.5B": 494_032_768, "1.5B": 1_543_714_304, "3B": 3_085_938_688,
+          "7B": 7_615_616_512}
+  for size, n_want in want.items():
+    config = gsm8k.get_config("tiny")
+    config.model.random_init, config.model.checkpoint = False, f"Qwen/Qwen2.5-{size}-Instruct"
+    cfg, valid = memory.model_config(config)
+    n = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
+    assert n == n_want, (size, n)
+    assert valid == 151_665 and cfg.tie_word_embeddings == (size != "7B"), size
+  assert cfg.vocab_size == 152_064
+
+
+def test_cli_on_the_tiny_lora_preset_compiles_without_hoisted_converts():
+  out = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "memory.py"),
+       "--config=" + os.path.join(ROOT, "configs", "gsm8k.py") + ":tiny_lora", "--skip_eval"],
+      capture_output=True, text=True, timeout=300, cwd=ROOT, check=True).stdout
+  values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line and " " not in line)
+  assert "LoRA base" in out and "without XLA:CPU's while-loop-invariant-code-motion" in out, out
+  assert values["preset_fits"] == "yes", out
+
+
+def test_lora_members_share_one_base():
+  """benchmarks/lora_members_memory.py's K-member program takes the base once: its arguments
+  are the base plus K times a member's state, batch and hparams, by the abstract inputs' sizes."""
+  spec = importlib.util.spec_from_file_location(
+      "lora_members_memory", os.path.join(ROOT, "benchmarks", "lora_members_memory.py"))
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  one, many = bench.measure("tiny_lora", 2, 1)
+  per_member = one["state"] + one["batch"] + one["hparams"]
+  assert one["analysis"].argument_size_in_bytes == one["base"] + per_member
+  assert many["analysis"].argument_size_in_bytes == one["base"] + 2 * per_member

@@ -168,6 +168,30 @@ def test_sweep_runs_prefixes_then_members_from_their_step0(tmp_path, fake_env):
   assert code == 0 and len(_calls(member)) == 1 and len(_calls(tmp_path / "prefixes/seed=0")) == 1
 
 
+def test_a_lora_prefix_hands_over_its_base_too(tmp_path):
+  """A LoRA run's checkpoints hold the adapters only; its warm-started base is base_model/
+  (train.BASE_DIR), which a member started from the prefix needs to resume: linked, not copied."""
+  prefix, run = tmp_path / "prefix", tmp_path / "run"
+  (prefix / "checkpoints/0").mkdir(parents=True)
+  (prefix / "checkpoints/0/SHA256SUMS").write_text("sums")
+  (prefix / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.1}\n')
+  (prefix / "base_model").mkdir()
+  (prefix / "base_model/model.safetensors").write_bytes(b"weights")
+  run.mkdir()
+  assert sweep_runner.start_from_prefix(str(prefix), str(run))
+  assert (run / "base_model/model.safetensors").read_bytes() == b"weights"
+  assert os.path.samefile(run / "base_model/model.safetensors",
+                          prefix / "base_model/model.safetensors")
+  assert (run / "checkpoints/0/SHA256SUMS").read_text() == "sums"
+  # A prefix without one (full fine-tuning) gives none.
+  other = tmp_path / "other"
+  other.mkdir()
+  (prefix / "base_model/model.safetensors").unlink()
+  (prefix / "base_model").rmdir()
+  assert sweep_runner.start_from_prefix(str(prefix), str(other))
+  assert not (other / "base_model").exists()
+
+
 def test_a_failed_run_is_recorded_the_sweep_goes_on_and_a_rerun_redoes_only_it(
     tmp_path, fake_env, monkeypatch):
   monkeypatch.setenv("FAKE_FAIL", json.dumps(["optim.lr=0.001,seed=1"]))
