@@ -539,20 +539,19 @@ def _start(members, trainers):
               weights.save_checkpoint(host_params, s.cfg, out, tokenizer=s.tokenizer)
           del host_params
       states.append(trainer.init_state(params))
-      refs.append(trainer.reference(params) if lora or grpo.needs_reference(c.loss) else None)
+      ref = trainer.reference(params) if lora or grpo.needs_reference(c.loss) else None
       del params  # the state and the reference are copies
+      refs.append(_shared_base(members, refs, m, ref) if lora and refs else ref)
       m.it = data.PromptIterator(len(s.train_rows), c.train.prompts_per_step, c.seed)
       m.fresh = True
     else:
       states.append(r.state["train"])
-      refs.append(_lora_base(m, trainer) if lora else r.state.get("ref"))
+      refs.append(_shared_base(members, refs, m, _lora_base(m, trainer)) if lora and refs
+                  else _lora_base(m, trainer) if lora else r.state.get("ref"))
       m.it = data.PromptIterator(len(s.train_rows), c.train.prompts_per_step, c.seed,
                                  position=r.data_position)
       print(f"grpo_jax: {m.workdir if len(members) > 1 else ''}"
             f"{': ' if len(members) > 1 else ''}resumed from step {r.step}", flush=True)
-  if len(members) > 1 and trainers[0].lora is not None:
-    _check_one_base(members, refs)
-    refs = [refs[0]] * len(refs)
   return start, states, refs
 
 
@@ -573,17 +572,18 @@ def _lora_base(m, trainer):
   return trainer.reference(params)
 
 
-def _check_one_base(members, refs):
-  """LoRA members of a group share one frozen base, so theirs must be equal to the bit."""
+def _shared_base(members, refs, m, ref):
+  """LoRA members of a group share one frozen base: member m's, built, must equal the first
+  member's to the bit, and is dropped for it (so at most two bases exist at once)."""
   equal = jax.jit(lambda a, b: jnp.all(jnp.stack([jnp.all(x == y) for x, y in zip(
       jax.tree.leaves(a), jax.tree.leaves(b))])))
-  for m, ref in zip(members[1:], refs[1:]):
-    if ref is not refs[0] and not bool(equal(refs[0], ref)):
-      raise VmapError(
-          f"{m.workdir} and {members[0].workdir} have different frozen bases (a warm start or "
-          "random initialisation that depends on the seed): LoRA members of a vmapped group "
-          "share one base; run them without --vmap, or from one base (the same seed, or a "
-          "model.checkpoint without a warm start)")
+  if not bool(equal(refs[0], ref)):
+    raise VmapError(
+        f"{m.workdir} and {members[0].workdir} have different frozen bases (a warm start or "
+        "random initialisation that depends on the seed): LoRA members of a vmapped group "
+        "share one base; run them without --vmap, or from one base (the same seed, or a "
+        "model.checkpoint without a warm start)")
+  return refs[0]
 
 
 # --- one GRPO step ------------------------------------------------------------------------------

@@ -93,6 +93,7 @@ from grpo_jax.models import lora as lora_lib, qwen, quant
 SCHEDULES = ("constant", "cosine")
 
 OBJECTIVES = ("grpo", "sft")
+MEMBERS_AXIS = "members"  # the vmap axis of K runs (TrainStep.members)
 
 
 def validate_optim_config(cfg) -> None:
@@ -574,6 +575,8 @@ class StepSpec:
     given), or with LoRA always (the base the adapters attach to, also the reference).
   lora: a lora.LoraConfig: the state's params are adapters on the frozen base; None: full
     fine-tuning.
+  members_axis: the vmap axis name when the step runs as K members of a sweep (TrainStep
+    sets it), else None.
   """
   model: qwen.QwenConfig
   loss: LossSpec
@@ -588,6 +591,7 @@ class StepSpec:
   max_turns: int | None = None
   with_ref: bool = False
   lora: lora_lib.LoraConfig | None = None
+  members_axis: str | None = None
 
   @staticmethod
   def build(model_cfg, loss_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_size=None,
@@ -708,10 +712,18 @@ def _loss(spec, model, hp, params, ref_params, mb, norm, ref_is_policy):
       # the reference forward is skipped. (A second forward would differ from the policy's in
       # rounding, and that noise, with all advantages 0, is a whole gradient that Adam turns
       # into lr-sized steps.)
-      ref_BC = jax.lax.cond(
-          ref_is_policy, lambda: jax.lax.stop_gradient(logp_BC),
-          lambda: jax.lax.stop_gradient(completion_logprobs(
-              model, {"params": ref_params}, mb["tokens_BS"], mb["attn_mask_BS"], C, **kw)[0]))
+      policy = lambda: jax.lax.stop_gradient(logp_BC)
+      reference = lambda: jax.lax.stop_gradient(completion_logprobs(
+          model, {"params": ref_params}, mb["tokens_BS"], mb["attn_mask_BS"], C, **kw)[0])
+      if spec.members_axis is None:
+        ref_BC = jax.lax.cond(ref_is_policy, policy, reference)
+      else:
+        # K members: a per-member predicate would make the cond a select that runs both
+        # branches with every operand broadcast to K, the members' shared LoRA base too (K
+        # copies of it). Branch on all members at once; mixed members select per member.
+        everyone = jax.lax.pmin(ref_is_policy.astype(jnp.int32), spec.members_axis) > 0
+        ref_BC = jax.lax.cond(everyone, policy,
+                              lambda: jnp.where(ref_is_policy, policy(), reference()))
     weights_BC = grpo.token_weights(mask_BC, spec.loss.loss_type,
                                     num_sequences=norm["sequences"], num_tokens=norm["tokens"],
                                     max_completion_length=norm["max_completion_length"],
@@ -902,7 +914,8 @@ class TrainStep:
     one run, k ≥ 2: k runs under jax.vmap, every argument with a leading K axis)."""
     key = _layout_key(batch, with_ref, k)
     if key not in self._programs:
-      spec = dataclasses.replace(self.spec, with_ref=with_ref)
+      spec = dataclasses.replace(self.spec, with_ref=with_ref,
+                                 members_axis=None if k is None else MEMBERS_AXIS)
 
       def traced(state, hp, ref, b):
         self.num_traces += 1
@@ -911,7 +924,8 @@ class TrainStep:
           return one(state, b, hp, ref)
         # LoRA members share one frozen base: it enters unbatched.
         shared = ref is not None and spec.lora is not None
-        return jax.vmap(one, in_axes=(0, 0, 0, None if shared else 0))(state, b, hp, ref)
+        return jax.vmap(one, in_axes=(0, 0, 0, None if shared else 0),
+                        axis_name=MEMBERS_AXIS)(state, b, hp, ref)
       if k is None:
         rep = sharding.replicated(self.mesh)
         row_sh = NamedSharding(self.mesh, P(sharding.BATCH_AXES))

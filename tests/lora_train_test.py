@@ -347,3 +347,16 @@ def test_vmapped_lora_members_share_one_base_and_match_their_separate_runs(tmp_p
   assert max(float(np.abs(p_sep[k] - p_b[k]).max()) for k in p_sep) <= 2 * 3e-3 * 3
   other = logging_io.read_jsonl(os.path.join(a, "metrics.jsonl"))
   assert other[1]["lr"] == pytest.approx(1e-3) and got[1]["lr"] == pytest.approx(3e-3)
+
+
+def test_lora_members_with_different_bases_are_refused():
+  """A group's LoRA members share one base: a member whose base differs (a seed-dependent warm
+  start or random initialisation) stops the group with a line naming both workdirs."""
+  import types
+  from grpo_jax import train
+  members = [types.SimpleNamespace(workdir="runs/a"), types.SimpleNamespace(workdir="runs/b")]
+  base = {"w": jnp.ones(3), "v": jnp.arange(4.0)}
+  same = {"w": jnp.ones(3), "v": jnp.arange(4.0)}
+  assert train._shared_base(members, [base], members[1], same) is base
+  with pytest.raises(train.VmapError, match="runs/b and runs/a have different frozen bases"):
+    train._shared_base(members, [base], members[1], {"w": jnp.ones(3), "v": -jnp.arange(4.0)})
