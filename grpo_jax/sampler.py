@@ -205,59 +205,75 @@ class Sampler:
                    sp: sampling.SamplingParams, c: int):
     """A while_loop: sample a token per row from the last hidden state, feed it, repeat; at
     most c tokens, written from slot state['slot']; rows not active_R sample nothing."""
-    cfg = self.cfg
-    r = state["hidden"].shape[0]
-    p = state["slot"]
-    # The decoder layers' weights in the compute dtype once, before the loop, not in every step
-    # of it: each step then reads the narrow copy (fp32 params, bf16 compute: half the bytes).
-    # The forward casts every weight to this dtype anyway, so the numbers are the same. The
-    # embedding and head stay as they are (the sampler reads the head in its own dtype).
-    # Integer leaves (an int8 base's kernels) stay as they are.
+    params, head, keys_R = self._decode_setup(params, rng, row_ids_R2)
+    step = lambda cache, s: self._decode_step(params, head, keys_R, state, sp, cache, s)
+    cond = lambda cs: (cs[1]["step"] < c) & ~jnp.all(cs[1]["done"])
+    cache, out = jax.lax.while_loop(cond, lambda cs: step(*cs),
+                                    (cache, self._decode_carry(state, active_R, c)))
+    results, new_state = self._decode_results(state, out)
+    # Returning the cache aliases it with the donated input, so no copy is made on entry.
+    return results, cache, new_state
+
+  def _decode_setup(self, params, rng, row_ids_R2):
+    """(variables with the layers in the compute dtype, the sampling head, each row's key)."""
+    v = self._narrow(params)
+    return v, self._head(v["params"]), self._row_keys(rng, row_ids_R2)
+
+  def _narrow(self, params):
+    """The variables, their decoder layers' weights in the compute dtype: cast once, before the
+    loop, not in every step of it, so each step reads the narrow copy (fp32 params, bf16
+    compute: half the bytes). The forward casts every weight to this dtype anyway, so the
+    numbers are the same. The embedding and head stay as they are (the sampler reads the head
+    in its own dtype); integer leaves (an int8 base's kernels) too."""
     narrow = lambda x: x.astype(self.model.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-    params = {col: dict(tree, layers=jax.tree.map(narrow, tree["layers"]))
-              for col, tree in variables(params).items()}
-    keys_R = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(rng, i[0]), i[1]))(
-        row_ids_R2)
+    return {col: dict(tree, layers=jax.tree.map(narrow, tree["layers"]))
+            for col, tree in variables(params).items()}
+
+  def _head(self, params):
     # qwen.head_kernel is [D, V]; for a tied model its .T is the embedding itself, no copy.
-    head = sampling.prepare_head(qwen.head_kernel(params["params"], cfg).T, self.valid,
+    return sampling.prepare_head(qwen.head_kernel(params, self.cfg).T, self.valid,
                                  self.vocab_chunk)
-    stop = jnp.asarray(self.stop_ids or (-1,), jnp.int32)
 
-    def next_token(h_RD, step):
-      step_keys_R = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys_R)
-      return sampling.next_token(sp, head, h_RD, step_keys_R, self.valid, self.top_p_draws)
+  @staticmethod
+  def _row_keys(rng, row_ids_R2):
+    return jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(rng, i[0]), i[1]))(
+        row_ids_R2)
 
+  def _decode_carry(self, state, active_R, c: int):
+    r = state["hidden"].shape[0]
+    return dict(step=jnp.int32(0), hidden=state["hidden"],
+                tokens=jnp.full((r, c), self.pad_id, jnp.int32),
+                logp=jnp.zeros((r, c), jnp.float32), done=~active_R,
+                stopped=jnp.zeros((r,), bool), lengths=jnp.zeros((r,), jnp.int32),
+                extra_rounds=jnp.int32(0))
+
+  def _decode_step(self, params, head, keys_R, state, sp, cache, s, i=None):
+    """One step of the loop: sample from the carried hidden state, then run the forward for the
+    next step. `i` (default s['step']) is the slot offset and token column written."""
     # One sampling site in the program (half the compile time of sampling token 0 separately):
     # each step samples from the carried hidden state, then runs the forward for the next step.
     # The forward after a row's last step is wasted work, one model step per call.
-    carry = dict(step=jnp.int32(0), cache=cache, hidden=state["hidden"],
-                 tokens=jnp.full((r, c), self.pad_id, jnp.int32),
-                 logp=jnp.zeros((r, c), jnp.float32), done=~active_R,
-                 stopped=jnp.zeros((r,), bool), lengths=jnp.zeros((r,), jnp.int32),
-                 extra_rounds=jnp.int32(0))
+    i = s["step"] if i is None else i
+    step_keys_R = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys_R)
+    tok, logp, fb = sampling.next_token(sp, head, s["hidden"], step_keys_R, self.valid,
+                                        self.top_p_draws)
+    live = ~s["done"]
+    tok = jnp.where(live, tok, self.pad_id)
+    stopped = live & jnp.isin(tok, jnp.asarray(self.stop_ids or (-1,), jnp.int32))
+    hidden, cache = self.model.apply(
+        params, tok[:, None], (state["pos"] + i)[:, None], state["mask"],
+        cache, state["slot"] + i)
+    put = lambda x_RC, x_R: jax.lax.dynamic_update_index_in_dim(x_RC, x_R, i, 1)
+    # A row that stopped keeps the hidden state of its last token (what a later turn
+    # continues from), not that of the pads it is fed afterwards.
+    hidden = jnp.where(live[:, None], hidden[:, 0], s["hidden"])
+    return cache, dict(step=s["step"] + 1, hidden=hidden, tokens=put(s["tokens"], tok),
+                       logp=put(s["logp"], jnp.where(live, logp, 0.0)),
+                       done=s["done"] | stopped, stopped=s["stopped"] | stopped,
+                       lengths=s["lengths"] + live, extra_rounds=s["extra_rounds"] + fb)
 
-    def cond(s):
-      return (s["step"] < c) & ~jnp.all(s["done"])
-
-    def body(s):
-      i = s["step"]
-      tok, logp, fb = next_token(s["hidden"], i)
-      live = ~s["done"]
-      tok = jnp.where(live, tok, self.pad_id)
-      stopped = live & jnp.isin(tok, stop)
-      hidden, cache = self.model.apply(
-          params, tok[:, None], (state["pos"] + i)[:, None], state["mask"],
-          s["cache"], p + i)
-      put = lambda x_RC, x_R: jax.lax.dynamic_update_index_in_dim(x_RC, x_R, i, 1)
-      # A row that stopped keeps the hidden state of its last token (what a later turn
-      # continues from), not that of the pads it is fed afterwards.
-      hidden = jnp.where(live[:, None], hidden[:, 0], s["hidden"])
-      return dict(step=i + 1, cache=cache, hidden=hidden, tokens=put(s["tokens"], tok),
-                  logp=put(s["logp"], jnp.where(live, logp, 0.0)),
-                  done=s["done"] | stopped, stopped=s["stopped"] | stopped,
-                  lengths=s["lengths"] + live, extra_rounds=s["extra_rounds"] + fb)
-
-    out = jax.lax.while_loop(cond, body, carry)
+  def _decode_results(self, state, out):
+    p = state["slot"]
     # Slots [p + length, p + steps) of a row hold what it was fed after stopping: holes.
     j_S = jnp.arange(state["mask"].shape[1]) - p
     hole_RS = (j_S[None] >= out["lengths"][:, None]) & (j_S[None] < out["step"])
@@ -269,8 +285,58 @@ class Sampler:
         "logprobs": self._constrain(out["logp"], ("batch", None)),
         "steps": out["step"], "extra_rounds": out["extra_rounds"],
     }
-    # Returning the cache aliases it with the donated input, so no copy is made on entry.
-    return results, out["cache"], new_state
+    return results, new_state
+
+  def _decode_members_impl(self, params_K, cache_K, state_K, rng_K, row_ids_R2, active_R,
+                           sp: sampling.SamplingParams, c: int):
+    """_decode_impl for K members at once (params, cache, state and key stacked on a leading K;
+    state_K['slot'] one scalar for all): each member's results are those of its own loop.
+
+    Written as one loop over a vmapped step rather than the vmap of _decode_impl: under vmap a
+    while_loop whose condition differs per member selects every carried array, the KV cache
+    included, between its old and new value at every step (a copy of the cache per step). Here
+    the loop runs while any member has a live row; a member whose rows are all done steps on
+    with pads (its tokens, log-probs and lengths unchanged, as in its own loop, which would
+    have stopped) and counts only the steps its own loop takes."""
+    # LoRA members (variables with 'lora') share one base, unstacked; else all is stacked.
+    shared_base = "lora" in params_K
+    v_K = self._narrow(params_K)
+    head_K = self._head(v_K["params"]) if shared_base else jax.vmap(self._head)(v_K["params"])
+    keys_K = jax.vmap(self._row_keys, in_axes=(0, None))(rng_K, row_ids_R2)
+    # The layer scan slices its weights along the layer axis: with that axis first ([L, K, ...])
+    # a slice is one contiguous block, where [K, L, ...] made XLA copy every weight each step.
+    p_axes = {}
+    for col, tree in v_K.items():
+      if shared_base and col == "params":
+        p_axes[col] = None
+        continue
+      v_K[col] = dict(tree, layers=jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), tree["layers"]))
+      p_axes[col] = jax.tree.map(lambda _: 0, v_K[col])
+      p_axes[col]["layers"] = jax.tree.map(lambda _: 1, v_K[col]["layers"])
+    params_K = v_K
+    s_axes = {name: None if name == "slot" else 0 for name in state_K}
+    carry_K = jax.vmap(lambda st: self._decode_carry(st, active_R, c), in_axes=(s_axes,))(
+        state_K)
+
+    def step_member(params, head, keys_R, state, cache, s, i):
+      running = ~jnp.all(s["done"])
+      cache, new = self._decode_step(params, head, keys_R, state, sp, cache, s, i)
+      return cache, dict(new, step=s["step"] + running,
+                         extra_rounds=jnp.where(running, new["extra_rounds"],
+                                                s["extra_rounds"]))
+
+    step_K = jax.vmap(step_member, in_axes=(p_axes, None if shared_base else 0, 0, s_axes, 0,
+                                            0, None))
+
+    def body(x):
+      i, cache, s = x
+      cache, s = step_K(params_K, head_K, keys_K, state_K, cache, s, i)
+      return i + 1, cache, s
+
+    cond = lambda x: (x[0] < c) & ~jnp.all(x[2]["done"])
+    _, cache_K, out_K = jax.lax.while_loop(cond, body, (jnp.int32(0), cache_K, carry_K))
+    results, new_state = jax.vmap(self._decode_results, in_axes=(s_axes, 0))(state_K, out_K)
+    return results, cache_K, new_state
 
   def _append_impl(self, params, cache, state, tokens_RO, mask_RO):
     """Feeds right-padded tokens (an observation) to every row at slots [slot, slot + O): the
@@ -493,14 +559,14 @@ class Sampler:
     if shared_base not in self._members:
       opts = compile_cache.compiler_options(self.mesh)
       axes = {"params": None, "lora": 0} if shared_base else 0
+      # Every member's prompts are padded to one bucket: one slot to write from, for all.
       prefill = lambda p, t, m, g, c: jax.vmap(
-          lambda p, t, m: self._prefill_impl(p, t, m, g, c), in_axes=(axes, 0, 0))(p, t, m)
-      decode = lambda p, cache, st, rng, ids, act, sp, c: jax.vmap(
-          lambda p, cache, st, rng: self._decode_impl(p, cache, st, rng, ids, act, sp, c),
-          in_axes=(axes, 0, 0, 0))(p, cache, st, rng)
+          lambda p, t, m: self._prefill_impl(p, t, m, g, c), in_axes=(axes, 0, 0),
+          out_axes=(0, {"hidden": 0, "mask": 0, "pos": 0, "slot": None}))(p, t, m)
       self._members[shared_base] = (
           jax.jit(prefill, static_argnums=(3, 4), compiler_options=opts),
-          jax.jit(decode, static_argnums=(6, 7), donate_argnums=(1,), compiler_options=opts))
+          jax.jit(self._decode_members_impl, static_argnums=(6, 7), donate_argnums=(1,),
+                  compiler_options=opts))
     prefill, decode = self._members[shared_base]
     sits_out = [p is None for p in prompts_K]
     given = [p for p in prompts_K if p is not None]

@@ -1,6 +1,7 @@
-"""Attention through jax.nn.dot_product_attention against the dense einsum it replaced.
+"""qwen.attend against two references: the dense einsum the model used first, and JAX's own
+jax.nn.dot_product_attention (XLA kernel), which the model used in between.
 
-`einsum_attend` below is the previous implementation, kept verbatim as the reference (keys and
+`einsum_attend` below is the first implementation, kept verbatim as the reference (keys and
 values [B, K, S, H], fp32 scores, the most negative finite fp32 on masked slots). The model is
 compared with it in fp32 on CPU in the three places attention runs: a prefill into the KV cache
 and decode steps from it, the plain forward, and the packed training forward (a prompt followed
@@ -37,12 +38,13 @@ def einsum_attend(q_BTNH, k_BKSH, v_BKSH, attn_mask_BS, start, causal=True):
   return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
-def reference_attend(q_BTNH, k_BSKH, v_BSKH, attn_mask_BS, start, causal=True,
-                     implementation=None):
+def reference_attend(q_BTNH, k, v, attn_mask_BS, start, causal=True, implementation=None, *,
+                     heads_first=False):
   """qwen.attend's signature over the einsum reference (which wants heads before slots)."""
   del implementation
-  return einsum_attend(q_BTNH, k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3),
-                       attn_mask_BS, start, causal)
+  if not heads_first:
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+  return einsum_attend(q_BTNH, k, v, attn_mask_BS, start, causal)
 
 
 def _qkv(b, t, s, n=6, k=2, h=16, seed=0):
@@ -78,6 +80,60 @@ def test_attend_matches_the_einsum_reference(case):
     want = reference_attend(q, k, v, mask, start, causal)
   assert got.shape == q.shape
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_attend_matches_jax_dot_product_attention(case):
+  """Against JAX's kernel with the same rule as an explicit [B, 1, T, S] mask, on the queries
+  at real slots (a query that sees no key is a pad, whose output is never read); with the keys
+  in the cache's [B, K, S, H] layout (heads_first) too."""
+  t, s, start, causal = CASES[case]
+  q, k, v, mask = _qkv(4, t, s, seed=3)
+  slot = int(start.split()[1]) if isinstance(start, str) else start
+  visible = np.asarray(mask)[:, None, None, :] > 0
+  if causal:
+    visible = visible & (np.arange(s)[None, :] <= slot + np.arange(t)[:, None])
+  want = jax.nn.dot_product_attention(q, k, v, mask=jnp.asarray(visible), implementation="xla")
+  real_rows = np.asarray(mask)[:, slot:slot + t].astype(bool) if causal else np.ones((4, t), bool)
+  heads_first = lambda a: a.transpose(0, 2, 1, 3)
+  for got in (qwen.attend(q, k, v, mask, start if isinstance(start, int) else jnp.int32(slot),
+                          causal),
+              qwen.attend(q, heads_first(k), heads_first(v), mask, jnp.int32(slot), causal,
+                          heads_first=True) if causal else None):
+    if got is None:
+      continue
+    np.testing.assert_allclose(np.asarray(got)[real_rows], np.asarray(want)[real_rows],
+                               atol=TOL, rtol=0)
+
+
+def test_update_slice_under_vmap_is_the_batched_write():
+  """qwen.update_slice (the KV cache write) under jax.vmap equals the vmapped
+  dynamic_update_slice, and while the start indices are shared it is no scatter (JAX's own
+  batching of dynamic_update_slice gives one, which XLA:CPU ran as a select over the whole
+  cache)."""
+  rng = np.random.default_rng(4)
+  cache = jnp.asarray(rng.standard_normal((3, 2, 4, 2, 6, 5)), jnp.float32)  # [M, L, B, K, S, H]
+  new = jnp.asarray(rng.standard_normal((3, 1, 4, 2, 1, 5)), jnp.float32)
+  starts = lambda layer, slot: tuple(jnp.int32(i) for i in (layer, 0, 0, slot, 0))
+  plain = jax.vmap(jax.lax.dynamic_update_slice, in_axes=(0, 0, None))
+  ours = jax.jit(jax.vmap(qwen.update_slice, in_axes=(0, 0, None)))
+  np.testing.assert_array_equal(np.asarray(ours(cache, new, starts(1, 3))),
+                                np.asarray(plain(cache, new, starts(1, 3))))
+  jaxpr = lambda f: str(jax.make_jaxpr(jax.vmap(f, in_axes=(0, 0, None)))(cache, new,
+                                                                         starts(1, 3)))
+  assert "scatter" in jaxpr(jax.lax.dynamic_update_slice)  # what update_slice avoids
+  assert "scatter" not in jaxpr(qwen.update_slice)
+  # An update shared by the members, and start indices that differ per member.
+  shared = jax.vmap(qwen.update_slice, in_axes=(0, None, None))(cache, new[0], starts(0, 5))
+  np.testing.assert_array_equal(np.asarray(shared), np.asarray(
+      jax.vmap(jax.lax.dynamic_update_slice, in_axes=(0, None, None))(cache, new[0],
+                                                                      starts(0, 5))))
+  slots = jnp.asarray([0, 2, 5], jnp.int32)
+  per_member = lambda f: jax.vmap(lambda c, u, s: f(c, u, (jnp.int32(1), jnp.int32(0),
+                                                           jnp.int32(0), s, jnp.int32(0))))
+  np.testing.assert_array_equal(
+      np.asarray(per_member(qwen.update_slice)(cache, new, slots)),
+      np.asarray(per_member(jax.lax.dynamic_update_slice)(cache, new, slots)))
 
 
 @pytest.mark.parametrize("t, s, start", [(9, 9, 0), (8, 8, 0), (3, 12, 9), (4, 11, 7)])

@@ -360,3 +360,29 @@ def test_lora_members_with_different_bases_are_refused():
   assert train._shared_base(members, [base], members[1], same) is base
   with pytest.raises(train.VmapError, match="runs/b and runs/a have different frozen bases"):
     train._shared_base(members, [base], members[1], {"w": jnp.ones(3), "v": -jnp.arange(4.0)})
+
+
+def test_an_int8_base_qlora_step_equals_the_step_on_its_dequantized_base(base):
+  """model.lora.quantize='int8': the frozen base keeps int8 kernels (with per-channel scales)
+  and the step reads them through qwen's dequantization; it computes what the same step
+  computes on the dequantized fp32 base (quant_test bounds the rounding itself)."""
+  from grpo_jax.models import quant
+  mesh = sharding.make_mesh((1, 1, 1))
+  optim = optim_config()
+  q8 = lora.LoraConfig(rank=4, alpha=8.0, quantize="int8")
+  frozen = train_step.reference_params(base, MODEL, optim, mesh, q8)
+  assert quant.is_quantized(frozen)
+  assert frozen["layers"]["mlp"]["up_proj"]["kernel_q"].dtype == jnp.int8
+  batch = train_batch(3)
+  adapters = adapters_like_trained(jax.random.key(8))
+  results = []
+  for lcfg, fr in ((q8, frozen), (LCFG, jax.jit(quant.dequantize)(frozen))):
+    step = train_step.TrainStep(MODEL, loss_config(beta=0.05), optim, mesh, group_size=G,
+                                lora=lcfg)
+    state, m, _ = step(train_step.create_train_state(adapters, MODEL, optim, mesh, lcfg),
+                       batch, fr)
+    results.append((jax.device_get(state["params"]), m))
+  (p1, m1), (p2, m2) = results
+  for name in ("loss", "loss/kl", "grad_norm"):
+    np.testing.assert_allclose(m1[name], m2[name], rtol=1e-6, atol=1e-8, err_msg=name)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-8), p1, p2)

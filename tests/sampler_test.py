@@ -306,6 +306,33 @@ def test_many_calls_in_one_bucket_compile_once(checkpoints):
   assert compiled == first, compiled[len(first):]
 
 
+def test_members_equal_their_own_generate_calls(checkpoints):
+  """generate_members (K runs vmapped, one decode loop for all) gives each member what its own
+  generate gives: tokens, lengths, truncation and step counts exactly, log-probs to fp32
+  rounding. The members stop at different steps (stop ids cover 40% of the vocabulary, so rows
+  stop within a few steps), so a member steps on after its own loop would have ended."""
+  params, cfg = weights.load_checkpoint(checkpoints["qwen2_tied"])
+  members = [params] + [jax.tree.map(lambda x, k=k: x * (1.0 + 0.3 * k), params)
+                        for k in (1, 2)]
+  smp = sampler_lib.Sampler(cfg, max_new_tokens=9, stop_ids=range(1, 49), valid_vocab_size=VALID,
+                            pad_id=PAD, buckets=(8, 16), vocab_chunk=CHUNK, temperature=1.5)
+  prompts = [_prompts(seed) for seed in (0, 1, 2)]
+  keys = [jax.random.key(k) for k in (5, 6, 7)]
+  params_K = jax.tree.map(lambda *x: jnp.stack(x), *members)
+  got = smp.generate_members(params_K, prompts, num_samples=3, keys_K=keys)
+  steps = set()
+  for p, prompt, key, out in zip(members, prompts, keys, got):
+    want = smp.generate(p, prompt, num_samples=3, key=key)
+    np.testing.assert_array_equal(out.tokens, want.tokens)
+    np.testing.assert_array_equal(out.lengths, want.lengths)
+    np.testing.assert_array_equal(out.truncated, want.truncated)
+    np.testing.assert_allclose(out.logprobs, want.logprobs, atol=1e-5, rtol=0)
+    for name in ("sampler/decode_steps", "sampler/cut_extra_rounds"):
+      assert out.metrics[name] == want.metrics[name], name
+    steps.add(want.metrics["sampler/decode_steps"])
+  assert len(steps) > 1, steps  # the members' own loops really end at different steps
+
+
 def test_bad_input_gets_a_clear_error(greedy_cases):
   case = greedy_cases["qwen2_tied"]
   sampler, params, cfg = case["sampler"], case["params"], case["cfg"]

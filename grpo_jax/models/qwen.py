@@ -39,6 +39,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import custom_batching
 
 from grpo_jax.errors import UserError
 
@@ -295,29 +296,31 @@ class Attention(nn.Module):
     k = rope(k, positions_BT, cfg.rope_theta)
 
     if self.packed is not None:
-      return self._packed_attention(q, k, v, attn_mask_BS), cache
+      return self._packed_attention(q, k, v, attn_mask_BS), None
     if cache is None:
-      keys, values, start = k, v, 0
+      return self._out(attend(q, k, v, attn_mask_BS, 0, cfg.is_causal, cfg.attention)), None
+    # This call's k/v as the cache stores them (kv heads before slots), for Qwen.__call__ to
+    # write at slots [cache_index, cache_index + T) of every layer after the layer scan. Each
+    # layer reads the cache as it was before this call, with its own new k/v put in: nothing
+    # in the scan writes the cache, so the one write after it happens in place. (Written per
+    # layer inside the scan and read back, XLA:CPU fused the write into the read under
+    # jax.vmap and copied the whole cache twice per layer and step.)
+    new_BKTH = {"k": k.transpose(0, 2, 1, 3).astype(cache["k"].dtype),
+                "v": v.transpose(0, 2, 1, 3).astype(cache["v"].dtype)}
+    if k.shape[1] == cache["k"].shape[3]:
+      # This call fills every slot of the layer (a prefill, so cache_index is 0): the layer
+      # after the write is this call's k/v, used as such. (The dynamic slice of the stack was
+      # the prefill program's costliest kernel to compile: small benchmark, the prefill
+      # compiled in 0.45 s against 0.52 s, medians of 3.)
+      keys, values, start = new_BKTH["k"], new_BKTH["v"], 0
     else:
-      # Write this call's k/v at slots [cache_index, cache_index + T) of this layer, straight
-      # into the stacked cache: a decode step then writes T slots, not a copy of the layer.
-      idx = (layer, 0, 0, cache_index, 0)
-      cache = {name: jax.lax.dynamic_update_slice(
-                   cache[name], new.transpose(0, 2, 1, 3)[None].astype(cache[name].dtype), idx)
-               for name, new in (("k", k), ("v", v))}
-      if k.shape[1] == cache["k"].shape[3]:
-        # This call fills every slot of the layer (a prefill, so cache_index is 0): reading the
-        # layer back would give k/v as the cache stores them, so they are used as such. The
-        # dynamic slice of the stack was the prefill program's costliest kernel to compile
-        # (small benchmark: the prefill compiles in 0.45 s against 0.52 s, medians of 3).
-        keys, values, start = k.astype(cache["k"].dtype), v.astype(cache["v"].dtype), 0
-      else:
-        # The cache keeps kv heads before slots; dot_product_attention takes [B, S, K, H].
-        keys, values = (cache[name][layer].transpose(0, 2, 1, 3) for name in ("k", "v"))
-        start = cache_index
-    out_BTNH = attend(q, keys.astype(self.dtype), values.astype(self.dtype), attn_mask_BS, start,
-                      cfg.is_causal, cfg.attention)
-    return self._out(out_BTNH), cache
+      keys, values = (jax.lax.dynamic_update_slice(cache[name][layer], new_BKTH[name],
+                                                   (0, 0, cache_index, 0))
+                      for name in ("k", "v"))
+      start = cache_index
+    out_BTNH = attend(q, keys.astype(self.dtype), values.astype(self.dtype), attn_mask_BS,
+                      start, cfg.is_causal, cfg.attention, heads_first=True)
+    return self._out(out_BTNH), new_BKTH
 
   def _out(self, out_BTNH):
     cfg = self.cfg
@@ -342,20 +345,24 @@ class Attention(nn.Module):
     return self._out(jnp.concatenate([out_p, out_c.reshape(b, g * c, n, h)], axis=1))
 
 
-def attend(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, attn_mask_BS: Array,
-           start: Array | int, causal: bool = True, implementation: str | None = None) -> Array:
-  """Grouped-query attention through jax.nn.dot_product_attention; the query at row t sits at
-  key slot start + t.
+def attend(q_BTNH: Array, k: Array, v: Array, attn_mask_BS: Array, start: Array | int,
+           causal: bool = True, implementation: str | None = None, *,
+           heads_first: bool = False) -> Array:
+  """Grouped-query attention; the query at row t sits at key slot start + t.
 
+  k, v: [B, S, K, H], or with heads_first [B, K, S, H] (the KV cache's layout, read as stored).
   causal: the query sees key slots <= its own; otherwise every slot whose mask is 1.
   Scores and softmax are fp32 (for bf16 inputs too). A query that sees no key (a left-pad
-  position) gets a uniform, finite row. When the queries fill the key slots from slot 0
-  (`start` the Python int 0 and T == S: a prefill or a training forward) the causal rule is
-  passed as `is_causal`, which cuDNN uses to skip the upper triangle. With implementation
-  'cudnn', single-query calls (decode steps) run XLA's kernel.
+  position) gets a uniform, finite row.
+
+  implementation None or 'xla': a grouped einsum (below). 'cudnn': cuDNN's fused kernel through
+  jax.nn.dot_product_attention; when the queries fill the key slots from slot 0 (`start` the
+  Python int 0 and T == S: a prefill or a training forward) the causal rule reaches it as
+  `is_causal`, which it uses to skip the upper triangle. Single-query calls (decode steps) run
+  the einsum under 'cudnn' too.
   """
   b, t = q_BTNH.shape[:2]
-  s = k_BSKH.shape[1]
+  s = k.shape[2 if heads_first else 1]
   visible_B11S = (attn_mask_BS > 0)[:, None, None, :]
   aligned = causal and isinstance(start, int) and start == 0 and t == s
   if causal and not aligned:
@@ -363,23 +370,72 @@ def attend(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, attn_mask_BS: Array,
     visible = visible_B11S & (jnp.arange(s)[None, :] <= q_slot_T[:, None])
   else:
     visible = visible_B11S
-  if implementation == "cudnn" and t == 1:
-    # A decode step: one query reads the cache once whichever kernel runs, and cuDNN's flash
-    # kernel is built for blocks of queries (it would pad this one to two).
-    implementation = "xla"
-  if implementation == "cudnn":
+  if implementation == "cudnn" and t > 1:
     if q_BTNH.dtype not in (jnp.bfloat16, jnp.float16):
       raise ValueError(f"attention='cudnn' needs bf16 or fp16 compute, got {q_BTNH.dtype}: set "
                        "the compute dtype to bfloat16 or the attention to 'xla'")
-    return _cudnn_attend(q_BTNH, k_BSKH, v_BSKH, jnp.broadcast_to(visible, (b, 1, t, s)),
-                         aligned)
-  core = lambda q, k, v, m: jax.nn.dot_product_attention(
-      q, k, v, mask=m, is_causal=aligned, implementation=implementation)
-  # XLA's kernel keeps the [B, N, T, S] scores and probabilities for the backward pass: 41 GB of
-  # the Qwen2.5-1.5B step at 128 rows x 448 tokens (CPU AOT figures, docs/performance.md).
+    if heads_first:
+      k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    return _cudnn_attend(q_BTNH, k, v, jnp.broadcast_to(visible, (b, 1, t, s)), aligned)
+  # A decode step (T = 1) gets here under 'cudnn' too: one query reads the cache once whichever
+  # kernel runs, and cuDNN's flash kernel is built for blocks of queries (it would pad this one
+  # to two).
+  core = lambda q, k, v, m: _grouped_attend(q, k, v, m, aligned, heads_first)
+  # The [B, N, T, S] scores and probabilities would be kept for the backward pass: 41 GB of the
+  # Qwen2.5-1.5B step at 128 rows x 448 tokens (CPU AOT figures, docs/performance.md).
   # Recomputing them from q, k, v instead costs one more QK^T and softmax, ~1.5% of that
   # step's FLOPs, as a flash kernel would. No effect without a gradient (sampling).
-  return jax.checkpoint(core, prevent_cse=False)(q_BTNH, k_BSKH, v_BSKH, visible)
+  return jax.checkpoint(core, prevent_cse=False)(q_BTNH, k, v, visible)
+
+
+def _grouped_attend(q_BTNH, k, v, visible_B1TS, causal_aligned: bool, heads_first: bool):
+  """softmax(q k^T / sqrt(H)) v with the G = N / K query heads of a kv head batched against its
+  keys: no copy of k or v per query head, the mask applied once for all heads.
+
+  Why not jax.nn.dot_product_attention's XLA path (what the model used before): it transposes
+  the cache's [B, K, S, H] to [B, S, K, H] every decode step and, under jax.vmap (a sweep's
+  members), XLA:CPU ran its [B, K, G, T, S] dots much slower: the tiny sweep's vmapped sampler
+  spent 0.64 s against 0.48 s with this formulation (experiments/one_loop.md)."""
+  b, t, n, h = q_BTNH.shape
+  kv = "BKSH" if heads_first else "BSKH"
+  kh = k.shape[1 if heads_first else 2]
+  s = k.shape[2 if heads_first else 1]
+  q_BTKGH = q_BTNH.reshape(b, t, kh, n // kh, h)
+  scores = jnp.einsum(f"BTKGH,{kv}->BKGTS", q_BTKGH, k,
+                      preferred_element_type=jnp.float32) * (h ** -0.5)
+  visible = visible_B1TS[:, :, None]  # [B, 1, 1, T or 1, S]
+  if causal_aligned:
+    visible = visible & (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None])
+  scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  # Heads-major output, transposed after: asking einsum for BTKGH directly makes XLA:CPU pick
+  # a dot ~13x slower at decode shapes (B 64, K 2, S 352: 2.5 ms against 0.19 ms per layer).
+  out_BKGTH = jnp.einsum(f"BKGTS,{kv}->BKGTH", probs, v)
+  return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+@custom_batching.custom_vmap
+def update_slice(operand: Array, update: Array, starts: tuple) -> Array:
+  """jax.lax.dynamic_update_slice(operand, update, starts), also under jax.vmap.
+
+  JAX batches dynamic_update_slice as a scatter, and XLA:CPU turned the KV cache's one-slot
+  write under vmap (a sweep's members decoding together) into a copy of the whole cache per
+  layer and step. Here, while the start indices are the same for every member, the vmapped
+  write stays a dynamic_update_slice whose first index is 0."""
+  return jax.lax.dynamic_update_slice(operand, update, starts)
+
+
+@update_slice.def_vmap
+def _update_slice_vmap(axis_size, in_batched, operand, update, starts):
+  operand_b, update_b, starts_b = in_batched
+  if any(starts_b):  # each member writes elsewhere: JAX's own rule
+    return jax.vmap(jax.lax.dynamic_update_slice,
+                    in_axes=(0 if operand_b else None, 0 if update_b else None,
+                             tuple(0 if x else None for x in starts_b)))(
+                                 operand, update, starts), True
+  grow = lambda x, batched: x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+  zero = jnp.zeros((), jnp.result_type(*starts)) if starts else jnp.int32(0)
+  return update_slice(grow(operand, operand_b), grow(update, update_b), (zero, *starts)), True
 
 
 def _cudnn_attend(q_BTNH, k_BSKH, v_BSKH, visible_B1TS, is_causal, implementation="cudnn"):
@@ -524,7 +580,9 @@ def _constrain(x: Array, sharding) -> Array:
 
 
 class DecoderLayer(nn.Module):
-  """One pre-norm block, written as a scan body over layers: carry = (x, cache, layer index)."""
+  """One pre-norm block, written as a scan body over layers: carry = (x, cache, layer index,
+  ...), the cache read only; the output is this call's k/v of the layer (None without a cache),
+  stacked by the scan for Qwen.__call__ to write."""
   cfg: QwenConfig
   dtype: Any
   param_dtype: Any
@@ -537,13 +595,13 @@ class DecoderLayer(nn.Module):
     cfg = self.cfg
     h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "norm",
                 name="input_layernorm")(x)
-    h, cache = Attention(cfg, self.dtype, self.param_dtype, self.packed, name="self_attn")(
+    h, new_kv = Attention(cfg, self.dtype, self.param_dtype, self.packed, name="self_attn")(
         h, positions_BT, attn_mask_BS, cache, layer, cache_index)
     x = _constrain(x + h, self.act_sharding)
     h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "norm",
                 name="post_attention_layernorm")(x)
     x = _constrain(x + MLP(cfg, self.dtype, self.param_dtype, name="mlp")(h), self.act_sharding)
-    return (x, cache, layer + 1, positions_BT, attn_mask_BS, cache_index), None
+    return (x, cache, layer + 1, positions_BT, attn_mask_BS, cache_index), new_kv
 
 
 class Qwen(nn.Module):
@@ -591,7 +649,10 @@ class Qwen(nn.Module):
     x = _constrain(self.embed_tokens(tokens_BT), self.act_sharding)
     carry = (x, cache, jnp.int32(0), positions_BT, attn_mask_BS,
              None if cache is None else jnp.asarray(cache_index, jnp.int32))
-    (x, cache, *_), _ = self.layers(carry, None)
+    (x, *_), new_kv = self.layers(carry, None)
+    if cache is not None:  # every layer's k/v at once, [L, B, K, T, H], in place
+      idx = tuple(jnp.asarray(i, jnp.int32) for i in (0, 0, 0, cache_index, 0))
+      cache = {name: update_slice(cache[name], new_kv[name], idx) for name in ("k", "v")}
     return self.norm(x), cache
 
   def logits(self, hidden_BTD: Array) -> Array:
