@@ -25,24 +25,12 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from absl import app, flags  # noqa: E402
+import shapes  # noqa: E402
 
-MODELS = {  # config.json of the Qwen2.5 instruct checkpoints
-    "Qwen2.5-0.5B": dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864,
-                         num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
-                         tie_word_embeddings=True),
-    "Qwen2.5-1.5B": dict(vocab_size=151_936, hidden_size=1536, intermediate_size=8960,
-                         num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,
-                         tie_word_embeddings=True),
-    "Qwen2.5-3B": dict(vocab_size=151_936, hidden_size=2048, intermediate_size=11008,
-                       num_layers=36, num_heads=16, num_kv_heads=2, head_dim=128,
-                       tie_word_embeddings=True),
-    "Qwen2.5-7B": dict(vocab_size=152_064, hidden_size=3584, intermediate_size=18944,
-                       num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
-                       tie_word_embeddings=False),
-}
-VALID_VOCAB = 151_665
+MODELS, VALID_VOCAB = shapes.MODELS, shapes.VALID_VOCAB
 
 _MODEL = flags.DEFINE_enum("model", "Qwen2.5-1.5B", sorted(MODELS), "model shape")
 _ROWS = flags.DEFINE_integer("rows", 16, "rows (completions) per micro-batch")

@@ -59,8 +59,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from absl import app, flags, logging  # noqa: E402
+import shapes  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -77,23 +79,9 @@ _HOIST = flags.DEFINE_bool(
 GB = 1e9
 LICM = "while-loop-invariant-code-motion"
 
-# config.json of the checkpoints the presets name, so no hub access is needed. A local
-# checkpoint directory is read instead.
-KNOWN_MODELS = {
-    "Qwen2.5-0.5B": dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864,
-                         num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
-                         tie_word_embeddings=True),
-    "Qwen2.5-1.5B": dict(vocab_size=151_936, hidden_size=1536, intermediate_size=8960,
-                         num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,
-                         tie_word_embeddings=True),
-    "Qwen2.5-3B": dict(vocab_size=151_936, hidden_size=2048, intermediate_size=11008,
-                       num_layers=36, num_heads=16, num_kv_heads=2, head_dim=128,
-                       tie_word_embeddings=True),
-    "Qwen2.5-7B": dict(vocab_size=152_064, hidden_size=3584, intermediate_size=18944,
-                       num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
-                       tie_word_embeddings=False),  # 7B has its own LM head
-}
-QWEN25_VALID_VOCAB = 151_665  # len(tokenizer) of Qwen2.5: ids the sampler may draw
+# config.json of the checkpoints the presets name (benchmarks/shapes.py), so no hub access is
+# needed. A local checkpoint directory is read instead.
+KNOWN_MODELS, QWEN25_VALID_VOCAB = shapes.MODELS, shapes.VALID_VOCAB
 
 
 def model_config(config):
