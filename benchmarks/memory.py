@@ -32,6 +32,13 @@ The last lines are `train_step_peak_gb_per_device=`, `sampler_peak_gb_per_device
 `hardware_gb_per_device=` (config.hardware.memory_gb_per_device) and `preset_fits=yes|no`
 (both peaks ≤ it). GB = 1e9 bytes.
 
+With --gpu_like the compile skips XLA:CPU's while-loop invariant code motion: the CPU runs
+bf16 matmuls in fp32, converting their operands, and that pass hoists the converts of the
+activations the backward scan reads out of the loop, as fp32 copies of whole [L, ...] stacks
+(24 GB of the Qwen2.5-1.5B step at 128 rows × 448 tokens, grad_accum_steps 4). A GPU multiplies
+bf16 natively and has none of these converts, so --gpu_like is the closer estimate of a GPU's
+peak (docs/performance.md).
+
 Estimates, not a TPU measurement: the CPU compiler's buffer assignment stands in for the
 accelerator's. It runs most bf16 matmuls here in fp32, converting their operands (some hoisted
 out of loops: whole fp32 copies of bf16 weights and of the LM head), so with bf16 compute its
@@ -61,6 +68,13 @@ _PROMPT_LEN = flags.DEFINE_integer(
     "prompt_len", 0, "prompt width P; 0 = the largest of config.data.prompt_buckets")
 _SKIP_SAMPLER = flags.DEFINE_bool("skip_sampler", False, "measure the train step only")
 _SKIP_EVAL = flags.DEFINE_bool("skip_eval", False, "skip the eval sampler's shape")
+_GPU_LIKE = flags.DEFINE_bool(
+    "gpu_like", False, "compile without XLA:CPU's while-loop invariant code motion, which hoists "
+    "fp32 copies of whole stacked bf16 activations out of the backward loop (see the docstring)")
+# XLA:CPU runs bf16 matmuls in fp32: it converts their bf16 operands, and this pass then hoists
+# the convert of each per-layer slice out of the backward scan as one convert of the whole
+# [L, ...] stack of saved activations. A GPU multiplies bf16 natively: it has no such converts.
+GPU_LIKE_XLA_FLAGS = " --xla_disable_hlo_passes=while-loop-invariant-code-motion"
 
 GB = 1e9
 
@@ -232,6 +246,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
+  if _GPU_LIKE.value:  # read when the CPU backend starts, below
+    os.environ["XLA_FLAGS"] += GPU_LIKE_XLA_FLAGS
   import jax  # pylint: disable=import-outside-toplevel
   from grpo_jax import sharding  # pylint: disable=import-outside-toplevel
   from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
