@@ -32,6 +32,13 @@ The last lines are `train_step_peak_gb_per_device=`, `sampler_peak_gb_per_device
 `hardware_gb_per_device=` (config.hardware.memory_gb_per_device) and `preset_fits=yes|no`
 (both peaks ≤ it). GB = 1e9 bytes.
 
+With --gpu_like the compile skips XLA:CPU's while-loop invariant code motion: the CPU runs
+bf16 matmuls in fp32, converting their operands, and that pass hoists the converts of the
+activations the backward scan reads out of the loop, as fp32 copies of whole [L, ...] stacks
+(24 GB of the Qwen2.5-1.5B step at 128 rows × 448 tokens, grad_accum_steps 4). A GPU multiplies
+bf16 natively and has none of these converts, so --gpu_like is the closer estimate of a GPU's
+peak (docs/performance.md).
+
 Estimates, not a TPU measurement: the CPU compiler's buffer assignment stands in for the
 accelerator's. It runs most bf16 matmuls here in fp32, converting their operands (some hoisted
 out of loops: whole fp32 copies of bf16 weights and of the LM head), so with bf16 compute its
@@ -46,8 +53,9 @@ as it is stored. XLA:CPU instead converts each bf16 matmul operand to fp32, and 
 hoists the converts of the stacked layer weights out of the layer loop: whole fp32 copies of
 the base's layers (5.2 GB for Qwen2.5-1.5B) for the policy's forward and again for the
 reference's, 19.45 against 5.75 GB for the 1.5b_lora step (its reference pass alone: 5.3 GB).
-Without the pass the converts happen one layer at a time.
---hoist_converts measures with the pass, as the other presets are.
+Without the pass the converts happen one layer at a time. So --gpu_like is on by default for
+LoRA presets (--nogpu_like measures with the pass) and off for the others, whose published
+figures were taken with it.
 """
 from __future__ import annotations
 
@@ -72,12 +80,16 @@ _PROMPT_LEN = flags.DEFINE_integer(
     "prompt_len", 0, "prompt width P; 0 = the largest of config.data.prompt_buckets")
 _SKIP_SAMPLER = flags.DEFINE_bool("skip_sampler", False, "measure the train step only")
 _SKIP_EVAL = flags.DEFINE_bool("skip_eval", False, "skip the eval sampler's shape")
-_HOIST = flags.DEFINE_bool(
-    "hoist_converts", False, "LoRA presets: keep XLA:CPU's loop-invariant code motion, which "
-    "hoists an fp32 copy of the bf16 base out of every layer loop (a CPU-only cost; see above)")
+_GPU_LIKE = flags.DEFINE_bool(
+    "gpu_like", None, "compile without XLA:CPU's while-loop invariant code motion, which hoists "
+    "fp32 copies of whole stacked bf16 activations and weights out of the layer loops (see the "
+    "docstring); default: on for LoRA presets, off for the others")
+# XLA:CPU runs bf16 matmuls in fp32: it converts their bf16 operands, and this pass then hoists
+# the convert of each per-layer slice out of the backward scan as one convert of the whole
+# [L, ...] stack of saved activations. A GPU multiplies bf16 natively: it has no such converts.
+GPU_LIKE_XLA_FLAGS = " --xla_disable_hlo_passes=while-loop-invariant-code-motion"
 
 GB = 1e9
-LICM = "while-loop-invariant-code-motion"
 
 # config.json of the checkpoints the presets name (benchmarks/shapes.py), so no hub access is
 # needed. A local checkpoint directory is read instead.
@@ -254,9 +266,9 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   lora_preset = config.model.get("lora") is not None and config.model.lora.rank > 0
-  in_loop = lora_preset and not _HOIST.value
-  if in_loop:  # read when the backend starts, below
-    os.environ["XLA_FLAGS"] += f" --xla_disable_hlo_passes={LICM}"
+  gpu_like = lora_preset if _GPU_LIKE.value is None else _GPU_LIKE.value
+  if gpu_like:  # read when the CPU backend starts, below
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + GPU_LIKE_XLA_FLAGS
   import jax  # pylint: disable=import-outside-toplevel
   from grpo_jax import sharding  # pylint: disable=import-outside-toplevel
   from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
@@ -277,9 +289,10 @@ def main(argv):
         f"mesh {dict(mesh.shape)}; {config.train.prompts_per_step} prompts × "
         f"G={config.sampling.num_generations}; hardware: {hw.name}, {hw.memory_gb_per_device} GB "
         f"× {hw.devices}", flush=True)
-  if in_loop:
-    print(f"  (LoRA: compiled without XLA:CPU's {LICM}, so that the CPU's fp32 copies of the "
-          "bf16 base are made layer by layer; --hoist_converts keeps the pass)", flush=True)
+  if gpu_like:
+    print("  (--gpu_like: compiled without XLA:CPU's while-loop invariant code motion, so its "
+          "fp32 converts of bf16 operands are made layer by layer, not hoisted as whole copies; "
+          "--nogpu_like keeps the pass)", flush=True)
   train_peak, state, ref = measure_train_step(config, cfg, valid, mesh, prompt_len)
   print(f"train_step_peak_gb_per_device={train_peak / GB:.2f}")
   peaks = [train_peak]

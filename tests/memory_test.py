@@ -101,7 +101,7 @@ def test_cli_on_the_tiny_lora_preset_compiles_without_hoisted_converts():
        "--config=" + os.path.join(ROOT, "configs", "gsm8k.py") + ":tiny_lora", "--skip_eval"],
       capture_output=True, text=True, timeout=300, cwd=ROOT, check=True).stdout
   values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line and " " not in line)
-  assert "LoRA base" in out and "without XLA:CPU's while-loop-invariant-code-motion" in out, out
+  assert "LoRA base" in out and "--gpu_like: compiled without XLA:CPU's while-loop invariant" in out, out
   assert values["preset_fits"] == "yes", out
 
 

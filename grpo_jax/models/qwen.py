@@ -198,9 +198,21 @@ class RMSNorm(nn.Module):
   def __call__(self, x: Array) -> Array:
     weight = _param(self, "weight", (x.shape[-1],), (self.axis_name,), nn.initializers.ones,
                     self.param_dtype)
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return weight.astype(self.dtype) * x32.astype(self.dtype)
+    return _rms_norm(x, weight, self.eps, jnp.dtype(self.dtype))
+
+
+def _rms_norm_impl(x, weight, eps, dtype):
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight.astype(dtype) * x32.astype(dtype)
+
+
+# The backward pass recomputes the norm from its input instead of keeping the fp32 copy of it
+# (and the fp32 normalised values) that autodiff would save: with bf16 compute, two fp32
+# [B, T, D] arrays per layer less (2.9 GiB of the Qwen2.5-1.5B step at 128 rows x 448 tokens,
+# grad_accum_steps 4), for a few elementwise ops more. Without a gradient nothing changes.
+_rms_norm = jax.checkpoint(_rms_norm_impl, prevent_cse=False, static_argnums=(2, 3),
+                           policy=jax.checkpoint_policies.nothing_saveable)
 
 
 def rope(x_BTnH: Array, positions_BT: Array, theta: float) -> Array:
@@ -296,31 +308,34 @@ class Attention(nn.Module):
     k = rope(k, positions_BT, cfg.rope_theta)
 
     if self.packed is not None:
-      return self._packed_attention(q, k, v, attn_mask_BS), None
+      return self._packed_attention(q, k, v, attn_mask_BS), cache
     if cache is None:
-      return self._out(attend(q, k, v, attn_mask_BS, 0, cfg.is_causal, cfg.attention)), None
-    # This call's k/v as the cache stores them (kv heads before slots), for Qwen.__call__ to
-    # write at slots [cache_index, cache_index + T) of every layer after the layer scan. Each
-    # layer reads the cache as it was before this call, with its own new k/v put in: nothing
-    # in the scan writes the cache, so the one write after it happens in place. (Written per
-    # layer inside the scan and read back, XLA:CPU fused the write into the read under
-    # jax.vmap and copied the whole cache twice per layer and step.)
-    new_BKTH = {"k": k.transpose(0, 2, 1, 3).astype(cache["k"].dtype),
-                "v": v.transpose(0, 2, 1, 3).astype(cache["v"].dtype)}
-    if k.shape[1] == cache["k"].shape[3]:
-      # This call fills every slot of the layer (a prefill, so cache_index is 0): the layer
-      # after the write is this call's k/v, used as such. (The dynamic slice of the stack was
-      # the prefill program's costliest kernel to compile: small benchmark, the prefill
-      # compiled in 0.45 s against 0.52 s, medians of 3.)
-      keys, values, start = new_BKTH["k"], new_BKTH["v"], 0
+      keys, values, start = k, v, 0
     else:
-      keys, values = (jax.lax.dynamic_update_slice(cache[name][layer], new_BKTH[name],
-                                                   (0, 0, cache_index, 0))
-                      for name in ("k", "v"))
-      start = cache_index
-    out_BTNH = attend(q, keys.astype(self.dtype), values.astype(self.dtype), attn_mask_BS,
-                      start, cfg.is_causal, cfg.attention, heads_first=True)
-    return self._out(out_BTNH), new_BKTH
+      # Write this call's k/v at slots [cache_index, cache_index + T) of this layer, straight
+      # into the stacked cache: a decode step then writes T slots, not a copy of the layer.
+      idx = tuple(jnp.asarray(i, jnp.int32) for i in (layer, 0, 0, cache_index, 0))
+      cache = {name: update_slice(
+                   cache[name], new.transpose(0, 2, 1, 3)[None].astype(cache[name].dtype), idx)
+               for name, new in (("k", k), ("v", v))}
+      if k.shape[1] == cache["k"].shape[3]:
+        # This call fills every slot of the layer (a prefill, so cache_index is 0): reading the
+        # layer back would give k/v as the cache stores them, so they are used as such. The
+        # dynamic slice of the stack was the prefill program's costliest kernel to compile
+        # (small benchmark: the prefill compiles in 0.45 s against 0.52 s, medians of 3).
+        keys, values, start = k.astype(cache["k"].dtype), v.astype(cache["v"].dtype), 0
+      else:
+        # Read as the cache stores them, kv heads before slots: attend takes that layout, so a
+        # decode step copies no layer of the cache into another one. (Under jax.vmap XLA:CPU
+        # still fuses the write into this read and copies the whole cache per layer and step:
+        # experiments/one_loop.md.)
+        out_BTNH = attend(q, cache["k"][layer].astype(self.dtype),
+                          cache["v"][layer].astype(self.dtype), attn_mask_BS, cache_index,
+                          cfg.is_causal, cfg.attention, heads_first=True)
+        return self._out(out_BTNH), cache
+    out_BTNH = attend(q, keys.astype(self.dtype), values.astype(self.dtype), attn_mask_BS, start,
+                      cfg.is_causal, cfg.attention)
+    return self._out(out_BTNH), cache
 
   def _out(self, out_BTNH):
     cfg = self.cfg
@@ -580,9 +595,7 @@ def _constrain(x: Array, sharding) -> Array:
 
 
 class DecoderLayer(nn.Module):
-  """One pre-norm block, written as a scan body over layers: carry = (x, cache, layer index,
-  ...), the cache read only; the output is this call's k/v of the layer (None without a cache),
-  stacked by the scan for Qwen.__call__ to write."""
+  """One pre-norm block, written as a scan body over layers: carry = (x, cache, layer index)."""
   cfg: QwenConfig
   dtype: Any
   param_dtype: Any
@@ -595,13 +608,13 @@ class DecoderLayer(nn.Module):
     cfg = self.cfg
     h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "norm",
                 name="input_layernorm")(x)
-    h, new_kv = Attention(cfg, self.dtype, self.param_dtype, self.packed, name="self_attn")(
+    h, cache = Attention(cfg, self.dtype, self.param_dtype, self.packed, name="self_attn")(
         h, positions_BT, attn_mask_BS, cache, layer, cache_index)
     x = _constrain(x + h, self.act_sharding)
     h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "norm",
                 name="post_attention_layernorm")(x)
     x = _constrain(x + MLP(cfg, self.dtype, self.param_dtype, name="mlp")(h), self.act_sharding)
-    return (x, cache, layer + 1, positions_BT, attn_mask_BS, cache_index), new_kv
+    return (x, cache, layer + 1, positions_BT, attn_mask_BS, cache_index), None
 
 
 class Qwen(nn.Module):
@@ -649,10 +662,7 @@ class Qwen(nn.Module):
     x = _constrain(self.embed_tokens(tokens_BT), self.act_sharding)
     carry = (x, cache, jnp.int32(0), positions_BT, attn_mask_BS,
              None if cache is None else jnp.asarray(cache_index, jnp.int32))
-    (x, *_), new_kv = self.layers(carry, None)
-    if cache is not None:  # every layer's k/v at once, [L, B, K, T, H], in place
-      idx = tuple(jnp.asarray(i, jnp.int32) for i in (0, 0, 0, cache_index, 0))
-      cache = {name: update_slice(cache[name], new_kv[name], idx) for name in ("k", "v")}
+    (x, cache, *_), _ = self.layers(carry, None)
     return self.norm(x), cache
 
   def logits(self, hidden_BTD: Array) -> Array:
