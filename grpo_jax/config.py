@@ -48,8 +48,9 @@ def model() -> ConfigDict:
       checkpoint="Qwen/Qwen2.5-1.5B-Instruct",  # local directory or hub id
       tokenizer="",                 # '' = the checkpoint's; 'tiny' = a BPE learnt offline
       random_init=False,            # True: no checkpoint, build `tiny` below with random weights
-      # jax.nn.dot_product_attention's implementation: None (JAX's choice, XLA today), 'xla',
-      # or 'cudnn' (NVIDIA GPUs, bf16/fp16 compute). See docs/performance.md.
+      # Attention: None or 'xla' (a grouped-query einsum, XLA fuses it), or 'cudnn' (cuDNN's
+      # fused kernel through jax.nn.dot_product_attention for prompts and training; NVIDIA
+      # GPUs, bf16/fp16 compute). See docs/performance.md.
       attention=placeholder(str),
       # Used only when random_init: a Qwen2 architecture of this size.
       tiny=ConfigDict(dict(
