@@ -26,7 +26,6 @@ import math
 import os
 import re
 import sys
-from statistics import NormalDist
 
 import numpy as np
 
