@@ -149,7 +149,8 @@ def rollout_batch(config, rows, prompt_len, completion_len, mesh):
   """The train step's rollout layout (rollout.Rollouts.device_batch) as sharded abstracts."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from grpo_jax import train_step  # pylint: disable=import-outside-toplevel
-  prompts = rows // config.sampling.num_generations  # each prompt once, for its group
+  from grpo_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  prompts = rows // config_lib.group_size(config)  # each prompt once, for its group
   shapes = {"prompt_NP": ((prompts, prompt_len), jnp.int32),
             "prompt_mask_NP": ((prompts, prompt_len), jnp.int32),
             "completion_BC": ((rows, completion_len), jnp.int32),
@@ -270,7 +271,7 @@ def main(argv):
   if gpu_like:  # read when the CPU backend starts, below
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + GPU_LIKE_XLA_FLAGS
   import jax  # pylint: disable=import-outside-toplevel
-  from grpo_jax import sharding  # pylint: disable=import-outside-toplevel
+  from grpo_jax import config as config_lib, sharding  # pylint: disable=C0415
   from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
   if config.agent.enabled:
     raise SystemExit("memory.py: agent presets (multi-turn rollouts) are not measured here")
@@ -287,7 +288,7 @@ def main(argv):
         f"({n_params / 1e9:.3f}B params, {o.param_dtype} params + AdamW, {o.compute_dtype} "
         f"compute, remat={o.remat}, beta={config.loss.beta}, μ={config.loss.num_iterations}) on "
         f"mesh {dict(mesh.shape)}; {config.train.prompts_per_step} prompts × "
-        f"G={config.sampling.num_generations}; hardware: {hw.name}, {hw.memory_gb_per_device} GB "
+        f"G={config_lib.group_size(config)}; hardware: {hw.name}, {hw.memory_gb_per_device} GB "
         f"× {hw.devices}", flush=True)
   if gpu_like:
     print("  (--gpu_like: compiled without XLA:CPU's while-loop invariant code motion, so its "

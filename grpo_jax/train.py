@@ -467,10 +467,10 @@ def _finish(m: Member, trainer, params, ref, finished: bool, done: int, main: bo
   """The run's summary, plots and exported model (LoRA: the merged model, and the adapter in
   PEFT's format)."""
   s, lcfg = m.setup, trainer.lora
-  # Several processes: every one takes part in gathering the params, process 0 writes.
-  if finished and lcfg is not None:
-    params = (params, ref)
-  final_params = hosts.fetch(params) if finished and hosts.count() > 1 else params
+  # What is exported: the params, or with LoRA the adapters and the base they merge into.
+  # Several processes: every one takes part in gathering them, process 0 writes.
+  exported = params if lcfg is None else (params, ref)
+  final_params = hosts.fetch(exported) if finished and hosts.count() > 1 else exported
   if not main:
     return {}
   summary = logging_io.write_summary(s.workdir, stopped_at=None if finished else done,
@@ -546,8 +546,8 @@ def _start(members, trainers):
       m.fresh = True
     else:
       states.append(r.state["train"])
-      refs.append(_shared_base(members, refs, m, _lora_base(m, trainer)) if lora and refs
-                  else _lora_base(m, trainer) if lora else r.state.get("ref"))
+      ref = _lora_base(m, trainer) if lora else r.state.get("ref")
+      refs.append(_shared_base(members, refs, m, ref) if lora and refs else ref)
       m.it = data.PromptIterator(len(s.train_rows), c.train.prompts_per_step, c.seed,
                                  position=r.data_position)
       print(f"grpo_jax: {m.workdir if len(members) > 1 else ''}"
@@ -575,9 +575,9 @@ def _lora_base(m, trainer):
 def _shared_base(members, refs, m, ref):
   """LoRA members of a group share one frozen base: member m's, built, must equal the first
   member's to the bit, and is dropped for it (so at most two bases exist at once)."""
-  equal = jax.jit(lambda a, b: jnp.all(jnp.stack([jnp.all(x == y) for x, y in zip(
-      jax.tree.leaves(a), jax.tree.leaves(b))])))
-  if not bool(equal(refs[0], ref)):
+  # Compared in the widest dtype among the leaves (an int8 kernel compares exactly as bf16).
+  dtype = jnp.result_type(*jax.tree.leaves(refs[0]))
+  if not bool(train_step.same_params(refs[0], ref, dtype)):
     raise VmapError(
         f"{m.workdir} and {members[0].workdir} have different frozen bases (a warm start or "
         "random initialisation that depends on the seed): LoRA members of a vmapped group "
