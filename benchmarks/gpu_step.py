@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_step.py                       # 0.5b and 1.5b, under 8 min on an H100
     python benchmarks/gpu_step.py --sizes 0.5b --attention cudnn
+    python benchmarks/gpu_step.py --sizes 1.5b --remat '' --grad_accum 2 --sides grpo_jax
     python benchmarks/gpu_step.py --smoke               # the same code on CPU at a toy shape
 
 Workload (issue 30, both sides in the same call on the same GPU): random weights at the real
@@ -34,7 +35,8 @@ measures, after its steps, in the same process:
   kernels    kernels per decode step, counted in the decode program's optimized HLO
              (`count_loop_kernels`): every instruction of the decode loop's body and condition
              that launches work (fusions, custom calls such as cuBLAS GEMMs, copies, ...), with
-             the layer scan's body counted once per layer (its known trip count);
+             the layer scan's body counted once per layer (its known trip count). The
+             optimized HLO is written to <dir>/<size>/decode_hlo.txt;
   MFU        model FLOPs of the reference forward (F) and of the update (policy forward +
              backward, 3F), trl_step.step_flops' count (matmuls only, no remat recompute), over
              the phase times and the bf16 matmul peak measured in the same process (an
@@ -252,9 +254,12 @@ def _sampler_figures(spec, sampler, params, out, kernels):
       active = jnp.ones((out["rows"],), bool)
       compiled = sampler.lower_decode(params, conv.cache, conv.state, jax.random.key(0),
                                       conv.row_ids, active, c).compile()
-      k = count_loop_kernels(compiled.as_text())
+      text = compiled.as_text()
+      # Kept beside the size's inputs, for reading the kernels off the GPU machine.
+      (Path(spec["model"]).parent / "decode_hlo.txt").write_text(text)
+      k = count_loop_kernels(text)
       out["decode_kernels"] = sum(k.values())
-      out["decode_kernel_ops"] = dict(k.most_common(8))
+      out["decode_kernel_ops"] = dict(k.most_common(12))
     except Exception as e:  # noqa: BLE001 - a figure missing, not a failed run
       out["decode_kernels_error"] = f"{type(e).__name__}: {e}"[:300]
 
@@ -265,7 +270,8 @@ def worker(args) -> None:
   configure(args.smoke, args.tokenizer, args.gsm8k)
   side, size = args.worker
   options = {"compute_dtype": "bfloat16", "remat": args.remat_on, "attention": args.attention,
-             "trl_gpu": not args.smoke, "vllm": side == "trl_vllm"}
+             "grad_accum": args.grad_accum, "trl_gpu": not args.smoke,
+             "vllm": side == "trl_vllm"}
   run_grpo_jax, run_trl = trl_step.run_grpo_jax, trl_step.run_trl
   captured = {}
 
@@ -322,6 +328,7 @@ def spawn(side, size, args, remat, budget_end) -> dict:
          str((0 if args.smoke else 1) if trl else args.warmup),
          "--tokenizer", args.tokenizer, "--gsm8k", args.gsm8k]
   cmd += ["--attention", args.attention] if args.attention else []
+  cmd += ["--grad_accum", str(args.grad_accum)]
   cmd += ["--remat_on"] * remat + ["--smoke"] * args.smoke + ["--no_kernels"] * args.no_kernels
   env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
              HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -371,7 +378,8 @@ def report(size, spec, runs, args, remat) -> float | None:
         f" vocabulary {spec['vocab']:,} ({spec['valid_vocab']:,} tokenizer ids); "
         f"{trl_step.NUM_PROMPTS} prompts x G={trl_step.G}, {c} new tokens (no stop ids), bucket "
         f"{BUCKET if not args.smoke else spec['bucket']}; bf16 compute, fp32 master params, "
-        f"remat {'on' if remat else 'off'}, attention {args.attention or 'default (XLA)'}")
+        f"remat {'on' if remat else 'off'}, attention {args.attention or 'default (XLA)'}, "
+        f"grpo_jax micro-batches {args.grad_accum}")
   gj = runs.get("grpo_jax") or {}
   print(f"  {'side':10s}{'first':>9s}{'median':>9s}{'sample':>9s}{'reward':>9s}"
         f"{'reference':>11s}{'update':>9s}{'peak mem':>10s}  device")
@@ -446,6 +454,8 @@ def parse_args(argv=None):
   p.add_argument("--attention", default=None, choices=["xla", "cudnn"],
                  help="config.model.attention (default: JAX's choice, XLA)")
   p.add_argument("--remat", default="1.5b", help="sizes run with remat on both sides")
+  p.add_argument("--grad_accum", type=int, default=1,
+                 help="grpo_jax's micro-batches per update (optim.grad_accum_steps)")
   p.add_argument("--sides", default="grpo_jax,trl,trl_vllm",
                  help="trl_vllm runs only where `import vllm` works")
   p.add_argument("--budget_s", type=float, default=450.0,
@@ -454,7 +464,8 @@ def parse_args(argv=None):
   p.add_argument("--tokenizer", default=str(trl_step.QWEN_TOKENIZER))
   p.add_argument("--gsm8k", default=str(trl_step.GSM8K), help="a directory with train.jsonl")
   p.add_argument("--smoke", action="store_true", help="CPU, toy shape (see the docstring)")
-  p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
+  p.add_argument("--dir", default=None, help="work directory (default: a temporary one); a "
+                 "size whose inputs it already holds is not prepared again")
   p.add_argument("--worker", nargs=2, metavar=("SIDE", "SIZE"), help=argparse.SUPPRESS)
   p.add_argument("--remat_on", action="store_true", help=argparse.SUPPRESS)
   return p.parse_args(argv)
@@ -492,11 +503,13 @@ def main(argv=None):
     args.dir = args.dir or tmp
     for size in sizes:
       remat = size in args.remat.split(",")
-      prep = spawn("prepare", size, args, remat, budget_end)
+      spec_file = Path(args.dir) / size / "spec.json"
+      # A --dir that already holds this size's inputs (an earlier run's) is used as it is.
+      prep = {} if spec_file.exists() else spawn("prepare", size, args, remat, budget_end)
       if prep.get("error"):
         finals.append((size, None))
         continue
-      spec = json.loads((Path(args.dir) / size / "spec.json").read_text())
+      spec = json.loads(spec_file.read_text())
       runs = {side: spawn(side, size, args, remat, budget_end) for side in sides}
       if not args.smoke:
         spec["bucket"] = BUCKET

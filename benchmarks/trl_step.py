@@ -265,8 +265,9 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   o = c.optim
   o.lr, o.schedule, o.warmup_steps, o.weight_decay = LR, "constant", 0, 0.0
   o.b1, o.b2, o.max_grad_norm = 0.9, 0.999, MAX_GRAD_NORM  # torch AdamW's betas, as TRL
-  # gpu_step.py sets the compute dtype, remat and attention kernel in the spec; CPU: fp32, remat.
-  o.grad_accum_steps, o.param_dtype = 1, "float32"
+  # gpu_step.py sets the compute dtype, remat, micro-batches and attention kernel in the spec;
+  # CPU: fp32, remat, one micro-batch.
+  o.grad_accum_steps, o.param_dtype = spec.get("grad_accum", 1), "float32"
   o.compute_dtype, o.remat = spec.get("compute_dtype", "float32"), spec.get("remat", True)
   c.model.attention = spec.get("attention")
   c.train.prompts_per_step, c.train.dynamic_sampling = NUM_PROMPTS, False

@@ -3,6 +3,7 @@ programs of 2-4 layers, its analytic parameter count against transformers', and 
 whole script on CPU at a toy shape) end to end."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -118,6 +119,10 @@ def test_smoke_run(tmp_path):
   assert "FAILED" not in out, out[-3000:]
   spec = json.loads((tmp_path / "smoke" / "spec.json").read_text())
   assert gpu_step.decode_bytes(spec, 4, 100)["params"] == spec["num_params"]
+  # The decode program's HLO is kept, and the printed count is the count of that text.
+  counted = gpu_step.count_loop_kernels((tmp_path / "smoke" / "decode_hlo.txt").read_text())
+  printed = re.search(r"kernels per decode step \(optimized HLO of the decode loop\): (\d+)", out)
+  assert int(printed.group(1)) == sum(counted.values()) > 0
 
 
 def test_decode_bytes_at_the_qwen25_shapes():
