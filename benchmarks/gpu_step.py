@@ -104,8 +104,9 @@ def configure(smoke: bool, tokenizer: str, gsm8k: str) -> None:
 # Instructions that launch nothing on their own (control flow is expanded, not counted).
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
          "conditional", "after-all", "opt-barrier", "partition-id", "replica-id",
-         "add-dependency", "domain", "copy-done", "async-done", "async-update", "send-done",
-         "recv-done", "all-reduce-done", "all-gather-done", "collective-permute-done"}
+         "add-dependency", "domain", "copy-done", "async-done", "async-update", "fusion-done",
+         "send-done", "recv-done", "all-reduce-done", "all-gather-done",
+         "collective-permute-done"}
 _HEADER = re.compile(r"^(ENTRY )?%?([^\s(]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?\S+ = (.*)$")
 _OPCODE = re.compile(r"\s([a-z][a-z0-9-]*)\(")

@@ -59,6 +59,7 @@ figures were taken with it.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -208,14 +209,26 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
       model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
       max_new_tokens=s.max_new_tokens, stop_ids=(0,), buckets=(prompt_len,),
       valid_vocab_size=valid, pad_id=0, mesh=mesh)
-  # Resident while sampling, outside the sampler's arguments: all but the policy params (with
-  # LoRA the sampler takes the base and the adapters, unmerged).
+  # Resident while sampling, outside the sampler's arguments: all but the policy params.
   resident = device_bytes(state) - device_bytes(state["params"])
   if lcfg is None:
     resident += device_bytes(ref) if ref is not None else 0
     params = state["params"]
-  else:
+  elif lcfg.merge_for_sampling:
+    # The sampler takes the base with merged target kernels (new arrays); the base's own
+    # target kernels and the adapters stay beside it.
+    from grpo_jax.models import lora  # pylint: disable=import-outside-toplevel
+    merge = jax.jit(functools.partial(lora.merged_kernels, lcfg=lcfg))
+    compiled = merge.lower(ref, state["params"]).compile()
+    kernels = _abstract(jax.eval_shape(merge, ref, state["params"]), compiled.output_shardings)
+    params = lora.with_kernels(ref, kernels)
+    resident += (device_bytes(state["params"]) + device_bytes(ref) - device_bytes(params)
+                 + device_bytes(kernels))
+  else:  # the base and the adapters, side by side
     params = {"params": ref, "lora": state["params"]}
+  what_stays = ("optimizer state and reference params" if lcfg is None else
+                "adapters, their optimizer state and the base's target kernels"
+                if lcfg.merge_for_sampling else "optimizer state")
   mult = int(jax.numpy.prod(jnp.array([mesh.shape[a] for a in sharding.BATCH_AXES])))
   row_sh = lambda nd: sharding.batch_sharding(mesh, nd)
   shapes = [("rollout", config.train.prompts_per_step, config_lib.group_size(config), {})]
@@ -254,7 +267,7 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
     print(f"  sampler ({name}: {b} prompts × G={g} = {r} rows, {prompt_len} + "
           f"{s.max_new_tokens} slots, KV cache {cache_gb:.2f} GB/device; compiled in "
           f"{time.time() - t0:.0f} s)\n    prefill: {p_line}\n    decode:  {d_line}\n"
-          f"    + resident optimizer state{' and reference params' if lcfg is None else ''} "
+          f"    + resident {what_stays} "
           f"{resident / GB:.2f} GB"
           f" → {peak / GB:.2f} GB", flush=True)
     worst = max(worst, peak)

@@ -65,18 +65,22 @@ tiny_lora — tiny's warm start (the whole model), then GRPO trains rank-8 adapt
   with the adapters off (no reference copy), lr 2e-4, 32 prompts × G = 8 per step, up to 512 new
   tokens, one device (docs/lora.md):
     python -m grpo_jax.main --config=configs/gsm8k.py:1.5b_lora --workdir=runs/gsm8k_1.5b_lora
-  | preset    | hardware                              | micro-batches    | train step | sampler  |
-  | 1.5b_lora | one 16 GB device (T4, L4, TPU v5e-1)  | 32 of one group  | 5.75 GB    | 12.63 GB |
-  | 3b_lora   | one 24 GB GPU (L4 24 GB, A10, 4090)   | 32 of one group  | 10.09 GB   | 18.47 GB |
-  | 7b_lora   | one 80 GB GPU (H100, A100 80 GB)      | 16 of two groups | 26.19 GB   | 34.68 GB |
+  | preset    | hardware                          | micro-batches    | train    | sampler        |
+  | 1.5b_lora | one 16 GB device (T4, L4, v5e-1)  | 32 of one group  | 5.75 GB  | 12.63 GB (unm.) |
+  | 3b_lora   | one 24 GB GPU (L4 24 GB, A10)     | 32 of one group  | 10.09 GB | 18.47 GB (unm.) |
+  | 7b_lora   | one 80 GB GPU (H100, A100 80 GB)  | 16 of two groups | 26.19 GB | 46.60 GB (mer.) |
   Memory from benchmarks/memory.py: the sampler's figure is the rollout's decode or prefill
-  with its 256 × (512 + 512)-slot bf16 KV cache (7.52 / 9.66 / 15.03 GB). memory.py
+  with its 256 × (512 + 512)-slot bf16 KV cache (7.52 / 9.66 / 15.03 GB); 7b_lora samples
+  with the adapters merged (mer.) into a copy of the target kernels
+  (model.lora.merge_for_sampling), the two smaller ones unmerged (unm.), to keep their margin.
+  On an H100 held to 15.5 GB, 1.5b_lora's first step ran and peaked at 12.15 GB
+  (benchmarks/preset_steps.py). memory.py
   compiles LoRA presets without XLA:CPU's loop-invariant code motion, which would hoist fp32
   copies of the bf16 base that an accelerator never makes (1.5b_lora: 19.45 / 18.59 GB with
   it; experiments/lora_memory.md). Loading the checkpoint holds it in fp32 beside the bf16 base
   for a moment (by its size, not measured: 6.2 + 3.1 GB for 1.5B, 12.3 + 6.2 for 3B, 30.5 +
   15.2 for 7B). On a GPU let JAX take the memory: XLA_PYTHON_CLIENT_MEM_FRACTION=.95.
-  Expected scores: not measured here (no accelerator was available).
+  Expected scores: not measured (no accelerator long enough for a run).
 """
 
 from ml_collections import config_dict
@@ -186,6 +190,10 @@ def _lora(c: config_dict.ConfigDict, preset: str) -> None:
   checkpoint, prompts, accum, hardware, memory_gb = LORA_PRESETS[preset]
   c.model.checkpoint = checkpoint
   c.model.lora.update(rank=16, alpha=32.0)
+  # Merged adapters decode faster (docs/lora.md) but hold a copy of the target kernels while
+  # sampling: +1.9 GB on 1.5b_lora's sampler peak and +4.6 GB on 3b_lora's (memory.py: 14.51
+  # and 23.08 GB), too close to a 16 or 24 GB card. Those two sample the adapters unmerged.
+  c.model.lora.merge_for_sampling = memory_gb >= 80
   c.loss.beta = 0.04
   c.optim.lr = 2e-4  # LoRA takes 10-30x the full-weight rate (1e-5)
   c.optim.grad_accum_steps = accum

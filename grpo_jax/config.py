@@ -73,6 +73,11 @@ def model() -> ConfigDict:
           targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
           dropout=0.0,              # only 0 is supported
           quantize="none",          # 'int8': the frozen base's projection kernels as int8 (QLoRA)
+          # True: the sampler runs the base with W + (alpha / r)·a·b in each target, merged
+          # once per step (decode 1.18x faster on an H100 at 1.5B; costs a copy of the target
+          # kernels while sampling). False: base and adapters side by side. K-member sweeps
+          # always sample side by side (one base for all).
+          merge_for_sampling=True,
       )),
   ))
 

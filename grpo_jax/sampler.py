@@ -96,7 +96,8 @@ class Conversation(NamedTuple):
 
 def variables(params) -> dict:
   """What model.apply takes, from the sampler's `params` argument: a params pytree, or already
-  variables ({'params': base, 'lora': adapters}: a LoRA policy, sampled unmerged)."""
+  variables ({'params': base, 'lora': adapters}: a LoRA policy with its adapters beside the
+  base; train.Trainer.policy says which it gets)."""
   return params if "params" in params else {"params": params}
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -611,6 +612,8 @@ class Trainer:
     # LoRA (config.model.lora.rank > 0): the state trains adapters on a frozen base, which is
     # also the reference policy (adapters off); None: full fine-tuning.
     self.lora = lora_settings(config)
+    self._merge = (jax.jit(functools.partial(lora_lib.merged_kernels, lcfg=self.lora))
+                   if self.lora else None)
     self.step_fn = train_step.TrainStep(
         cfg, config.loss, self.optim, mesh, temperature=s.temperature, valid_vocab_size=valid,
         max_completion_length=self.rollout.completion_width,
@@ -648,10 +651,14 @@ class Trainer:
     train_step.reference_dtype (LoRA: int8 kernels where model.lora.quantize says)."""
     return train_step.reference_params(params, self.cfg, self.optim, self.mesh, self.lora)
 
-  def policy(self, params, frozen):
-    """What the sampler runs: the params, or LoRA's base with the adapters on (unmerged)."""
+  def policy(self, params, frozen, members: bool = False):
+    """What the sampler runs: the params, or with LoRA the base with the adapters merged into
+    its target kernels (model.lora.merge_for_sampling, one run), or beside them (members: K
+    adapters on one base)."""
     if self.lora is None:
       return params
+    if self.lora.merge_for_sampling and not members:
+      return lora_lib.merged_policy(frozen, params, self.lora, self._merge)
     return lora_lib.variables(frozen, params, self.lora)
 
   def abstract_checkpoint(self):
@@ -691,7 +698,7 @@ class Trainer:
 
 def evaluate_group(trainers, group: Group, rows_K) -> list[float]:
   """Greedy pass@1 of each member on its rows (trainers: one per member, for_member)."""
-  policy = trainers[0].policy(group.state["params"], group.ref)
+  policy = trainers[0].policy(group.state["params"], group.ref, members=group.k > 1)
   if group.k == 1:
     return [trainers[0].evaluate(policy, rows_K[0], group.ref)]
   return rollout.evaluate_members([t.rollout for t in trainers], policy, rows_K,
@@ -707,7 +714,7 @@ def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
   gets None metrics and samples. Returns (group, per run metrics, per run samples)."""
   first, k = trainers[0], group.k
   configs = [t.config for t in trainers]
-  params = first.policy(group.state["params"], group.ref)  # what the sampler runs
+  params = first.policy(group.state["params"], group.ref, members=k > 1)  # what the sampler runs
   colls = [rollout.Collection(c) for c in configs]
   keys = [jax.random.fold_in(jax.random.key(c.seed), step) for c in configs]
   next_rows_K = list(next_rows_K)

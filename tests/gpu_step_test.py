@@ -79,6 +79,19 @@ def test_kernel_count_of_a_module_counted_by_hand():
   assert sum(k.values()) == 12
 
 
+def test_an_async_fusion_is_one_kernel():
+  """XLA:GPU may run a fusion asynchronously as a fusion-start / fusion-done pair: one launch
+  (the start); the done only waits."""
+  line = "  %f = f32[4]{0} fusion(f32[4]{0} %b), kind=kLoop, calls=%fused_a\n"
+  assert HLO.count(line) == 1
+  pair = ("  %fs = ((f32[4]{0}), f32[4]{0}) fusion-start(f32[4]{0} %b), kind=kLoop, "
+          "calls=%fused_a\n  %f = f32[4]{0} fusion-done(((f32[4]{0}), f32[4]{0}) %fs)\n")
+  k = gpu_step.count_loop_kernels(HLO.replace(line, pair))
+  assert dict(k) == {"fusion": 1 + 3, "fusion-start": 1, "custom-call": 1, "copy": 3,
+                     "compare": 3}
+  assert sum(k.values()) == 12
+
+
 def _decode_kernels(layers):
   cfg = qwen.QwenConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=layers,
                         num_heads=4, num_kv_heads=2, head_dim=8)

@@ -435,3 +435,43 @@ def test_vmapped_members_share_one_base():
         x[k], y, rtol=1e-5, atol=1e-5 * float(jnp.abs(y).max())), grads, grad)
   # The scale is alpha / r by default.
   assert float(loss(members[0], None)) == float(loss(members[0], lcfg.scale))
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_merged_policy_computes_the_adapted_model_and_shares_the_base(checkpoints, quantize):
+  """What the sampler runs with merge_for_sampling: W + (alpha / r)·a·b in the targets gives the
+  unmerged adapted logits (fp32: within rounding); every other leaf, biases included, is the
+  base's own array; an int8 base keeps its untargeted projections int8."""
+  from grpo_jax.models import quant  # pylint: disable=import-outside-toplevel
+  params, cfg = weights.load_checkpoint(checkpoints["qwen2_untied"])
+  base = quant.quantize(params) if quantize == "int8" else params
+  lcfg = lora.LoraConfig(rank=4, alpha=8, targets=("q_proj", "up_proj", "down_proj"),
+                         quantize=quantize)
+  adapters = _trained_like(lora.init(jax.random.key(0), cfg, lcfg), 2, 0.2)
+  merged = lora.merged_policy(base, adapters, lcfg, jax.jit(
+      lambda p, a: lora.merged_kernels(p, a, lcfg)))
+  attn = merged["layers"]["self_attn"]
+  assert attn["q_proj"]["bias"] is base["layers"]["self_attn"]["q_proj"]["bias"]
+  assert merged["embed_tokens"]["embedding"] is base["embed_tokens"]["embedding"]
+  assert set(attn["q_proj"]) == {"kernel", "bias"}
+  assert attn["k_proj"] is not base["layers"]["self_attn"]["k_proj"]  # a new dict ...
+  for name, leaf in attn["k_proj"].items():  # ... holding the base's arrays
+    assert leaf is base["layers"]["self_attn"]["k_proj"][name]
+  if quantize == "int8":
+    assert attn["k_proj"]["kernel_q"].dtype == jnp.int8
+  # By hand for one target: the base kernel (dequantized) plus scale · a·b over the rank.
+  node = base["layers"]["mlp"]["up_proj"]
+  w = (node["kernel_q"].astype(np.float32) * np.asarray(node["kernel_scale"])[:, None, :]
+       if quantize == "int8" else np.asarray(node["kernel"]))
+  ab = adapters["layers"]["mlp"]["up_proj"]
+  want = w + lcfg.scale * np.einsum("lir,lro->lio", ab["lora_a"], ab["lora_b"])
+  np.testing.assert_allclose(np.asarray(merged["layers"]["mlp"]["up_proj"]["kernel"]), want,
+                             rtol=1e-6, atol=1e-6)
+
+  f = jax.jit(_logits_fn(qwen.Qwen(cfg), lcfg))
+  tokens, mask = _batch(3)
+  real = np.asarray(mask).astype(bool)
+  unmerged = np.asarray(f(base, adapters, tokens, mask))
+  assert np.abs(unmerged - np.asarray(f(base, None, tokens, mask)))[real].max() > 0.05
+  np.testing.assert_allclose(np.asarray(f(merged, None, tokens, mask))[real], unmerged[real],
+                             atol=2e-5)

@@ -65,6 +65,9 @@ class LoraConfig:
   dropout: float = 0.0
   # 'int8': the frozen base's seven projection kernels stored as int8 (QLoRA, models/quant.py).
   quantize: str = "none"
+  # The sampler runs one model with W + (alpha / r)·a·b in each target (merged_policy), not the
+  # base and the adapters side by side; sweeps of K members always run them side by side.
+  merge_for_sampling: bool = True
 
   def __post_init__(self):
     if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -81,6 +84,9 @@ class LoraConfig:
       raise ValueError(f"model.lora.dropout={self.dropout!r}: only 0 is supported")
     if self.quantize not in quant.MODES:
       raise ValueError(f"model.lora.quantize={self.quantize!r}: expected one of {quant.MODES}")
+    if not isinstance(self.merge_for_sampling, bool):
+      raise ValueError(f"model.lora.merge_for_sampling must be True or False, got "
+                       f"{self.merge_for_sampling!r}")
 
   @property
   def scale(self) -> float:
@@ -193,17 +199,43 @@ def _outer(lora_a: jax.Array, lora_b: jax.Array) -> jax.Array:
   return jnp.einsum("lir,lro->lio", a2, b2).reshape(a.shape[:-1] + b.shape[2:])
 
 
-def merge(params, adapters, lcfg: LoraConfig):
-  """The base params with each target kernel W replaced by W + (alpha / r)·a·b (computed in
-  fp32, stored in W's dtype): one model that computes what base + adapters compute. An int8
-  base (models/quant.py) is dequantized first, into the embedding's dtype."""
-  merged = jax.tree.map(lambda x: x, quant.dequantize(params))
+def merged_kernels(params, adapters, lcfg: LoraConfig) -> dict[str, jax.Array]:
+  """{target: W + (alpha / r)·a·b}, each computed in fp32 and stored in W's dtype (an int8 W,
+  models/quant.py, is dequantized first, into the embedding's dtype)."""
+  out = {}
   for t in _targets_of(adapters):
-    node = _get(merged, _kernel_path(t))
-    w = node["kernel"]
-    node["kernel"] = (w.astype(jnp.float32) + lcfg.scale * _outer(
+    node = _get(params, _kernel_path(t))
+    w = (quant.dequantize_kernel(node, TARGETS[t][1], params["embed_tokens"]["embedding"].dtype)
+         if "kernel_q" in node else node["kernel"])
+    out[t] = (w.astype(jnp.float32) + lcfg.scale * _outer(
         **_get(adapters, _kernel_path(t)))).astype(w.dtype)
-  return merged
+  return out
+
+
+def with_kernels(params, kernels: dict[str, jax.Array]):
+  """params with each target's kernel replaced by kernels[target] (an int8 kernel's kernel_q
+  and kernel_scale too); every other leaf, biases included, is params' own array."""
+  out = quant.copy_tree(params)
+  for t, w in kernels.items():
+    node = _get(out, _kernel_path(t))
+    node.pop("kernel_q", None), node.pop("kernel_scale", None)
+    node["kernel"] = w
+  return out
+
+
+def merge(params, adapters, lcfg: LoraConfig):
+  """The base params with each target kernel W replaced by W + (alpha / r)·a·b: one plain model
+  that computes what base + adapters compute (an int8 base is dequantized throughout, into the
+  embedding's dtype), e.g. to export."""
+  return with_kernels(quant.dequantize(params), merged_kernels(params, adapters, lcfg))
+
+
+def merged_policy(params, adapters, lcfg: LoraConfig, merge_fn=merged_kernels):
+  """What the sampler runs with lcfg.merge_for_sampling: the base with merged target kernels
+  (merge_fn: merged_kernels, or a jitted copy of it), its other leaves shared with the base;
+  an int8 base keeps its other projections int8. While sampling, this costs one copy of the
+  target kernels in the compute dtype beside the base."""
+  return with_kernels(params, merge_fn(params, adapters))
 
 
 # --- PEFT export -------------------------------------------------------------------------------

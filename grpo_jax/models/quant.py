@@ -28,9 +28,9 @@ KERNELS = {"q_proj": ("self_attn", 1), "k_proj": ("self_attn", 1), "v_proj": ("s
 MODES = ("none", "int8")
 
 
-def _copy(tree):
+def copy_tree(tree):
   """New dicts all the way down, the same leaves (arrays or PartitionSpecs)."""
-  return {k: _copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+  return {k: copy_tree(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
 
 
 def _quantize_kernel(w: jax.Array, in_ndim: int) -> dict[str, jax.Array]:
@@ -45,7 +45,7 @@ def _quantize_kernel(w: jax.Array, in_ndim: int) -> dict[str, jax.Array]:
 
 def quantize(params):
   """The params with the seven projection kernels as int8 + per-output-channel scale."""
-  out = _copy(params)
+  out = copy_tree(params)
   for name, (parent, in_ndim) in KERNELS.items():
     node = out["layers"][parent][name]
     node.update(_quantize_kernel(node.pop("kernel"), in_ndim))
@@ -62,13 +62,18 @@ def dequantize(params, dtype=None):
   if not is_quantized(params):
     return params
   dtype = dtype or params["embed_tokens"]["embedding"].dtype
-  out = _copy(params)
+  out = copy_tree(params)
   for name, (parent, in_ndim) in KERNELS.items():
-    node = out["layers"][parent][name]
-    q, scale = node.pop("kernel_q"), node.pop("kernel_scale")
-    node["kernel"] = (q.astype(jnp.float32) *
-                      jnp.expand_dims(scale, tuple(range(1, 1 + in_ndim)))).astype(dtype)
+    node = out["layers"][parent][name]  # a new dict: its bias, if any, stays
+    node["kernel"] = dequantize_kernel(node, in_ndim, dtype)
+    del node["kernel_q"], node["kernel_scale"]
   return out
+
+
+def dequantize_kernel(node, in_ndim: int, dtype) -> jax.Array:
+  """kernel_q · kernel_scale of one quantized node, in dtype."""
+  scale = jnp.expand_dims(node["kernel_scale"], tuple(range(1, 1 + in_ndim)))
+  return (node["kernel_q"].astype(jnp.float32) * scale).astype(dtype)
 
 
 def abstract(cfg: qwen.QwenConfig, param_dtype=jnp.float32):
@@ -78,7 +83,7 @@ def abstract(cfg: qwen.QwenConfig, param_dtype=jnp.float32):
 
 def logical_axes(cfg: qwen.QwenConfig):
   """kernel_q keeps the kernel's logical names; kernel_scale takes those of its output dims."""
-  axes = _copy(qwen.logical_axes(cfg))
+  axes = copy_tree(qwen.logical_axes(cfg))
   for name, (parent, in_ndim) in KERNELS.items():
     node = axes["layers"][parent][name]
     names = tuple(node.pop("kernel"))
