@@ -274,10 +274,11 @@ def rows_per_step(config) -> int:
 
 
 def cosine_total_steps(optim_cfg, updates: int) -> int:
-  """What optim.total_steps = 0 means for the cosine schedule: the run's optimizer updates. A
-  run with none (train.steps = 0: a warm start alone) never reads the schedule; any valid
-  length then serves."""
-  return int(updates) if updates else optim_cfg.warmup_steps + 1
+  """What optim.total_steps = 0 means for the cosine schedule: the run's optimizer updates, so
+  the rate reaches 0 at the last one. A run no longer than the warm-up (a preset shortened for
+  a smoke test) ends on the warm-up's ramp: the cosine then starts right after it, where the run
+  never goes. A run with no updates (train.steps = 0) never reads the schedule."""
+  return max(int(updates), optim_cfg.warmup_steps + 1)
 
 
 def optim_settings(config) -> ConfigDict:

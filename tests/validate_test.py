@@ -59,9 +59,15 @@ def test_settings_have_one_home_and_the_cosine_schedule_counts_mu():
   config.train.steps = 0
   validate.validate(config, num_devices=1)
   assert config_lib.cosine_total_steps(config.optim, 0) == config.optim.warmup_steps + 1
-  # A cosine that cannot fit its own warmup is still refused, naming the setting.
+  # A run shorter than the warm-up (a preset shortened for a smoke test) ends on the ramp: the
+  # derived cosine starts right after the warm-up, so it validates ...
   config.train.steps = 4  # 8 updates (μ = 2)
   config.optim.update(total_steps=0, warmup_steps=10)
+  validate.validate(config, num_devices=1)
+  assert config_lib.optim_settings(config).total_steps == 11
+  assert config_lib.cosine_total_steps(config.optim, 400) == 400
+  # ... while a total_steps set by hand that cannot fit its own warm-up is refused, naming it.
+  config.optim.total_steps = 8
   with pytest.raises(validate.ConfigError, match="optim.total_steps=8 must exceed"):
     validate.validate(config, num_devices=1)
 
