@@ -310,7 +310,8 @@ def test_vmapped_lora_members_share_one_base_and_match_their_separate_runs(tmp_p
   fixed = {"sft.steps": 200, "sft.target_accuracy": 0.0, "train.steps": 3,
            "train.eval_examples": 8, "train.eval_every": 0, "train.checkpoint_every": 3,
            "train.tensorboard": False, "train.prompts_per_step": 4,
-           "data.synthetic_train": 400, "data.synthetic_test": 40}
+           "data.synthetic_train": 400, "data.synthetic_test": 40,
+           "optim.warmup_steps": 0}  # each member's own rate from step 1 (checked below)
 
   def config(lr):
     c = sweep.load_config("configs/gsm8k.py:tiny_lora")

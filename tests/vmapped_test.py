@@ -28,7 +28,8 @@ from grpo_jax import logging_io, sweep, sweep_runner, train, train_step
 
 FIXED = {"sft.steps": 20, "sft.target_accuracy": 0.0, "train.steps": 3,
          "train.eval_examples": 16, "train.eval_every": 2, "train.checkpoint_every": 2,
-         "train.tensorboard": False, "loss.beta": 0.04}
+         "train.tensorboard": False, "loss.beta": 0.04,
+         "optim.warmup_steps": 0}  # each member's own rate from step 1 (checked below)
 SEPARATE = {**FIXED, "optim.lr": 1e-4, "loss.epsilon_high": 0.28}
 OTHER = {**FIXED, "optim.lr": 1e-5, "loss.beta": 0.1, "loss.epsilon": 0.1,
          "rewards.weights": (2.0,)}
