@@ -58,7 +58,11 @@ tiny_lora — tiny's warm start (the whole model), then GRPO trains rank-8 adapt
   adapters off, lr 3e-3 (docs/lora.md):
     python -m grpo_jax.main --config=configs/gsm8k.py:tiny_lora --workdir=runs/tiny_lora
   Hardware: a CPU (memory: train step 0.11 GB, sampler 0.09 GB; 4 GB declared).
-  Expected gain: not measured here.
+  Runtime: about 5 minutes alone on 2 cores.
+  Expected: held-out greedy accuracy gain +51.8 ± 9.0 points over seeds 0-4 (95% BCa interval
+  of the mean [45.3, 59.0]; lowest +42.8), from `python -m grpo_jax.sweep
+  experiments/tiny_lora_seeds.py --workdir=runs/tiny_lora_seeds` and `python -m
+  grpo_jax.report runs/tiny_lora_seeds` (experiments/tiny_lora.md).
 
 1.5b_lora, 3b_lora, 7b_lora — the reference recipe with rank-16 LoRA (alpha 32) on all seven
   projections (q, k, v, o, gate, up, down) of a frozen bf16 base, beta = 0.04 against that base
