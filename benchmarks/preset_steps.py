@@ -153,12 +153,18 @@ def main(argv=None) -> int:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--preset", args.preset,
            "--steps", str(args.steps), "--tokenizer", args.tokenizer, "--gsm8k", args.gsm8k,
            "--workdir", str(Path(tmp) / "run")] + ["--smoke"] * args.smoke
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    lines = (proc.stdout + proc.stderr).splitlines()
+    # The run's own output passes through as it comes (a run stopped by a time limit still
+    # shows how far it got); its last lines are parsed.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines = []
+    for line in proc.stdout:
+      print(line, end="", flush=True)
+      lines.append(line.rstrip("\n"))
+    proc.wait()
   found = [json.loads(x.split(" ", 1)[1]) for x in lines if x.startswith("PRESET_STEPS_RESULT ")]
   if proc.returncode or not found:
     oom = any("RESOURCE_EXHAUSTED" in x or "out of memory" in x.lower() for x in lines)
-    print("\n".join(lines[-25:]))
     print(f"preset_steps[{args.preset}]=failed ({'out of memory' if oom else 'error'}, exit "
           f"{proc.returncode})")
     return 1
