@@ -4,8 +4,9 @@ params + the 'lora' collection) against merged (lora.merge: plain params), same 
     python3 benchmarks/lora_decode.py --model=Qwen2.5-0.5B --rows=16 --slots=512 --rank=16
 
 (--targets is ignored: all seven projections carry adapters.)
-Random weights at the model's real shape, fp32 on CPU (bf16 with --dtype=bfloat16). Prints the
-median step time of each over --repeats alternated rounds of --steps steps, and their ratio.
+Random weights at the model's real shape, fp32 (bf16 with --dtype=bfloat16), on JAX's default
+device (a GPU where there is one; JAX_PLATFORMS=cpu for the CPU). Prints the median step time of
+each over --repeats alternated rounds of --steps steps, and their ratio.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+_PLATFORMS = os.environ.get("JAX_PLATFORMS")
 
 from absl import app, flags  # noqa: E402
 
@@ -23,6 +24,8 @@ from absl import app, flags  # noqa: E402
 import lora_memory  # noqa: E402
 
 _MODEL, _ROWS, _RANK = lora_memory._MODEL, lora_memory._ROWS, lora_memory._RANK
+if _PLATFORMS is None:  # lora_memory (an ahead-of-time benchmark) pins the CPU: this one times
+  os.environ.pop("JAX_PLATFORMS", None)  # steps, on whatever device JAX picks
 _SLOTS = flags.DEFINE_integer("slots", 512, "KV cache slots (the step attends to all)")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "params and compute")
 _STEPS = flags.DEFINE_integer("steps", 20, "steps per timed round")
