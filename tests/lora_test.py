@@ -450,6 +450,10 @@ def test_merged_policy_computes_the_adapted_model_and_shares_the_base(checkpoint
   adapters = _trained_like(lora.init(jax.random.key(0), cfg, lcfg), 2, 0.2)
   merged = lora.merged_policy(base, adapters, lcfg, jax.jit(
       lambda p, a: lora.merged_kernels(p, a, lcfg)))
+  # The default (eager) merge is the same computation as the jitted one the trainer passes.
+  eager = lora.merged_policy(base, adapters, lcfg)
+  for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(merged)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
   attn = merged["layers"]["self_attn"]
   assert attn["q_proj"]["bias"] is base["layers"]["self_attn"]["q_proj"]["bias"]
   assert merged["embed_tokens"]["embedding"] is base["embed_tokens"]["embedding"]

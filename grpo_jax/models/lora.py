@@ -230,12 +230,15 @@ def merge(params, adapters, lcfg: LoraConfig):
   return with_kernels(quant.dequantize(params), merged_kernels(params, adapters, lcfg))
 
 
-def merged_policy(params, adapters, lcfg: LoraConfig, merge_fn=merged_kernels):
+def merged_policy(params, adapters, lcfg: LoraConfig, merge_fn=None):
   """What the sampler runs with lcfg.merge_for_sampling: the base with merged target kernels
-  (merge_fn: merged_kernels, or a jitted copy of it), its other leaves shared with the base;
-  an int8 base keeps its other projections int8. While sampling, this costs one copy of the
-  target kernels in the compute dtype beside the base."""
-  return with_kernels(params, merge_fn(params, adapters))
+  (merge_fn(params, adapters): a jitted merged_kernels with lcfg bound; default: merged_kernels
+  itself), its other leaves shared with the base; an int8 base keeps its other projections
+  int8. While sampling, this costs one copy of the target kernels in the compute dtype beside
+  the base."""
+  kernels = (merge_fn(params, adapters) if merge_fn is not None
+             else merged_kernels(params, adapters, lcfg))
+  return with_kernels(params, kernels)
 
 
 # --- PEFT export -------------------------------------------------------------------------------
