@@ -218,9 +218,9 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
     # The sampler takes the base with merged target kernels (new arrays); the base's own
     # target kernels and the adapters stay beside it.
     from grpo_jax.models import lora  # pylint: disable=import-outside-toplevel
-    merge = jax.jit(functools.partial(lora.merged_kernels, lcfg=lcfg))
-    compiled = merge.lower(ref, state["params"]).compile()
-    kernels = _abstract(jax.eval_shape(merge, ref, state["params"]), compiled.output_shardings)
+    lowered = jax.jit(functools.partial(lora.merged_kernels, lcfg=lcfg)).lower(
+        ref, state["params"])
+    kernels = _abstract(lowered.out_info, lowered.compile().output_shardings)
     params = lora.with_kernels(ref, kernels)
     resident += (device_bytes(state["params"]) + device_bytes(ref) - device_bytes(params)
                  + device_bytes(kernels))

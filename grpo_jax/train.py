@@ -613,7 +613,7 @@ class Trainer:
     # also the reference policy (adapters off); None: full fine-tuning.
     self.lora = lora_settings(config)
     self._merge = (jax.jit(functools.partial(lora_lib.merged_kernels, lcfg=self.lora))
-                   if self.lora else None)
+                   if self.lora and self.lora.merge_for_sampling else None)
     self.step_fn = train_step.TrainStep(
         cfg, config.loss, self.optim, mesh, temperature=s.temperature, valid_vocab_size=valid,
         max_completion_length=self.rollout.completion_width,

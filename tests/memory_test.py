@@ -64,12 +64,18 @@ def test_every_preset_names_its_hardware():
     assert hw.name
 
 
-def test_cli_on_the_tiny_preset_prints_peaks_and_the_verdict():
+def _memory_cli(preset):
+  """benchmarks/memory.py on a preset of configs/gsm8k.py: its output and its key=value lines."""
   out = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "memory.py"),
-       "--config=" + os.path.join(ROOT, "configs", "gsm8k.py") + ":tiny", "--skip_eval"],
+       "--config=" + os.path.join(ROOT, "configs", "gsm8k.py") + ":" + preset, "--skip_eval"],
       capture_output=True, text=True, timeout=300, cwd=ROOT, check=True).stdout
-  values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line and " " not in line)
+  return out, dict(line.split("=", 1) for line in out.splitlines()
+                   if "=" in line and " " not in line)
+
+
+def test_cli_on_the_tiny_preset_prints_peaks_and_the_verdict():
+  out, values = _memory_cli("tiny")
   train, sampler = float(values["train_step_peak_gb_per_device"]), float(
       values["sampler_peak_gb_per_device"])
   assert 0 < train < 4 and 0 < sampler < 4, out
@@ -96,11 +102,7 @@ def test_known_models_have_the_published_sizes():
 
 
 def test_cli_on_the_tiny_lora_preset_compiles_without_hoisted_converts():
-  out = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "benchmarks", "memory.py"),
-       "--config=" + os.path.join(ROOT, "configs", "gsm8k.py") + ":tiny_lora", "--skip_eval"],
-      capture_output=True, text=True, timeout=300, cwd=ROOT, check=True).stdout
-  values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line and " " not in line)
+  out, values = _memory_cli("tiny_lora")
   assert "LoRA base" in out and "--gpu_like: compiled without XLA:CPU's while-loop invariant" in out, out
   assert values["preset_fits"] == "yes", out
 
