@@ -57,7 +57,7 @@ tiny_lora — tiny's warm start (the whole model), then GRPO trains rank-8 adapt
   on every projection of the warm-started base, beta = 0.01 against that base with the
   adapters off, lr 3e-3 (docs/lora.md):
     python -m grpo_jax.main --config=configs/gsm8k.py:tiny_lora --workdir=runs/tiny_lora
-  Hardware: a CPU (memory: train step 0.11 GB, sampler 0.09 GB; 4 GB declared).
+  Hardware: a CPU (memory: train step 0.11 GB, sampler 0.06 GB; 4 GB declared).
   Runtime: about 5 minutes alone on 2 cores.
   Expected: held-out greedy accuracy gain +51.8 ± 9.0 points over seeds 0-4 (95% BCa interval
   of the mean [45.3, 59.0]; lowest +42.8), from `python -m grpo_jax.sweep
