@@ -207,6 +207,9 @@ def sft() -> ConfigDict:
       # eval_examples training problems, held out of both phases, reaches it.
       target_accuracy=0.0,
       eval_every=50,                # steps between those checks
+      # > 0 (above target_accuracy): a check past it overshot the target between two checks;
+      # go back to the previous check and check after every step (sft.run_sft).
+      overshoot_accuracy=0.0,
       eval_examples=256,            # held-out training problems checked
   ))
 

@@ -104,6 +104,10 @@ def validate(config, num_devices: int) -> None:
   if config.sft.target_accuracy:
     _check(config.sft.eval_every >= 1, "sft.eval_every", "must be >= 1")
     _check(config.sft.eval_examples >= 1, "sft.eval_examples", "must be >= 1")
+  o = config.sft.overshoot_accuracy
+  _check(o == 0 or config.sft.target_accuracy < o <= 1, "sft.overshoot_accuracy",
+         f"must be 0 (off) or in (sft.target_accuracy, 1] = ({config.sft.target_accuracy}, 1], "
+         f"got {o}")
   if config.model.random_init:
     _check(config.model.tokenizer != "", "model.tokenizer",
            "a randomly initialised model needs a tokenizer ('tiny' or a path)")

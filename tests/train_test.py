@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -254,6 +255,66 @@ def test_warm_start_stops_at_the_first_check_reaching_its_target(tmp_path, monke
   assert validation[0] == [r["answer"] for r in rows[-32:]]
   assert len(trained) == 30 * 8  # 30 steps of 8 distinct rows: it stopped at the third check
   assert not trained & set(validation[0])
+
+
+def test_warm_start_goes_back_when_a_check_overshoots_its_target(tmp_path, monkeypatch, capsys):
+  """Checks every 10 steps at 10%, 15%, then 90% (> sft.overshoot_accuracy 50%): the warm start
+  returns to step 20's params, optimizer state and data position, checks after every step, and
+  stops at the first check reaching 30% (step 23). The steps it keeps are those a straight run
+  takes: the rows of steps 21-23 are the rows it trained on the first time."""
+  config = gsm8k.get_config("tiny")
+  config.data.update(synthetic_train=400, synthetic_test=40)
+  config.sft.update(steps=40, eval_every=10, target_accuracy=0.3, overshoot_accuracy=0.5,
+                    eval_examples=32, batch_size=8)
+  config.train.update(steps=0, eval_examples=8, eval_batch_size=8, tensorboard=False)
+  scripted = [0.1, 0.15, 0.9, 0.2, 0.25, 0.35, 0.99]
+  checked, batches = [], []
+  real_evaluate, real_examples = rollout.evaluate, rollout.SingleTurn.sft_examples
+
+  def scripted_evaluate(config, sampler, tokenizer, params, rows, reward=None):
+    if len(rows) != 32:  # the held-out eval at GRPO step 0: really measured
+      return real_evaluate(config, sampler, tokenizer, params, rows, reward)
+    checked.append((len(batches), jax.tree.map(np.asarray, params)))
+    return scripted[len(checked) - 1]
+
+  def recording_examples(self, rows):
+    batches.append(tuple(r["question"] for r in rows))
+    return real_examples(self, rows)
+
+  monkeypatch.setattr(rollout, "evaluate", scripted_evaluate)
+  monkeypatch.setattr(rollout.SingleTurn, "sft_examples", recording_examples)
+  train.run(config, str(tmp_path))
+  out = capsys.readouterr().out
+  assert "90.0% is past sft.overshoot_accuracy 50%; going back to step 20" in out
+  assert "warm start reached 35.0% on 32 validation problems (target 30%) after 23 steps" in out
+  # Checks after steps 10, 20, 30 (overshoot), then 21, 22, 23.
+  assert [n for n, _ in checked] == [10, 20, 30, 31, 32, 33]
+  assert batches[30:33] == batches[20:23]  # the data order went back with the params
+  # The params at the retaken step 21 differ from step 30's and equal a straight run's step 21:
+  # the second check's params (step 20) plus one step from the restored optimizer state.
+  straight = _straight_sft_params(config, tmp_path / "straight", steps=21)
+  for a, b in zip(jax.tree.leaves(checked[3][1]), jax.tree.leaves(straight)):
+    np.testing.assert_array_equal(a, b)
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(checked[3][1]),
+                                                     jax.tree.leaves(checked[2][1])))
+
+
+def _straight_sft_params(config, workdir, steps):
+  """The params after `steps` warm-start steps of `config` with no check in between (the same
+  training rows: the validation split is still taken off, but never evaluated)."""
+  captured = {}
+  straight = config.copy_and_resolve_references()
+  straight.sft.update(steps=steps, eval_every=steps + 1, overshoot_accuracy=0.0)
+  real = sft.run_sft
+
+  def capture(*args, **kwargs):
+    captured["params"] = jax.tree.map(np.asarray, real(*args, **kwargs))
+    return captured["params"]
+
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(sft, "run_sft", capture)
+    train.run(straight, str(workdir))
+  return captured["params"]
 
 
 def _informs(question: str) -> bool:

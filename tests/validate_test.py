@@ -25,6 +25,8 @@ def test_presets_are_valid(preset):
     ("sampling.top_p", 0.0, r"config\.sampling\.top_p: must be in \(0, 1\]"),
     ("optim.grad_accum_steps", 5, r"config\.optim\.grad_accum_steps: 5 does not divide"),
     ("train.max_missing_reward_steps", -1, r"config\.train\.max_missing_reward_steps: must be an int >= 0"),
+    ("sft.overshoot_accuracy", 1.5, r"config\.sft\.overshoot_accuracy: must be 0 \(off\) or in"),
+    ("sft.overshoot_accuracy", 0.5, None),
     ("model.lora.rank", -1, r"config\.model\.lora\.rank must be a positive integer, got -1"),
 ])
 def test_bad_settings_are_named(field, value, message):
