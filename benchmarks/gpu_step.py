@@ -271,8 +271,8 @@ def worker(args) -> None:
   configure(args.smoke, args.tokenizer, args.gsm8k)
   side, size = args.worker
   options = {"compute_dtype": "bfloat16", "remat": args.remat_on, "attention": args.attention,
-             "grad_accum": args.grad_accum, "trl_gpu": not args.smoke,
-             "vllm": side == "trl_vllm"}
+             "unroll_decode": args.unroll_decode, "grad_accum": args.grad_accum,
+             "trl_gpu": not args.smoke, "vllm": side == "trl_vllm"}
   run_grpo_jax, run_trl = trl_step.run_grpo_jax, trl_step.run_trl
   captured = {}
 
@@ -329,7 +329,7 @@ def spawn(side, size, args, remat, budget_end) -> dict:
          str((0 if args.smoke else 1) if trl else args.warmup),
          "--tokenizer", args.tokenizer, "--gsm8k", args.gsm8k]
   cmd += ["--attention", args.attention] if args.attention else []
-  cmd += ["--grad_accum", str(args.grad_accum)]
+  cmd += ["--grad_accum", str(args.grad_accum)] + ["--unroll_decode"] * args.unroll_decode
   cmd += ["--remat_on"] * remat + ["--smoke"] * args.smoke + ["--no_kernels"] * args.no_kernels
   env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
              HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -379,9 +379,12 @@ def report(size, spec, runs, args, remat) -> float | None:
         f" vocabulary {spec['vocab']:,} ({spec['valid_vocab']:,} tokenizer ids); "
         f"{trl_step.NUM_PROMPTS} prompts x G={trl_step.G}, {c} new tokens (no stop ids), bucket "
         f"{BUCKET if not args.smoke else spec['bucket']}; bf16 compute, fp32 master params, "
-        f"remat {'on' if remat else 'off'}, attention {args.attention or 'default (XLA)'}, "
-        f"grpo_jax micro-batches {args.grad_accum}")
+        f"remat {'on' if remat else 'off'}, grpo_jax micro-batches {args.grad_accum}")
   gj = runs.get("grpo_jax") or {}
+  if gj.get("model_options"):  # as the grpo_jax process ran them
+    o = gj["model_options"]
+    print(f"  grpo_jax model: attention {o['attention'] or 'default (XLA)'}, decode layers "
+          f"{'unrolled' if o['unroll_decode'] else 'scanned'}")
   print(f"  {'side':10s}{'first':>9s}{'median':>9s}{'sample':>9s}{'reward':>9s}"
         f"{'reference':>11s}{'update':>9s}{'peak mem':>10s}  device")
   steps = {}
@@ -454,6 +457,8 @@ def parse_args(argv=None):
   p.add_argument("--warmup", type=int, default=1, help="grpo_jax steps dropped first")
   p.add_argument("--attention", default=None, choices=["xla", "cudnn"],
                  help="config.model.attention (default: JAX's choice, XLA)")
+  p.add_argument("--unroll_decode", action="store_true",
+                 help="config.model.unroll_decode: the decode step's layers written out")
   p.add_argument("--remat", default="1.5b", help="sizes run with remat on both sides")
   p.add_argument("--grad_accum", type=int, default=1,
                  help="grpo_jax's micro-batches per update (optim.grad_accum_steps)")

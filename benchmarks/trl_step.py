@@ -243,8 +243,8 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   import jax.numpy as jnp
   import numpy as np
   from configs import gsm8k
-  from grpo_jax import (compile_cache, sharding, tokenizer as tokenizer_lib, train, train_step,
-                        validate)
+  from grpo_jax import (compile_cache, inputs, sharding, tokenizer as tokenizer_lib, train,
+                        train_step, validate)
   from grpo_jax.models import weights
   from grpo_jax.rewards import build_rewards
 
@@ -270,6 +270,7 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   o.grad_accum_steps, o.param_dtype = spec.get("grad_accum", 1), "float32"
   o.compute_dtype, o.remat = spec.get("compute_dtype", "float32"), spec.get("remat", True)
   c.model.attention = spec.get("attention")
+  c.model.unroll_decode = spec.get("unroll_decode", False)
   c.train.prompts_per_step, c.train.dynamic_sampling = NUM_PROMPTS, False
   c.mesh = (1, 1, 1)
   validate.validate(c, jax.device_count())
@@ -278,8 +279,12 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   tokenizer = tokenizer_lib.load_tokenizer(spec["tokenizer"])
   stop_ids = [] if forced else tokenizer_lib.stop_ids(tokenizer, spec["tokenizer"])
   params, cfg = weights.load_checkpoint(spec["model"], param_dtype=jnp.float32, mesh=mesh)
+  cfg = inputs.runtime_options(c, cfg)  # the attention kernel and decode loop asked for
   rewards = build_rewards(c.rewards)
   trainer = train.Trainer(c, cfg, mesh, tokenizer, stop_ids)
+  # What the sampler and step really run with (gpu_step.py prints these, not its flags).
+  out["model_options"] = {"attention": trainer.sampler.cfg.attention,
+                          "unroll_decode": trainer.sampler.cfg.unroll_decode}
   spies = {"step_fn": _Spy(trainer.step_fn)}
   trainer.step_fn = spies["step_fn"]
   state = jax.block_until_ready(trainer.init_state(params))

@@ -52,6 +52,10 @@ def model() -> ConfigDict:
       # fused kernel through jax.nn.dot_product_attention for prompts and training; NVIDIA
       # GPUs, bf16/fp16 compute). See docs/performance.md.
       attention=placeholder(str),
+      # True: the sampler's decode step runs the layers written out, on per-layer copies of
+      # their weights made once per call, instead of a scan over the stacked weights
+      # (qwen.QwenConfig.unroll_decode; docs/performance.md). The same numbers either way.
+      unroll_decode=False,
       # Used only when random_init: a Qwen2 architecture of this size.
       tiny=ConfigDict(dict(
           hidden_size=128,          # D

@@ -74,16 +74,23 @@ def model_config(config, tokenizer):
   else:
     path = weights.resolve(m.checkpoint, "config.model.checkpoint")
     cfg, generation_config = weights.read_config(path), weights.read_generation_config(path)
-  attention = m.get("attention")
-  if attention not in qwen.ATTENTION_IMPLEMENTATIONS:
-    raise validate.ConfigError(f"config.model.attention={attention!r} is not one of "
-                               f"{qwen.ATTENTION_IMPLEMENTATIONS}")
-  cfg = dataclasses.replace(cfg, attention=attention)
+  cfg = runtime_options(config, cfg)
   if cfg.vocab_size < len(tokenizer):
     raise validate.ConfigError(
         f"config.model: the model's vocabulary ({cfg.vocab_size}) is smaller than the "
         f"tokenizer's ({len(tokenizer)}); they do not belong together")
   return cfg, generation_config
+
+
+def runtime_options(config, cfg: qwen.QwenConfig) -> qwen.QwenConfig:
+  """cfg with config.model's choices of how the model runs (attention kernel, unrolled decode),
+  which are no part of a checkpoint: for a cfg read from one, or built by hand."""
+  m = config.model
+  attention = m.get("attention")
+  if attention not in qwen.ATTENTION_IMPLEMENTATIONS:
+    raise validate.ConfigError(f"config.model.attention={attention!r} is not one of "
+                               f"{qwen.ATTENTION_IMPLEMENTATIONS}")
+  return dataclasses.replace(cfg, attention=attention, unroll_decode=bool(m.unroll_decode))
 
 
 def initial_params(config, cfg, mesh):

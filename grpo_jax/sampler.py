@@ -216,9 +216,25 @@ class Sampler:
     return results, cache, new_state
 
   def _decode_setup(self, params, rng, row_ids_R2):
-    """(variables with the layers in the compute dtype, the sampling head, each row's key)."""
-    v = self._narrow(params)
+    """(variables with the layers in the compute dtype, the sampling head, each row's key).
+    With cfg.unroll_decode the layers are instead a list, one narrowed copy per layer
+    (qwen.layer_variables), which the decode loop reads in place of the stacked ones."""
+    if self.cfg.unroll_decode:
+      v = variables(params)
+      rest = {col: {k: x for k, x in tree.items() if k != "layers"} for col, tree in v.items()}
+      v = dict(rest, layers=qwen.layer_variables(v, self._narrow_leaf))
+    else:
+      v = self._narrow(params)
     return v, self._head(v["params"]), self._row_keys(rng, row_ids_R2)
+
+  def _forward(self, v, tokens_RT, positions_RT, mask_RS, cache, index):
+    """The cached forward of a decode step: the layer scan, or the layers written out where
+    _decode_setup made per-layer copies."""
+    if "layers" in v and isinstance(v["layers"], list):
+      rest = {col: tree for col, tree in v.items() if col != "layers"}
+      return qwen.apply_unrolled(self.model, rest, v["layers"], tokens_RT, positions_RT,
+                                 mask_RS, cache, index)
+    return self.model.apply(v, tokens_RT, positions_RT, mask_RS, cache, index)
 
   def _narrow(self, params):
     """The variables, their decoder layers' weights in the compute dtype: cast once, before the
@@ -226,9 +242,11 @@ class Sampler:
     compute: half the bytes). The forward casts every weight to this dtype anyway, so the
     numbers are the same. The embedding and head stay as they are (the sampler reads the head
     in its own dtype); integer leaves (an int8 base's kernels) too."""
-    narrow = lambda x: x.astype(self.model.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-    return {col: dict(tree, layers=jax.tree.map(narrow, tree["layers"]))
+    return {col: dict(tree, layers=jax.tree.map(self._narrow_leaf, tree["layers"]))
             for col, tree in variables(params).items()}
+
+  def _narrow_leaf(self, x):
+    return x.astype(self.model.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
   def _head(self, params):
     # qwen.head_kernel is [D, V]; for a tied model its .T is the embedding itself, no copy.
@@ -261,9 +279,8 @@ class Sampler:
     live = ~s["done"]
     tok = jnp.where(live, tok, self.pad_id)
     stopped = live & jnp.isin(tok, jnp.asarray(self.stop_ids or (-1,), jnp.int32))
-    hidden, cache = self.model.apply(
-        params, tok[:, None], (state["pos"] + i)[:, None], state["mask"],
-        cache, state["slot"] + i)
+    hidden, cache = self._forward(params, tok[:, None], (state["pos"] + i)[:, None],
+                                  state["mask"], cache, state["slot"] + i)
     put = lambda x_RC, x_R: jax.lax.dynamic_update_index_in_dim(x_RC, x_R, i, 1)
     # A row that stopped keeps the hidden state of its last token (what a later turn
     # continues from), not that of the pads it is fed afterwards.

@@ -92,9 +92,9 @@ def test_an_async_fusion_is_one_kernel():
   assert sum(k.values()) == 12
 
 
-def _decode_kernels(layers):
+def _decode_hlo(layers, unroll=False):
   cfg = qwen.QwenConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=layers,
-                        num_heads=4, num_kv_heads=2, head_dim=8)
+                        num_heads=4, num_kv_heads=2, head_dim=8, unroll_decode=unroll)
   smp = sampler_lib.Sampler(qwen.Qwen(cfg, dtype=jnp.bfloat16), max_new_tokens=4, buckets=(8,),
                             pad_id=0, stop_ids=(1,))
   params = jax.eval_shape(lambda: qwen.init_params(cfg, jax.random.key(0)))
@@ -104,7 +104,11 @@ def _decode_kernels(layers):
                            jax.ShapeDtypeStruct((4, 2), jnp.int32),
                            jax.ShapeDtypeStruct((4,), jnp.bool_), smp._settings({}),
                            4).compile().as_text()
-  return sum(gpu_step.count_loop_kernels(text).values())
+  return text
+
+
+def _decode_kernels(layers, unroll=False):
+  return sum(gpu_step.count_loop_kernels(_decode_hlo(layers, unroll)).values())
 
 
 def test_decode_kernels_grow_by_the_same_count_per_layer():
@@ -115,19 +119,33 @@ def test_decode_kernels_grow_by_the_same_count_per_layer():
   assert three - two == four - three > 0, (two, three, four)
 
 
+def test_unrolled_decode_has_no_layer_loop():
+  """cfg.unroll_decode: the one while loop that carries the KV cache (bf16[L=3, rows 4, kv
+  heads 2, slots 12, 8]) is the token loop; the scan adds a second, over layers. (The other
+  loops are the random bits' threefry rounds.) Its kernels still grow by the same count per
+  layer."""
+  whiles = lambda text: sum(" while(" in line and "bf16[3,4,2,12,8]" in line
+                            for line in text.splitlines())
+  assert whiles(_decode_hlo(3)) == 2 and whiles(_decode_hlo(3, unroll=True)) == 1
+  two, three, four = (_decode_kernels(n, unroll=True) for n in (2, 3, 4))
+  assert three - two == four - three > 0, (two, three, four)
+
+
 def test_smoke_run(tmp_path):
   """The whole script on CPU (trl is absent in CI, so grpo_jax's side alone), every figure the
-  GPU run prints, and its parameter count equal to the transformers model's."""
+  GPU run prints, and its parameter count equal to the transformers model's. The model options
+  asked for on the command line reach the trainer's sampler (the worker reports them)."""
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_step.py"), "--smoke", "--dir",
-       str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=600,
-      env=dict(os.environ, PYTHONPATH=ROOT))
+       str(tmp_path), "--attention", "xla", "--unroll_decode"], capture_output=True, text=True,
+      cwd=ROOT, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
   out = proc.stdout + proc.stderr
   assert proc.returncode == 0, out[-3000:]
   for line in ("grpo_jax generated tokens/s over the sample phase:", "ms/step",
                "bytes per decode step (analytic): weights", "HBM roofline (measured copy",
                "kernels per decode step (optimized HLO of the decode loop):",
-               "train MFU at the measured bf16 matmul peak", "gpu_step_speedup_vs_trl[smoke]="):
+               "train MFU at the measured bf16 matmul peak", "gpu_step_speedup_vs_trl[smoke]=",
+               "grpo_jax model: attention xla, decode layers unrolled"):
     assert line in out, (line, out[-3000:])
   assert "FAILED" not in out, out[-3000:]
   spec = json.loads((tmp_path / "smoke" / "spec.json").read_text())

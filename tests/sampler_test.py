@@ -155,6 +155,35 @@ def test_sharded_batch_matches_unsharded(greedy_cases):
                              atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["qwen2_tied", "qwen3"])
+def test_unrolled_decode_equals_transformers_and_the_layer_scan(greedy_cases, kind):
+  """cfg.unroll_decode (the layers written out in the decode step, on per-layer copies of
+  their weights): greedy tokens equal transformers' generate, and sampled tokens and log-probs
+  equal the layer scan's on a (2, 2, 2) mesh as well as on one device."""
+  import dataclasses
+  case = greedy_cases[kind]
+  unrolled = dataclasses.replace(case["cfg"], unroll_decode=True)
+  settings = dict(max_new_tokens=12, stop_ids=case["stop"], buckets=(16,), pad_id=PAD,
+                  vocab_chunk=CHUNK)
+  greedy = sampler_lib.Sampler(unrolled, greedy=True, temperature=0.7, **settings)
+  out = greedy(case["params"], case["prompts"], num_samples=2)
+  np.testing.assert_array_equal(np.asarray(out.tokens)[0::2], case["ref"])
+  np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(case["out"].lengths))
+  np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(case["out"].logprobs),
+                             atol=1e-6)
+  mesh = sharding.make_mesh((2, 2, 2))
+  sharded = jax.device_put(case["params"], sharding.param_shardings(
+      qwen.logical_axes(case["cfg"]), qwen.abstract_params(case["cfg"]), mesh))
+  for params, m in ((case["params"], None), (sharded, mesh)):
+    outs = [sampler_lib.Sampler(c, temperature=0.9, mesh=m, **settings)(
+                params, case["prompts"], num_samples=4, key=jax.random.key(3))
+            for c in (case["cfg"], unrolled)]
+    np.testing.assert_array_equal(np.asarray(outs[1].tokens), np.asarray(outs[0].tokens))
+    np.testing.assert_allclose(np.asarray(outs[1].logprobs), np.asarray(outs[0].logprobs),
+                               atol=1e-6)
+    assert len({tuple(t) for t in np.asarray(outs[0].tokens)}) > 4  # really sampled
+
+
 # ------------------------------------------------------------------------------------------------
 # Sampling: exact supports and goodness of fit on a tiny vocabulary.
 

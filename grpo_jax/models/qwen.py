@@ -34,7 +34,7 @@ collection the model is the base model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -81,6 +81,11 @@ class QwenConfig:
   # forces it, 'cudnn' is cuDNN's fused flash kernel on NVIDIA GPUs (bf16/fp16 only); see
   # ATTENTION_IMPLEMENTATIONS and docs/performance.md.
   attention: str | None = None
+  # How the sampler's decode step runs its layers (also not part of the checkpoint): False, one
+  # scan over the stacked [L, ...] weights, as prefill and training run them; True, the L layers
+  # written out, each on its own copy of its weights made once per generate call (see
+  # apply_unrolled). On a GPU the scan is a loop inside every decode step.
+  unroll_decode: bool = False
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -659,11 +664,16 @@ class Qwen(nn.Module):
       raise ValueError("a packed call takes no cache")
     if cache is not None and not self.cfg.is_causal:
       raise BidirectionalDecodeError(not_causal_message(self.cfg))
-    x = _constrain(self.embed_tokens(tokens_BT), self.act_sharding)
-    carry = (x, cache, jnp.int32(0), positions_BT, attn_mask_BS,
+    carry = (self.embed(tokens_BT), cache, jnp.int32(0), positions_BT, attn_mask_BS,
              None if cache is None else jnp.asarray(cache_index, jnp.int32))
     (x, cache, *_), _ = self.layers(carry, None)
     return self.norm(x), cache
+
+  def embed(self, tokens_BT: Array) -> Array:
+    return _constrain(self.embed_tokens(tokens_BT), self.act_sharding)
+
+  def final_norm(self, x_BTD: Array) -> Array:
+    return self.norm(x_BTD)
 
   def logits(self, hidden_BTD: Array) -> Array:
     """fp32 logits; for training use grpo_jax.grpo's chunked log-probs instead of this."""
@@ -673,6 +683,37 @@ class Qwen(nn.Module):
       head = self.lm_head
     return jnp.einsum("BTD,DV->BTV", hidden_BTD, head.astype(self.dtype),
                       preferred_element_type=jnp.float32)
+
+
+def layer_variables(variables: dict, convert=lambda x: x) -> list[dict]:
+  """Each decoder layer's variables, sliced off the scan's stacked [L, ...] leaves of every
+  collection (params, LoRA adapters), with `convert` applied to each slice: new arrays, one
+  set per layer, for apply_unrolled."""
+  stacked = {col: tree["layers"] for col, tree in variables.items() if "layers" in tree}
+  num_layers = jax.tree.leaves(stacked)[0].shape[0]
+  return [{col: jax.tree.map(lambda w: convert(w[i]), tree) for col, tree in stacked.items()}
+          for i in range(num_layers)]
+
+
+def apply_unrolled(model: "Qwen", variables: dict, layers: Sequence[dict], tokens_BT: Array,
+                   positions_BT: Array, attn_mask_BS: Array, cache: Cache, cache_index):
+  """model.apply(variables, tokens, positions, mask, cache, cache_index) with the decoder
+  layers written out one after the other: layer i runs on layers[i] (layer_variables) and
+  writes slot `cache_index` of layer i of the stacked cache at a constant layer index.
+  `variables` needs no 'layers' (the embedding, final norm and head are read from it).
+
+  The same numbers as the scan (tests/sampler_test.py). In a decode loop it leaves no loop over
+  layers inside each step, and no slice of the stacked weights to take at every step: the
+  per-layer copies are made once, before the loop."""
+  if model.packed is not None:
+    raise ValueError("apply_unrolled runs a cached (prefill or decode) forward, not a packed one")
+  x = model.apply(variables, tokens_BT, method=Qwen.embed)
+  block = DecoderLayer(model.cfg, model.dtype, model.param_dtype, model.act_sharding)
+  index = jnp.asarray(cache_index, jnp.int32)
+  for i, layer_vars in enumerate(layers):
+    (x, cache, *_), _ = block.apply(
+        layer_vars, (x, cache, jnp.int32(i), positions_BT, attn_mask_BS, index), None)
+  return model.apply(variables, x, method=Qwen.final_norm), cache
 
 
 def not_causal_message(cfg: QwenConfig) -> str:
