@@ -98,7 +98,14 @@ KNOWN_MODELS, QWEN25_VALID_VOCAB = shapes.MODELS, shapes.VALID_VOCAB
 
 
 def model_config(config):
-  """(QwenConfig, valid vocabulary) of the preset's model, without weights or a tokenizer."""
+  """(QwenConfig, valid vocabulary) of the preset's model, without weights or a tokenizer, with
+  the preset's model options (attention kernel, unrolled decode)."""
+  from grpo_jax import inputs  # pylint: disable=import-outside-toplevel
+  cfg, valid = _model_config(config)
+  return inputs.runtime_options(config, cfg), valid
+
+
+def _model_config(config):
   from grpo_jax.models import qwen, weights  # pylint: disable=import-outside-toplevel
   m = config.model
   if m.random_init:
