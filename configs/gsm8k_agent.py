@@ -14,11 +14,12 @@ tiny — offline, CPU: the 2-layer tiny Qwen2 on synthetic word problems with th
   with the tool on 256 validation problems, then Flow-GRPO:
     python -m grpo_jax.main --config=configs/gsm8k_agent.py:tiny --workdir=runs/agent
   Hardware: a CPU. Runtime: about 5 minutes alone on 2 cores. Expected: a held-out accuracy
-  gain of +35.4 +- 16.9 points over seeds 0-9 (mean +- std; 95% BCa interval of the mean
-  [27.2, 47.8]; seed 0: 25.2% -> 57.8%; lowest +13.9, a seed whose warm start overshot to 80%),
-  from `python -m grpo_jax.sweep experiments/agent_seeds.py --workdir=runs/agent_seeds` and
-  `python -m grpo_jax.report runs/agent_seeds` (experiments/agent_seeds.md). Single-turn GRPO
-  gains nothing on this task (experiments/agent_vs_single.md, seeds 0-2).
+  gain of +46.3 +- 14.9 points over seeds 0-9 (mean +- std; 95% BCa interval of the mean
+  [37.7, 55.1]; lowest +25.2; seed 0: 27.7% -> 71.3%), from
+  `python -m grpo_jax.sweep experiments/agent_vs_single.py --workdir=runs/agent_vs_single` and
+  `python -m grpo_jax.report runs/agent_vs_single` (experiments/agent_seeds.md). Single-turn
+  GRPO gains nothing on this task: Flow-GRPO - single-turn = +48.7 points, paired over seeds
+  0-4, 95% BCa interval [35.7, 57.9] (experiments/agent_vs_single.md).
 
 default — Qwen2.5-1.5B-Instruct on GSM8K with the sandboxed Python tool:
     python -m grpo_jax.main --config=configs/gsm8k_agent.py --workdir=runs/agent_1.5b
@@ -99,6 +100,6 @@ def _tiny(c) -> None:
   c.optim.schedule = "constant"
   c.optim.warmup_steps = 0
   # The warm start stops near its 20% target: a check above 40% went past it between two checks
-  # (the call syntax is learnt within a few steps), so it goes back and checks every step. Seed
-  # 1 had stopped at 78.9% and gained only +13.9 with little headroom (experiments/agent_seeds.md).
+  # (the call syntax is learnt within a few steps), so it goes back and checks every step.
+  # Without this, seed 1 stopped at 78.9% and gained only +13.9 (experiments/agent_seeds.md).
   c.sft.overshoot_accuracy = 0.4
