@@ -324,7 +324,11 @@ class Sampler:
     # The layer scan slices its weights along the layer axis: with that axis first ([L, K, ...])
     # a slice is one contiguous block, where [K, L, ...] made XLA copy every weight each step.
     p_axes = {}
+    if self.cfg.unroll_decode:
+      v_K, p_axes = self._unrolled_members(v_K, shared_base)
     for col, tree in v_K.items():
+      if col in p_axes:
+        continue
       if shared_base and col == "params":
         p_axes[col] = None
         continue
@@ -355,6 +359,18 @@ class Sampler:
     _, cache_K, out_K = jax.lax.while_loop(cond, body, (jnp.int32(0), cache_K, carry_K))
     results, new_state = jax.vmap(self._decode_results, in_axes=(s_axes, 0))(state_K, out_K)
     return results, cache_K, new_state
+
+  def _unrolled_members(self, v_K, shared_base):
+    """_decode_setup's per-layer copies for K members: (variables whose 'layers' is a list of
+    each layer's [K, ...] leaves, a shared base's unstacked; their vmap axes)."""
+    shared = lambda col: shared_base and col == "params"
+    layers = [{col: jax.tree.map(lambda x: x[i] if shared(col) else x[:, i], tree["layers"])
+               for col, tree in v_K.items()} for i in range(self.cfg.num_layers)]
+    axes = lambda col, tree: None if shared(col) else jax.tree.map(lambda _: 0, tree)
+    v = {col: {k: x for k, x in tree.items() if k != "layers"} for col, tree in v_K.items()}
+    p_axes = {col: axes(col, tree) for col, tree in v.items()}
+    p_axes["layers"] = [{col: axes(col, tree) for col, tree in layer.items()} for layer in layers]
+    return dict(v, layers=layers), p_axes
 
   def _append_impl(self, params, cache, state, tokens_RO, mask_RO):
     """Feeds right-padded tokens (an observation) to every row at slots [slot, slot + O): the

@@ -335,12 +335,16 @@ def test_many_calls_in_one_bucket_compile_once(checkpoints):
   assert compiled == first, compiled[len(first):]
 
 
-def test_members_equal_their_own_generate_calls(checkpoints):
+@pytest.mark.parametrize("unroll", [False, True])
+def test_members_equal_their_own_generate_calls(checkpoints, unroll):
   """generate_members (K runs vmapped, one decode loop for all) gives each member what its own
   generate gives: tokens, lengths, truncation and step counts exactly, log-probs to fp32
   rounding. The members stop at different steps (stop ids cover 40% of the vocabulary, so rows
-  stop within a few steps), so a member steps on after its own loop would have ended."""
+  stop within a few steps), so a member steps on after its own loop would have ended. With
+  cfg.unroll_decode too (the members' per-layer copies)."""
+  import dataclasses
   params, cfg = weights.load_checkpoint(checkpoints["qwen2_tied"])
+  cfg = dataclasses.replace(cfg, unroll_decode=unroll)
   members = [params] + [jax.tree.map(lambda x, k=k: x * (1.0 + 0.3 * k), params)
                         for k in (1, 2)]
   smp = sampler_lib.Sampler(cfg, max_new_tokens=9, stop_ids=range(1, 49), valid_vocab_size=VALID,
@@ -360,6 +364,31 @@ def test_members_equal_their_own_generate_calls(checkpoints):
       assert out.metrics[name] == want.metrics[name], name
     steps.add(want.metrics["sampler/decode_steps"])
   assert len(steps) > 1, steps  # the members' own loops really end at different steps
+
+
+def test_lora_members_unrolled_equal_the_layer_scan(checkpoints):
+  """LoRA members (one shared base, stacked adapters): generate_members with cfg.unroll_decode
+  gives the layer scan's tokens and log-probs."""
+  import dataclasses
+  from grpo_jax.models import lora
+  params, cfg = weights.load_checkpoint(checkpoints["qwen3"])
+  lcfg = lora.LoraConfig(rank=4, alpha=8.0)
+  adapters = [jax.tree.map(lambda x, k=k: x + 0.2 * jax.random.normal(
+                  jax.random.key(k), x.shape, x.dtype), lora.init(jax.random.key(k), cfg, lcfg))
+              for k in range(3)]
+  variables_K = {"params": params,
+                 "lora": jax.tree.map(lambda *x: jnp.stack(x),
+                                      *[lora.variables(params, a, lcfg)["lora"] for a in adapters])}
+  prompts = [_prompts(seed) for seed in (0, 1, 2)]
+  keys = [jax.random.key(k) for k in (5, 6, 7)]
+  outs = [sampler_lib.Sampler(dataclasses.replace(cfg, unroll_decode=u), max_new_tokens=9,
+                              pad_id=PAD, buckets=(16,), vocab_chunk=CHUNK, temperature=1.5)
+          .generate_members(variables_K, prompts, num_samples=3, keys_K=keys)
+          for u in (False, True)]
+  for scan, unrolled in zip(*outs):
+    np.testing.assert_array_equal(unrolled.tokens, scan.tokens)
+    np.testing.assert_allclose(unrolled.logprobs, scan.logprobs, atol=1e-6, rtol=0)
+  assert len({tuple(t) for o in outs[0] for t in np.asarray(o.tokens)}) > 3
 
 
 def test_bad_input_gets_a_clear_error(greedy_cases):
