@@ -217,23 +217,17 @@ class Sampler:
 
   def _decode_setup(self, params, rng, row_ids_R2):
     """(variables with the layers in the compute dtype, the sampling head, each row's key).
-    With cfg.unroll_decode the layers are instead a list, one narrowed copy per layer
-    (qwen.layer_variables), which the decode loop reads in place of the stacked ones."""
+    With cfg.unroll_decode the variables are a qwen.Unrolled, one narrowed copy per layer."""
     if self.cfg.unroll_decode:
-      v = variables(params)
-      rest = {col: {k: x for k, x in tree.items() if k != "layers"} for col, tree in v.items()}
-      v = dict(rest, layers=qwen.layer_variables(v, self._narrow_leaf))
-    else:
-      v = self._narrow(params)
+      v = qwen.unroll(variables(params), self._narrow_leaf)
+      return v, self._head(v.rest["params"]), self._row_keys(rng, row_ids_R2)
+    v = self._narrow(params)
     return v, self._head(v["params"]), self._row_keys(rng, row_ids_R2)
 
   def _forward(self, v, tokens_RT, positions_RT, mask_RS, cache, index):
-    """The cached forward of a decode step: the layer scan, or the layers written out where
-    _decode_setup made per-layer copies."""
-    if "layers" in v and isinstance(v["layers"], list):
-      rest = {col: tree for col, tree in v.items() if col != "layers"}
-      return qwen.apply_unrolled(self.model, rest, v["layers"], tokens_RT, positions_RT,
-                                 mask_RS, cache, index)
+    """The cached forward of a decode step: the layer scan, or the layers written out."""
+    if isinstance(v, qwen.Unrolled):
+      return qwen.apply_unrolled(self.model, v, tokens_RT, positions_RT, mask_RS, cache, index)
     return self.model.apply(v, tokens_RT, positions_RT, mask_RS, cache, index)
 
   def _narrow(self, params):
@@ -324,17 +318,20 @@ class Sampler:
     # The layer scan slices its weights along the layer axis: with that axis first ([L, K, ...])
     # a slice is one contiguous block, where [K, L, ...] made XLA copy every weight each step.
     p_axes = {}
-    if self.cfg.unroll_decode:
-      v_K, p_axes = self._unrolled_members(v_K, shared_base)
     for col, tree in v_K.items():
-      if col in p_axes:
-        continue
       if shared_base and col == "params":
         p_axes[col] = None
         continue
       v_K[col] = dict(tree, layers=jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), tree["layers"]))
       p_axes[col] = jax.tree.map(lambda _: 0, v_K[col])
       p_axes[col]["layers"] = jax.tree.map(lambda _: 1, v_K[col]["layers"])
+    if self.cfg.unroll_decode:  # layer i of [L, K, ...] is [K, ...]: the members' axis is 0
+      v_K = qwen.unroll(v_K)
+      p_axes = qwen.Unrolled(
+          {col: None if a is None else {k: x for k, x in a.items() if k != "layers"}
+           for col, a in p_axes.items()},
+          [{col: None if p_axes[col] is None else jax.tree.map(lambda _: 0, tree)
+            for col, tree in layer.items()} for layer in v_K.layers])
     params_K = v_K
     s_axes = {name: None if name == "slot" else 0 for name in state_K}
     carry_K = jax.vmap(lambda st: self._decode_carry(st, active_R, c), in_axes=(s_axes,))(
@@ -359,18 +356,6 @@ class Sampler:
     _, cache_K, out_K = jax.lax.while_loop(cond, body, (jnp.int32(0), cache_K, carry_K))
     results, new_state = jax.vmap(self._decode_results, in_axes=(s_axes, 0))(state_K, out_K)
     return results, cache_K, new_state
-
-  def _unrolled_members(self, v_K, shared_base):
-    """_decode_setup's per-layer copies for K members: (variables whose 'layers' is a list of
-    each layer's [K, ...] leaves, a shared base's unstacked; their vmap axes)."""
-    shared = lambda col: shared_base and col == "params"
-    layers = [{col: jax.tree.map(lambda x: x[i] if shared(col) else x[:, i], tree["layers"])
-               for col, tree in v_K.items()} for i in range(self.cfg.num_layers)]
-    axes = lambda col, tree: None if shared(col) else jax.tree.map(lambda _: 0, tree)
-    v = {col: {k: x for k, x in tree.items() if k != "layers"} for col, tree in v_K.items()}
-    p_axes = {col: axes(col, tree) for col, tree in v.items()}
-    p_axes["layers"] = [{col: axes(col, tree) for col, tree in layer.items()} for layer in layers]
-    return dict(v, layers=layers), p_axes
 
   def _append_impl(self, params, cache, state, tokens_RO, mask_RO):
     """Feeds right-padded tokens (an observation) to every row at slots [slot, slot + O): the

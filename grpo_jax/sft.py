@@ -101,7 +101,7 @@ def run_sft(config, trainer, params, rows, eval_rows=()):
       continue
     acc = trainer.evaluate(state["params"], eval_rows)
     bar.write(f"grpo_jax: warm start step {i}: validation accuracy {acc:.1%}")
-    if acc >= target and overshoot and acc > overshoot and not every_step:
+    if overshoot and acc > overshoot and not every_step:  # (overshoot > target)
       i, state, position = last_check
       order.restore(position)
       every_step = True
@@ -115,7 +115,7 @@ def run_sft(config, trainer, params, rows, eval_rows=()):
       print(f"grpo_jax: warm start reached {acc:.1%} on {len(eval_rows)} validation problems "
             f"(target {target:.0%}) after {i} steps", flush=True)
       return state["params"]
-    if last_check is not None and not every_step:
+    if overshoot and not every_step:
       last_check = (i, _copy(state), order.position())
   bar.close()
   if target:

@@ -6,6 +6,8 @@ tiny vocabulary whose head is scaled so that temperature and the cuts change the
 lot. Compilations are counted with jax.monitoring.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ import chi2
 import fixtures
 from grpo_jax import sampler as sampler_lib
 from grpo_jax import sharding
-from grpo_jax.models import qwen, weights
+from grpo_jax.models import lora, qwen, weights
 
 VOCAB = 128
 VALID = 120  # ids 120..127 play the embedding rows beyond the tokenizer: never sampled
@@ -160,7 +162,6 @@ def test_unrolled_decode_equals_transformers_and_the_layer_scan(greedy_cases, ki
   """cfg.unroll_decode (the layers written out in the decode step, on per-layer copies of
   their weights): greedy tokens equal transformers' generate, and sampled tokens and log-probs
   equal the layer scan's on a (2, 2, 2) mesh as well as on one device."""
-  import dataclasses
   case = greedy_cases[kind]
   unrolled = dataclasses.replace(case["cfg"], unroll_decode=True)
   settings = dict(max_new_tokens=12, stop_ids=case["stop"], buckets=(16,), pad_id=PAD,
@@ -342,7 +343,6 @@ def test_members_equal_their_own_generate_calls(checkpoints, unroll):
   rounding. The members stop at different steps (stop ids cover 40% of the vocabulary, so rows
   stop within a few steps), so a member steps on after its own loop would have ended. With
   cfg.unroll_decode too (the members' per-layer copies)."""
-  import dataclasses
   params, cfg = weights.load_checkpoint(checkpoints["qwen2_tied"])
   cfg = dataclasses.replace(cfg, unroll_decode=unroll)
   members = [params] + [jax.tree.map(lambda x, k=k: x * (1.0 + 0.3 * k), params)
@@ -369,8 +369,6 @@ def test_members_equal_their_own_generate_calls(checkpoints, unroll):
 def test_lora_members_unrolled_equal_the_layer_scan(checkpoints):
   """LoRA members (one shared base, stacked adapters): generate_members with cfg.unroll_decode
   gives the layer scan's tokens and log-probs."""
-  import dataclasses
-  from grpo_jax.models import lora
   params, cfg = weights.load_checkpoint(checkpoints["qwen3"])
   lcfg = lora.LoraConfig(rank=4, alpha=8.0)
   adapters = [jax.tree.map(lambda x, k=k: x + 0.2 * jax.random.normal(

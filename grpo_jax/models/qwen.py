@@ -34,7 +34,7 @@ collection the model is the base model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -685,35 +685,42 @@ class Qwen(nn.Module):
                       preferred_element_type=jnp.float32)
 
 
-def layer_variables(variables: dict, convert=lambda x: x) -> list[dict]:
-  """Each decoder layer's variables, sliced off the scan's stacked [L, ...] leaves of every
-  collection (params, LoRA adapters), with `convert` applied to each slice: new arrays, one
-  set per layer, for apply_unrolled."""
+class Unrolled(NamedTuple):
+  """Variables for apply_unrolled (see unroll): `rest`, each collection without its stacked
+  'layers' (embedding, final norm, head); `layers`, one set of variables per decoder layer."""
+  rest: dict
+  layers: list
+
+
+def unroll(variables: dict, convert=lambda x: x) -> Unrolled:
+  """The variables with each decoder layer's sliced off the scan's stacked [L, ...] leaves of
+  every collection (params, LoRA adapters), `convert` applied to each slice: new arrays, one set
+  per layer. Made once, before a decode loop, so that no step slices the stack."""
   stacked = {col: tree["layers"] for col, tree in variables.items() if "layers" in tree}
   num_layers = jax.tree.leaves(stacked)[0].shape[0]
-  return [{col: jax.tree.map(lambda w: convert(w[i]), tree) for col, tree in stacked.items()}
-          for i in range(num_layers)]
+  rest = {col: {k: x for k, x in tree.items() if k != "layers"}
+          for col, tree in variables.items()}
+  return Unrolled(rest, [{col: jax.tree.map(lambda w: convert(w[i]), tree)
+                          for col, tree in stacked.items()} for i in range(num_layers)])
 
 
-def apply_unrolled(model: "Qwen", variables: dict, layers: Sequence[dict], tokens_BT: Array,
-                   positions_BT: Array, attn_mask_BS: Array, cache: Cache, cache_index):
+def apply_unrolled(model: "Qwen", unrolled: Unrolled, tokens_BT: Array, positions_BT: Array,
+                   attn_mask_BS: Array, cache: Cache, cache_index):
   """model.apply(variables, tokens, positions, mask, cache, cache_index) with the decoder
-  layers written out one after the other: layer i runs on layers[i] (layer_variables) and
-  writes slot `cache_index` of layer i of the stacked cache at a constant layer index.
-  `variables` needs no 'layers' (the embedding, final norm and head are read from it).
+  layers written out one after the other: layer i runs on unrolled.layers[i] and writes slot
+  `cache_index` of layer i of the stacked cache at a constant layer index.
 
   The same numbers as the scan (tests/sampler_test.py). In a decode loop it leaves no loop over
-  layers inside each step, and no slice of the stacked weights to take at every step: the
-  per-layer copies are made once, before the loop."""
+  layers inside each step."""
   if model.packed is not None:
     raise ValueError("apply_unrolled runs a cached (prefill or decode) forward, not a packed one")
-  x = model.apply(variables, tokens_BT, method=Qwen.embed)
+  x = model.apply(unrolled.rest, tokens_BT, method=Qwen.embed)
   block = DecoderLayer(model.cfg, model.dtype, model.param_dtype, model.act_sharding)
   index = jnp.asarray(cache_index, jnp.int32)
-  for i, layer_vars in enumerate(layers):
+  for i, layer_vars in enumerate(unrolled.layers):
     (x, cache, *_), _ = block.apply(
         layer_vars, (x, cache, jnp.int32(i), positions_BT, attn_mask_BS, index), None)
-  return model.apply(variables, x, method=Qwen.final_norm), cache
+  return model.apply(unrolled.rest, x, method=Qwen.final_norm), cache
 
 
 def not_causal_message(cfg: QwenConfig) -> str:
