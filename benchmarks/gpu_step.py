@@ -140,38 +140,39 @@ def _loop_parts(text: str) -> tuple[str, str, int | None]:
   return body, cond, int(trip.group(1)) if trip else None
 
 
-def computation_kernels(comps, name, memo=None) -> collections.Counter:
-  """Kernels one run of computation `name` launches, by opcode: a nested while loop counts
-  its body and condition times its known trip count (1 if unknown), a call or conditional its
-  callees (every branch: an upper bound)."""
+def computation_kernels(comps, name, memo=None, key=None) -> collections.Counter:
+  """Kernels one run of computation `name` launches, by opcode (or by key(opcode, instruction
+  text)): a nested while loop counts its body and condition times its known trip count (1 if
+  unknown), a call or conditional its callees (every branch: an upper bound)."""
   memo = {} if memo is None else memo
   if name not in memo:
     total = collections.Counter()
     for op, text in comps[name]:
       if op == "while":
         body, cond, trip = _loop_parts(text)
-        for k, v in (computation_kernels(comps, body, memo)
-                     + computation_kernels(comps, cond, memo)).items():
+        for k, v in (computation_kernels(comps, body, memo, key)
+                     + computation_kernels(comps, cond, memo, key)).items():
           total[k] += (trip or 1) * v
       elif op in ("call", "conditional"):
         for callee in re.findall(r"(?:to_apply|computations?)=\{?%?([^\s,}]+)", text):
           if callee in comps:
-            total.update(computation_kernels(comps, callee, memo))
+            total.update(computation_kernels(comps, callee, memo, key))
       elif op not in _FREE:
-        total[op] += 1
+        total[op if key is None else key(op, text)] += 1
     memo[name] = total
   return memo[name]
 
 
-def count_loop_kernels(hlo_text: str) -> collections.Counter:
+def count_loop_kernels(hlo_text: str, key=None) -> collections.Counter:
   """Kernels per iteration of the entry computation's largest while loop (the decode loop:
-  its trip count is dynamic), by opcode."""
+  its trip count is dynamic), by opcode (or by key(opcode, instruction text))."""
   comps, entry = parse_hlo(hlo_text)
   best = collections.Counter()
   for op, text in comps.get(entry, []):
     if op == "while":
       body, cond, _ = _loop_parts(text)
-      k = computation_kernels(comps, body) + computation_kernels(comps, cond)
+      memo = {}
+      k = computation_kernels(comps, body, memo, key) + computation_kernels(comps, cond, memo, key)
       if sum(k.values()) > sum(best.values()):
         best = k
   return best

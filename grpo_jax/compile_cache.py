@@ -75,8 +75,12 @@ def enable(setting: str | None) -> str | None:
   return path
 
 
+def platform(mesh=None) -> str:
+  """The platform ('cpu', 'gpu', 'tpu') of `mesh`'s devices (None: JAX's default devices)."""
+  return (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+
+
 def compiler_options(mesh=None) -> dict | None:
   """The `compiler_options` for jax.jit of a program that runs on `mesh`'s devices (None: JAX's
   default devices): CPU_OPTIONS on the CPU, else None."""
-  device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-  return dict(CPU_OPTIONS) if device.platform == "cpu" else None
+  return dict(CPU_OPTIONS) if platform(mesh) == "cpu" else None

@@ -70,6 +70,7 @@ from grpo_jax.models import qwen
 
 Array = jax.Array
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024)
+CPU_VOCAB_CHUNK = 8192  # head columns per pass on a CPU (see Sampler's vocab_chunk)
 CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")  # qwen.init_cache's layout
 
 
@@ -115,7 +116,9 @@ class Sampler:
     pad_id: written after a row's stop token and used to left-pad prompts.
     mesh: a (data, fsdp, tensor) mesh; the batch is split over data × fsdp.
     dtype: compute dtype when `model` is a config (default fp32).
-    vocab_chunk: columns of the head processed at a time (keeps one chunk's logits in cache).
+    vocab_chunk: columns of the head processed at a time. Default: CPU_VOCAB_CHUNK on a CPU
+      (one chunk's logits stay in cache), the whole vocabulary on a GPU or TPU, where a loop
+      over chunks costs its kernels in every decode step (docs/performance.md).
     top_p_draws: candidates drawn per row and step for top-p's rejection step (grpo_jax.sampling).
   """
 
@@ -123,7 +126,7 @@ class Sampler:
                stop_ids: Sequence[int] = (), buckets: Sequence[int] = DEFAULT_BUCKETS,
                greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, min_p: float = 0.0, valid_vocab_size: int | None = None,
-               pad_id: int = 0, mesh=None, dtype=None, vocab_chunk: int = 8192,
+               pad_id: int = 0, mesh=None, dtype=None, vocab_chunk: int | None = None,
                top_p_draws: int = 8):
     if isinstance(model, qwen.QwenConfig):
       model = qwen.build(model, dtype=jnp.float32 if dtype is None else dtype)
@@ -149,7 +152,9 @@ class Sampler:
     if not 0 <= pad_id < cfg.vocab_size:
       raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {cfg.vocab_size})")
     block = sampling.ARGMAX_BLOCK
-    if vocab_chunk < 1 or vocab_chunk % block:
+    if vocab_chunk is None:
+      vocab_chunk = CPU_VOCAB_CHUNK if compile_cache.platform(mesh) == "cpu" else valid
+    elif vocab_chunk < 1 or vocab_chunk % block:
       raise ValueError(f"vocab_chunk={vocab_chunk} must be a positive multiple of {block}")
     if top_p_draws < 1:
       raise ValueError(f"top_p_draws={top_p_draws} must be >= 1")
@@ -243,9 +248,12 @@ class Sampler:
     return x.astype(self.model.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
   def _head(self, params):
-    # qwen.head_kernel is [D, V]; for a tied model its .T is the embedding itself, no copy.
-    return sampling.prepare_head(qwen.head_kernel(params, self.cfg).T, self.valid,
-                                 self.vocab_chunk)
+    # qwen.head_kernel is [D, V]; for a tied model its .T is the embedding itself. Narrowed once
+    # here, before the loop: every pass over the vocabulary casts the head to the compute dtype
+    # anyway, and a GPU compile keeps that cast inside each decode step (fp32 params: a read of
+    # the fp32 head and a write of its bf16 copy per step).
+    head_VD = self._narrow_leaf(qwen.head_kernel(params, self.cfg).T)
+    return sampling.prepare_head(head_VD, self.valid, self.vocab_chunk)
 
   @staticmethod
   def _row_keys(rng, row_ids_R2):

@@ -1,6 +1,7 @@
 """benchmarks/gpu_step.py: its HLO kernel counter on a module counted by hand and on decode
 programs of 2-4 layers, its analytic parameter count against transformers', and `--smoke` (the
 whole script on CPU at a toy shape) end to end."""
+import collections
 import json
 import os
 import re
@@ -166,3 +167,30 @@ def test_decode_bytes_at_the_qwen25_shapes():
     assert b["params"] == params and b["weights"] == 2 * params
     assert b["kv_cache"] == 2 * layers * 128 * 2 * 448 * kv_h * 2  # k and v, 2 kv heads, bf16
     assert b["logits"] == 128 * 151_665 * 4
+
+
+def test_decode_kernels_runs_on_the_cpu_program():
+  """benchmarks/decode_kernels.py end to end on the CPU (the GPU compile needs the CUDA
+  plugin): its parts add up to the step's kernels."""
+  import decode_kernels  # pylint: disable=import-outside-toplevel
+  for extra in ([], ["--unroll_decode"]):
+    c = decode_kernels.main(["--platform", "cpu", "--smoke"] + extra)
+    assert sum(c["parts"].values()) == sum(c["ops"].values()) == c["total"] > 0
+
+
+def test_decode_kernels_attributes_one_layer_per_layer_on_h100_programs():
+  """On decode programs compiled for an H100 by decode_kernels.py (the smoke shape with the
+  layer scan, 2 and 3 layers, kept in tests/testdata): one more layer adds to the step exactly
+  the kernels the script attributes to one layer."""
+  import gzip  # pylint: disable=import-outside-toplevel
+  import decode_kernels  # pylint: disable=import-outside-toplevel
+  parts = {}
+  for layers in (2, 3):
+    path = os.path.join(ROOT, "tests", "testdata", f"decode_h100_smoke_{layers}_layers.hlo.gz")
+    with gzip.open(path, "rt") as f:
+      parts[layers] = gpu_step.count_loop_kernels(f.read(), key=decode_kernels.where)
+  per_layer = sum(parts[3].values()) - sum(parts[2].values())
+  assert per_layer > 0
+  assert parts[2]["layers"] == 2 * per_layer and parts[3]["layers"] == 3 * per_layer
+  assert parts[2] - collections.Counter(layers=parts[2]["layers"]) == (
+      parts[3] - collections.Counter(layers=parts[3]["layers"]))

@@ -7,6 +7,7 @@ lot. Compilations are counted with jax.monitoring.
 """
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +128,32 @@ def test_greedy_equals_transformers_generate(greedy_cases, kind):
   else:
     assert stopped.all() and expect_len.max() < ref.shape[1]
     assert out.metrics["sampler/decode_steps"] == expect_len.max()  # exited early
+
+
+def test_whole_vocabulary_in_one_chunk_equals_transformers_generate(greedy_cases):
+  """The head's whole vocabulary in one chunk (the default off the CPU) decodes transformers'
+  greedy tokens too, with the chunked head's log-probs."""
+  case = greedy_cases["qwen2_tied"]
+  sampler = sampler_lib.Sampler(qwen.Qwen(case["cfg"]), max_new_tokens=case["ref"].shape[1],
+                                stop_ids=case["stop"], buckets=(16,), greedy=True,
+                                temperature=0.7, pad_id=PAD, vocab_chunk=VOCAB)
+  out = sampler(case["params"], case["prompts"], num_samples=2)
+  np.testing.assert_array_equal(np.asarray(out.tokens)[0::2], case["ref"])
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(case["out"].tokens))
+  np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(case["out"].logprobs),
+                             atol=1e-6)
+
+
+def test_default_vocab_chunk_is_chunked_on_a_cpu_and_whole_elsewhere():
+  cfg = qwen.QwenConfig(vocab_size=20000, hidden_size=16, intermediate_size=32, num_layers=1,
+                        num_heads=2, num_kv_heads=1, head_dim=8)
+  cpu = sampler_lib.Sampler(cfg, max_new_tokens=4, valid_vocab_size=19000)
+  assert cpu.vocab_chunk == sampler_lib.CPU_VOCAB_CHUNK
+  # A mesh whose devices are GPUs: only its platform is read when the sampler is built.
+  gpu_mesh = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")]))
+  gpu = sampler_lib.Sampler(cfg, max_new_tokens=4, valid_vocab_size=19000, mesh=gpu_mesh)
+  assert gpu.vocab_chunk == 19000
+  assert sampler_lib.Sampler(cfg, max_new_tokens=4, vocab_chunk=64, mesh=gpu_mesh).vocab_chunk == 64
 
 
 @pytest.mark.parametrize("kind", ["qwen2_tied", "qwen3"])

@@ -24,6 +24,9 @@ from grpo_jax import sampling
 
 V = 200
 CHUNK = 64  # 3 chunks of 64 + a rest of 8: the streaming code's two kinds of chunk both run
+# The chunkings drawn with: CHUNK (as on a CPU), and the whole vocabulary in one chunk (as on a
+# GPU or TPU, sampler.Sampler's default there).
+CHUNKS = {"chunked": CHUNK, "one_chunk": V}
 DRAWS = 4096  # per row
 K, P, M = 20, 0.8, 0.05
 
@@ -94,10 +97,10 @@ def test_cut_probs_equal_transformers_warpers(settings):
 _next_token = jax.jit(sampling.next_token, static_argnums=(0, 4, 5))
 
 
-def _draw(logits_RV, draws=DRAWS, seed=0, top_p_draws=4, **settings):
+def _draw(logits_RV, draws=DRAWS, seed=0, top_p_draws=4, chunk=CHUNK, **settings):
   """next_token for `draws` copies of each row: (tokens [R, draws], log-probs [R, draws])."""
   r = logits_RV.shape[0]
-  head = sampling.prepare_head(jnp.eye(V), V, CHUNK)  # logits = the hidden state
+  head = sampling.prepare_head(jnp.eye(V), V, chunk)  # logits = the hidden state
   h_BD = jnp.repeat(jnp.asarray(logits_RV), draws, 0)
   keys_B = jax.random.split(jax.random.key(seed), r * draws)
   tok, logp, _ = _next_token(sampling.parse_settings(**settings), head, h_BD, keys_B, V,
@@ -130,9 +133,10 @@ def _min_p_first(logits_RV, temperature, top_k, top_p, min_p):
   return q / q.sum(1, keepdims=True)
 
 
+@pytest.mark.parametrize("chunk", CHUNKS.values(), ids=CHUNKS.keys())
 @pytest.mark.parametrize("settings", SETTINGS, ids=NAMES)
-def test_draws_follow_cut_probs(settings):
-  tokens, logp = _draw(ROWS, **settings)
+def test_draws_follow_cut_probs(settings, chunk):
+  tokens, logp = _draw(ROWS, chunk=chunk, **settings)
   probs = _cut_probs(ROWS, **settings)
   _check_draws(tokens, probs)
   # Log-probs: log_softmax(logits / T) at the token, before the cuts.

@@ -1,0 +1,188 @@
+"""The kernels of one decode step as XLA compiles the sampler for a GPU, on a machine without one.
+
+    python3 benchmarks/decode_kernels.py [--size 0.5b] [--unroll_decode] [--vocab_chunk N]
+                                         [--hlo FILE] [--layer]
+    python3 benchmarks/decode_kernels.py --platform cpu    # the CPU program: no plugin needed
+
+On a GPU, decode is bound by the number of kernels each step launches (docs/performance.md):
+this counts them without the GPU. The sampler's decode program, at benchmarks/gpu_step.py's
+workload (16 prompts x G = 8 = 128 rows, prompt bucket 192, 256 new tokens, Qwen2.5 shapes,
+fp32 params, bf16 compute), is compiled ahead of time for an H100 described by XLA's GPU target
+description (`jax.experimental.topologies`, no device and no driver needed), and the kernels of
+one iteration of its token loop are counted in the optimized HLO (gpu_step.count_loop_kernels:
+a fusion is one kernel, a loop inside the step counts its body times its trip count). They are
+split by where they come from (the instructions' op_name): the decoder layers, the embedding
+and final norm, and the rest (the head, the sampling, the loop's own state). A fusion counts
+where its own op_name puts it, so one that XLA made across a boundary (with the layers written
+out, the embedding's lookup and the first layer's norm) counts in one part.
+
+This count agreed with the H100 itself: 1131 kernels per decode step at 0.5B with the layer
+scan and the head in chunks of 8192, as the H100 run's printed count
+(experiments/gpu_2026-11-26.md).
+
+It needs JAX's CUDA plugin at the installed JAX's version, best in a virtual environment of its
+own (the plugin makes JAX look for a GPU at start-up):
+
+    python3 -m venv --system-site-packages /tmp/cuda-venv
+    /tmp/cuda-venv/bin/pip install "jax-cuda12-plugin[with-cuda]==$(python3 -c 'import jax; print(jax.__version__)')"
+    /tmp/cuda-venv/bin/python benchmarks/decode_kernels.py
+
+The script sets JAX_PLATFORMS=cpu and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 itself, so the plugin
+loads without a GPU. Prints `decode_kernels[<size>]=<kernels per step>` last.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_step  # noqa: E402  (puts the repository on sys.path)
+
+VOCAB, VALID = 151936, 151665  # Qwen2.5's embedding rows and tokenizer size
+# XLA's GPU target description (xla/stream_executor/device_description.proto) of one H100 SXM.
+H100 = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 minor: 0 }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+runtime_version { major: 12 minor: 9 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+
+def where(op: str, text: str) -> str:
+  """The part of the model an instruction of the decode step comes from (its op_name)."""
+  name = re.search(r'op_name="([^"]*)"', text)
+  name = name.group(1) if name else ""
+  if "DecoderLayer" in name or "Qwen/while/" in name:  # written out, or the layer scan
+    return "layers"
+  if "embed" in name or "final_norm" in name or "/norm/" in name:
+    return "embedding, final norm"
+  return "head, sampling, loop state"
+
+
+def mesh_for(platform: str):
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  if platform == "cpu":
+    devices = jax.devices("cpu")[:1]
+  else:
+    try:
+      devices = topologies.get_topology_desc(platform="cuda", target_config=H100,
+                                             topology="1x1x1").devices
+    except (NotImplementedError, RuntimeError) as e:
+      sys.exit(f"decode_kernels.py: no CUDA compiler ({type(e).__name__}: {str(e)[:200]}); "
+               "install jax-cuda12-plugin as this script's docstring says, or pass "
+               "--platform cpu")
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  return jax.sharding.Mesh(np.array(devices).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+
+
+def decode_hlo(size: str, mesh, unroll: bool, vocab_chunk: int | None, smoke: bool) -> str:
+  """The optimized HLO of the sampler's decode program at gpu_step.py's workload."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+  from grpo_jax import sampler as sampler_lib  # pylint: disable=import-outside-toplevel
+  from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
+  m = gpu_step.SIZES[size]
+  vocab, valid = (512, 500) if smoke else (VOCAB, VALID)
+  prompts, g, c, bucket = (2, 2, 4, 8) if smoke else (gpu_step.NUM_PROMPTS, gpu_step.G,
+                                                      gpu_step.NEW_TOKENS, gpu_step.BUCKET)
+  cfg = qwen.QwenConfig(vocab_size=vocab, hidden_size=m["hidden"], intermediate_size=m["mlp"],
+                        num_layers=m["layers"], num_heads=m["heads"], num_kv_heads=m["kv_heads"],
+                        head_dim=m["hidden"] // m["heads"], tie_word_embeddings=True,
+                        unroll_decode=unroll)
+  sampler = sampler_lib.Sampler(qwen.build(cfg, dtype="bfloat16", mesh=mesh), max_new_tokens=c,
+                                mesh=mesh, valid_vocab_size=valid, vocab_chunk=vocab_chunk,
+                                buckets=(bucket,))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  placed = lambda tree: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tree)
+  params = placed(qwen.abstract_params(cfg))
+  tokens = placed(jax.ShapeDtypeStruct((prompts, bucket), jnp.int32))
+  cache, state = placed(sampler.lower_prefill(params, tokens, tokens, g, bucket + c).out_info)
+  key = placed(jax.eval_shape(lambda: jax.random.key(0)))
+  rows = prompts * g
+  return sampler.lower_decode(params, cache, state, key,
+                              placed(jax.ShapeDtypeStruct((rows, 2), jnp.int32)),
+                              placed(jax.ShapeDtypeStruct((rows,), jnp.bool_)),
+                              c).compile().as_text()
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--size", default="0.5b", choices=[s for s in gpu_step.SIZES if s != "smoke"])
+  p.add_argument("--unroll_decode", action="store_true", help="model.unroll_decode")
+  p.add_argument("--vocab_chunk", type=int, default=None,
+                 help="the sampler's head chunk (default: the sampler's own for the platform)")
+  p.add_argument("--platform", default="gpu", choices=["gpu", "cpu"],
+                 help="gpu: an H100 without a device (needs the CUDA plugin); cpu: this CPU")
+  p.add_argument("--hlo", help="write the optimized HLO here")
+  p.add_argument("--layer", action="store_true", help="list the kernels of the decoder layers")
+  p.add_argument("--smoke", action="store_true", help="a 2-layer toy shape (for the test)")
+  a = p.parse_args(argv)
+  mesh = mesh_for(a.platform)
+  size = "smoke" if a.smoke else a.size
+  t = time.perf_counter()
+  text = decode_hlo(size, mesh, a.unroll_decode, a.vocab_chunk, a.smoke)
+  seconds = time.perf_counter() - t
+  if a.hlo:
+    Path(a.hlo).write_text(text)
+  by_part = gpu_step.count_loop_kernels(text, key=where)
+  by_op = gpu_step.count_loop_kernels(text)
+  total = sum(by_part.values())
+  device = mesh.devices.flat[0]
+  print(f"decode step of {size} on {getattr(device, 'device_kind', device.platform)} "
+        f"(unroll_decode={a.unroll_decode}, vocab_chunk={a.vocab_chunk or 'default'}); "
+        f"compiled in {seconds:.1f} s")
+  layers = gpu_step.SIZES[size]["layers"]
+  for part, n in by_part.most_common():
+    extra = f"  ({n / layers:.1f} per layer)" if part == "layers" else ""
+    print(f"  {part:24s} {n:6d}{extra}")
+  print(f"  {'by opcode':24s} {dict(by_op.most_common(8))}")
+  if a.layer:
+    ops = collections.Counter()
+    for op, line in _layer_kernels(text):
+      ops[(op, line)] += 1
+    print("  kernels of the decoder layers (count, opcode, output):")
+    for (op, line), n in ops.most_common():
+      print(f"    {n:4d} {op:8s} {line}")
+  print(f"decode_kernels[{size}]={total}")
+  return {"total": total, "parts": dict(by_part), "ops": dict(by_op)}
+
+
+def _layer_kernels(text):
+  """(opcode, fused computation name and output shape) of each layer kernel in the step."""
+  def key(op, line):
+    if where(op, line) != "layers":
+      return None
+    called = re.search(r"calls=%?([^\s,]+)", line)
+    name = re.sub(r"[._]\d+(?=(_computation)?$)", "", called.group(1)) if called else op
+    shape = line.split(f" {op}(")[0].split(" ")[-1] if f" {op}(" in line else ""
+    return (op, f"{name} {shape}")
+  counts = gpu_step.count_loop_kernels(text, key=key)
+  for k, n in counts.items():
+    if k is not None:
+      for _ in range(n):
+        yield k
+
+
+if __name__ == "__main__":
+  main()
