@@ -47,6 +47,11 @@ beta = 0.001, 48 micro-batches). A TPU pads an array's two minor dimensions to i
 tiles, which the CPU does not: Qwen2.5-0.5B's head_dim is 64, so on a TPU its KV cache may take
 up to twice the figure here (a GPU does not pad).
 
+The programs take the defaults of the platform the preset is sized for (--platform; cpu for a
+preset whose hardware is a CPU, else gpu, whose sampler is the larger): on a GPU the sampler's
+head is one chunk of the whole vocabulary (8192 columns on a CPU or TPU), and on a GPU or TPU
+the log-prob pass uses 64 MiB blocks (4 MiB on a CPU); grpo_jax.sampler, grpo_jax.logprobs.
+
 LoRA presets (model.lora.rank > 0) are compiled without XLA's while-loop-invariant-code-motion
 pass. Their frozen base is stored in bf16 and computed in bf16: an accelerator multiplies by it
 as it is stored. XLA:CPU instead converts each bf16 matmul operand to fp32, and that pass then
@@ -79,6 +84,10 @@ _CONFIG = config_flags.DEFINE_config_file(
     "Config file with its preset: configs/gsm8k.py:0.5b")
 _PROMPT_LEN = flags.DEFINE_integer(
     "prompt_len", 0, "prompt width P; 0 = the largest of config.data.prompt_buckets")
+_PLATFORM = flags.DEFINE_enum(
+    "platform", None, ["cpu", "gpu", "tpu"], "whose defaults the programs take (the sampler's "
+    "head chunk, the log-prob block); default: cpu for a preset whose hardware is a CPU, else "
+    "gpu (the larger sampler)")
 _SKIP_SAMPLER = flags.DEFINE_bool("skip_sampler", False, "measure the train step only")
 _SKIP_EVAL = flags.DEFINE_bool("skip_eval", False, "skip the eval sampler's shape")
 _GPU_LIKE = flags.DEFINE_bool(
@@ -171,12 +180,19 @@ def rollout_batch(config, rows, prompt_len, completion_len, mesh):
   return _abstract(out, train_step.batch_shardings(out, mesh))
 
 
+def platform(config) -> str:
+  """The platform whose defaults the compiled programs take (see --platform)."""
+  return _PLATFORM.value or ("cpu" if "CPU" in config.hardware.name else "gpu")
+
+
 def measure_train_step(config, cfg, valid, mesh, prompt_len):
   """The train step's peak. With model.lora the state is the adapters and their moments, and
   the frozen base (bf16, or int8 kernels) an argument: the reference is that base."""
   import jax  # pylint: disable=import-outside-toplevel
-  from grpo_jax import config as config_lib, train, train_step  # pylint: disable=C0415
+  from grpo_jax import config as config_lib, logprobs, train, train_step  # pylint: disable=C0415
   optim = config_lib.optim_settings(config)
+  optim.logprob_block_bytes = logprobs.platform_block_bytes(optim.logprob_block_bytes,
+                                                            platform(config))
   s, g = config.sampling, config_lib.group_size(config)
   lcfg = train.lora_settings(config)
   step = train_step.TrainStep(
@@ -206,7 +222,7 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=C0415
-  from grpo_jax import sampler as sampler_lib, sharding  # pylint: disable=import-outside-toplevel
+  from grpo_jax import sampler as sampler_lib, sampling, sharding  # pylint: disable=C0415
   from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
   from grpo_jax import config as config_lib, train  # pylint: disable=import-outside-toplevel
   optim, s = config_lib.optim_settings(config), config.sampling
@@ -215,7 +231,10 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
   smp = sampler_lib.Sampler(
       model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
       max_new_tokens=s.max_new_tokens, stop_ids=(0,), buckets=(prompt_len,),
-      valid_vocab_size=valid, pad_id=0, mesh=mesh)
+      valid_vocab_size=valid, pad_id=0, mesh=mesh,
+      # On a GPU the whole vocabulary is one chunk.
+      vocab_chunk=sampler_lib.VOCAB_CHUNK if platform(config) != "gpu" else
+      -(-valid // sampling.ARGMAX_BLOCK) * sampling.ARGMAX_BLOCK)
   # Resident while sampling, outside the sampler's arguments: all but the policy params.
   resident = device_bytes(state) - device_bytes(state["params"])
   if lcfg is None:
@@ -309,7 +328,7 @@ def main(argv):
         f"compute, remat={o.remat}, beta={config.loss.beta}, μ={config.loss.num_iterations}) on "
         f"mesh {dict(mesh.shape)}; {config.train.prompts_per_step} prompts × "
         f"G={config_lib.group_size(config)}; hardware: {hw.name}, {hw.memory_gb_per_device} GB "
-        f"× {hw.devices}", flush=True)
+        f"× {hw.devices}; {platform(config)} defaults", flush=True)
   if gpu_like:
     print("  (--gpu_like: compiled without XLA:CPU's while-loop invariant code motion, so its "
           "fp32 converts of bf16 operands are made layer by layer, not hoisted as whole copies; "

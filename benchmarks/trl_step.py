@@ -271,6 +271,7 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   o.compute_dtype, o.remat = spec.get("compute_dtype", "float32"), spec.get("remat", True)
   c.model.attention = spec.get("attention")
   c.model.unroll_decode = spec.get("unroll_decode", False)
+  o.logprob_block_bytes = spec.get("logprob_block_bytes", 0)  # 0: the platform's
   c.train.prompts_per_step, c.train.dynamic_sampling = NUM_PROMPTS, False
   c.mesh = (1, 1, 1)
   validate.validate(c, jax.device_count())
@@ -284,7 +285,9 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   trainer = train.Trainer(c, cfg, mesh, tokenizer, stop_ids)
   # What the sampler and step really run with (gpu_step.py prints these, not its flags).
   out["model_options"] = {"attention": trainer.sampler.cfg.attention,
-                          "unroll_decode": trainer.sampler.cfg.unroll_decode}
+                          "unroll_decode": trainer.sampler.cfg.unroll_decode,
+                          "vocab_chunk": trainer.sampler.vocab_chunk,
+                          "logprob_block_bytes": trainer.step_fn.spec.optim.logprob_block_bytes}
   spies = {"step_fn": _Spy(trainer.step_fn)}
   trainer.step_fn = spies["step_fn"]
   state = jax.block_until_ready(trainer.init_state(params))

@@ -7,7 +7,8 @@ default — Qwen2.5-1.5B-Instruct on openai/gsm8k, the reference GSM8K GRPO reci
   Needs the hub (or a local copy: --config.model.checkpoint=/path --config.data.source=/path)
   and an accelerator. Hardware: one TPU v5e-8 host, 16 GB per chip (mesh fsdp = 8); 8 GPUs of
   16 GB or more do too. Memory per device (benchmarks/memory.py below): train step 9.15 GB
-  (12 micro-batches of 8 whole groups, one per device), sampler 7.59 GB (its 768 × (512 +
+  (12 micro-batches of 8 whole groups, one per device), sampler 8.24 GB on a TPU, 9.11 GB on
+  GPUs (whose sampler takes the head's whole vocabulary at once; its 768 × (512 +
   1024)-slot bf16 KV cache is 4.23 GB of it). About 20 s of generation + 4 s of training per
   step on 8 × H100 (estimated from the token counts, not measured here); 500 steps ≈ 3.5 h.
   Expected: GSM8K test pass@1 from ~62% (the instruct model's own greedy score with this
@@ -19,8 +20,8 @@ default — Qwen2.5-1.5B-Instruct on openai/gsm8k, the reference GSM8K GRPO reci
   group each:
     python -m grpo_jax.main --config=configs/gsm8k.py:0.5b --workdir=runs/gsm8k_0.5b
   Hardware: one 16 GB device (mesh 1×1×1), such as a Colab T4 or L4 or a TPU v5e-1. Memory:
-  train step 13.46 GB (fp32 params 1.98 + AdamW moments 3.95 + gradients and their
-  accumulator 3.95 + activations), sampler 12.23 GB (the 384 × (512 + 512)-slot bf16 KV cache
+  train step 13.45 GB (fp32 params 1.98 + AdamW moments 3.95 + gradients and their
+  accumulator 3.95 + activations), sampler 13.95 GB (the 384 × (512 + 512)-slot bf16 KV cache
   is 24 layers × 2 × 2 kv heads × 64 × 2 bytes per slot = 4.83 GB, plus the params and the
   resident moments). On a GPU let JAX take the memory: XLA_PYTHON_CLIENT_MEM_FRACTION=.95
   (the default preallocates 75%). With beta = 0.001 (the KL term) the step needs 15.79 GB:

@@ -20,7 +20,6 @@ from __future__ import annotations
 from ml_collections import config_dict
 from ml_collections.config_dict import ConfigDict, placeholder
 
-from grpo_jax import logprobs
 from grpo_jax.rewards import options as reward_options
 
 
@@ -166,7 +165,9 @@ def optim() -> ConfigDict:
       param_dtype="float32",   # dtype the params and optimizer moments are stored in
       compute_dtype="bfloat16",  # dtype of the forward/backward matmuls
       remat=True,              # rematerialise each decoder layer in the backward pass
-      logprob_block_bytes=logprobs.DEFAULT_BLOCK_BYTES,  # fp32 logits per head-pass block
+      # fp32 logits per block of the head's log-prob pass; 0 = the platform's (4 MiB on a CPU,
+      # 64 MiB on a GPU or TPU: grpo_jax.logprobs.platform_block_bytes)
+      logprob_block_bytes=0,
   ))
 
 

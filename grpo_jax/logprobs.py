@@ -32,7 +32,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-DEFAULT_BLOCK_BYTES = 4 << 20  # fp32 logits per [t, c] block
+DEFAULT_BLOCK_BYTES = 4 << 20  # fp32 logits per [t, c] block: on a CPU, inside its L3
+# On a GPU or TPU each block is an iteration of a device loop and a few kernels of its own (a GPU
+# launches each): at 4 MiB the log-probs of 32,768 tokens over Qwen's vocabulary launch 82,469
+# kernels (forward and backward, compiled for an H100), at 64 MiB 5,634, for 0.12 GB more
+# temporaries (docs/performance.md).
+ACCELERATOR_BLOCK_BYTES = 64 << 20
 _MAX_BLOCK_TOKENS = 1024
 _MIN_BLOCK_ROWS = 128
 
@@ -43,6 +48,14 @@ def check_temperature(temperature, setting: str = "temperature") -> None:
   if isinstance(temperature, bool) or not (isinstance(temperature, (int, float))
                                            and temperature > 0):
     raise ValueError(f"{setting}: must be a number > 0, got {temperature!r}")
+
+
+def platform_block_bytes(block_bytes: int, platform: str) -> int:
+  """optim.logprob_block_bytes as the program uses it: 0 means the platform's default
+  (DEFAULT_BLOCK_BYTES on 'cpu', ACCELERATOR_BLOCK_BYTES elsewhere)."""
+  if block_bytes:
+    return block_bytes
+  return DEFAULT_BLOCK_BYTES if platform == "cpu" else ACCELERATOR_BLOCK_BYTES
 
 
 def block_shape(num_tokens: int, vocab: int, block_bytes: int = DEFAULT_BLOCK_BYTES):

@@ -70,7 +70,7 @@ from grpo_jax.models import qwen
 
 Array = jax.Array
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024)
-CPU_VOCAB_CHUNK = 8192  # head columns per pass on a CPU (see Sampler's vocab_chunk)
+VOCAB_CHUNK = 8192  # head columns per pass, except on a GPU (see Sampler's vocab_chunk)
 CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")  # qwen.init_cache's layout
 
 
@@ -116,9 +116,9 @@ class Sampler:
     pad_id: written after a row's stop token and used to left-pad prompts.
     mesh: a (data, fsdp, tensor) mesh; the batch is split over data × fsdp.
     dtype: compute dtype when `model` is a config (default fp32).
-    vocab_chunk: columns of the head processed at a time. Default: CPU_VOCAB_CHUNK on a CPU
-      (one chunk's logits stay in cache), the whole vocabulary on a GPU or TPU, where a loop
-      over chunks costs its kernels in every decode step (docs/performance.md).
+    vocab_chunk: columns of the head processed at a time. Default: the whole vocabulary on a
+      GPU, where each chunk costs its kernel launches in every decode step; VOCAB_CHUNK
+      elsewhere (on a CPU one chunk's logits stay in cache; docs/performance.md).
     top_p_draws: candidates drawn per row and step for top-p's rejection step (grpo_jax.sampling).
   """
 
@@ -153,7 +153,7 @@ class Sampler:
       raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {cfg.vocab_size})")
     block = sampling.ARGMAX_BLOCK
     if vocab_chunk is None:
-      vocab_chunk = CPU_VOCAB_CHUNK if compile_cache.platform(mesh) == "cpu" else valid
+      vocab_chunk = valid if compile_cache.platform(mesh) == "gpu" else VOCAB_CHUNK
     elif vocab_chunk < 1 or vocab_chunk % block:
       raise ValueError(f"vocab_chunk={vocab_chunk} must be a positive multiple of {block}")
     if top_p_draws < 1:

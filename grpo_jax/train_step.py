@@ -117,8 +117,10 @@ def validate_optim_config(cfg) -> None:
     raise ValueError(f"optim.max_grad_norm={cfg.max_grad_norm!r} must be >= 0 (0 disables)")
   if not (isinstance(cfg.grad_accum_steps, int) and cfg.grad_accum_steps >= 1):
     raise ValueError(f"optim.grad_accum_steps={cfg.grad_accum_steps!r} must be an int >= 1")
-  if not (isinstance(cfg.logprob_block_bytes, int) and cfg.logprob_block_bytes >= 4):
-    raise ValueError(f"optim.logprob_block_bytes={cfg.logprob_block_bytes!r} must be an int >= 4")
+  if not (isinstance(cfg.logprob_block_bytes, int) and (cfg.logprob_block_bytes == 0
+                                                        or cfg.logprob_block_bytes >= 4)):
+    raise ValueError(f"optim.logprob_block_bytes={cfg.logprob_block_bytes!r} must be an int >= 4, "
+                     "or 0 for the platform's default")
   for name in ("param_dtype", "compute_dtype"):
     if cfg[name] not in qwen.DTYPES:
       raise ValueError(f"optim.{name}={cfg[name]!r} is not one of {qwen.DTYPES}")
@@ -495,7 +497,9 @@ def make_logprob_fn(model_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_
   param_sh = state_shardings(model_cfg, optim_cfg, mesh)["params"]
   row_sh = NamedSharding(mesh, P(sharding.BATCH_AXES))
   kw = dict(temperature=temperature, valid=valid_vocab_size or model_cfg.vocab_size,
-            block_bytes=optim_cfg.logprob_block_bytes, group=group)
+            block_bytes=logprobs.platform_block_bytes(optim_cfg.logprob_block_bytes,
+                                                      compile_cache.platform(mesh)),
+            group=group)
 
   def fn(params, tokens_BS, attn_mask_BS, C):
     micro = (_split_micro(tokens_BS, accum, mesh, unit),
@@ -607,7 +611,10 @@ class StepSpec:
         isinstance(max_turns, int) and max_turns >= 1):
       raise ValueError(f"loss.loss_type='flow_grpo' needs max_turns, an int >= 1 (the bound on "
                        f"a row's turns), got max_turns={max_turns!r}")
-    return StepSpec(model_cfg, LossSpec.of(loss_cfg), OptimSpec.of(optim_cfg), mesh,
+    optim = OptimSpec.of(optim_cfg)  # with the log-prob block the platform runs
+    optim = dataclasses.replace(optim, logprob_block_bytes=logprobs.platform_block_bytes(
+        optim.logprob_block_bytes, compile_cache.platform(mesh)))
+    return StepSpec(model_cfg, LossSpec.of(loss_cfg), optim, mesh,
                     float(temperature), int(valid_vocab_size or model_cfg.vocab_size),
                     max_completion_length, group_size, num_rewards, objective, max_turns,
                     lora=lora)

@@ -138,7 +138,8 @@ def test_smoke_run(tmp_path):
   asked for on the command line reach the trainer's sampler (the worker reports them)."""
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_step.py"), "--smoke", "--dir",
-       str(tmp_path), "--attention", "xla", "--unroll_decode"], capture_output=True, text=True,
+       str(tmp_path), "--attention", "xla", "--unroll_decode", "--logprob_block_mib", "1"],
+      capture_output=True, text=True,
       cwd=ROOT, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
   out = proc.stdout + proc.stderr
   assert proc.returncode == 0, out[-3000:]
@@ -146,7 +147,8 @@ def test_smoke_run(tmp_path):
                "bytes per decode step (analytic): weights", "HBM roofline (measured copy",
                "kernels per decode step (optimized HLO of the decode loop):",
                "train MFU at the measured bf16 matmul peak", "gpu_step_speedup_vs_trl[smoke]=",
-               "grpo_jax model: attention xla, decode layers unrolled"):
+               "grpo_jax model: attention xla, decode layers unrolled",
+               "log-prob blocks 1 MiB"):
     assert line in out, (line, out[-3000:])
   assert "FAILED" not in out, out[-3000:]
   spec = json.loads((tmp_path / "smoke" / "spec.json").read_text())
@@ -169,26 +171,28 @@ def test_decode_bytes_at_the_qwen25_shapes():
     assert b["logits"] == 128 * 151_665 * 4
 
 
-def test_decode_kernels_runs_on_the_cpu_program():
-  """benchmarks/decode_kernels.py end to end on the CPU (the GPU compile needs the CUDA
-  plugin): its parts add up to the step's kernels."""
-  import decode_kernels  # pylint: disable=import-outside-toplevel
+def test_gpu_kernels_runs_on_the_cpu_programs():
+  """benchmarks/gpu_kernels.py end to end on the CPU (the GPU compile needs the CUDA
+  plugin): a decode step's parts add up to its kernels; the train step compiles and counts."""
+  import gpu_kernels  # pylint: disable=import-outside-toplevel
   for extra in ([], ["--unroll_decode"]):
-    c = decode_kernels.main(["--platform", "cpu", "--smoke"] + extra)
+    c = gpu_kernels.main(["--platform", "cpu", "--smoke"] + extra)
     assert sum(c["parts"].values()) == sum(c["ops"].values()) == c["total"] > 0
+  c = gpu_kernels.main(["--program", "train", "--platform", "cpu", "--smoke"])
+  assert sum(c["ops"].values()) == c["total"] > 0
 
 
-def test_decode_kernels_attributes_one_layer_per_layer_on_h100_programs():
-  """On decode programs compiled for an H100 by decode_kernels.py (the smoke shape with the
+def test_gpu_kernels_attributes_one_layer_per_layer_on_h100_programs():
+  """On decode programs compiled for an H100 by gpu_kernels.py (the smoke shape with the
   layer scan, 2 and 3 layers, kept in tests/testdata): one more layer adds to the step exactly
   the kernels the script attributes to one layer."""
   import gzip  # pylint: disable=import-outside-toplevel
-  import decode_kernels  # pylint: disable=import-outside-toplevel
+  import gpu_kernels  # pylint: disable=import-outside-toplevel
   parts = {}
   for layers in (2, 3):
     path = os.path.join(ROOT, "tests", "testdata", f"decode_h100_smoke_{layers}_layers.hlo.gz")
     with gzip.open(path, "rt") as f:
-      parts[layers] = gpu_step.count_loop_kernels(f.read(), key=decode_kernels.where)
+      parts[layers] = gpu_step.count_loop_kernels(f.read(), key=gpu_kernels.where)
   per_layer = sum(parts[3].values()) - sum(parts[2].values())
   assert per_layer > 0
   assert parts[2]["layers"] == 2 * per_layer and parts[3]["layers"] == 3 * per_layer

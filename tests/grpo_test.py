@@ -2,6 +2,7 @@
 and per group with loops so they share no structure with the vectorised code; gradients against
 central finite differences of those NumPy references."""
 import itertools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -132,6 +133,24 @@ def test_block_shape_stays_within_the_budget():
   assert logprobs.block_shape(4096, 151_665, 4 << 20) == (1024, 1024)
   assert logprobs.block_shape(64, 151_665, 4 << 20) == (64, 16384)
   assert logprobs.block_shape(10, 13, 4 << 20) == (10, 13)  # never wider than the vocabulary
+
+
+def test_log_prob_block_is_the_platforms_unless_set():
+  """optim.logprob_block_bytes = 0: 4 MiB on a CPU, 64 MiB on a GPU or TPU (in the train step's
+  spec, resolved from the mesh's devices); a value set is kept everywhere."""
+  assert logprobs.platform_block_bytes(0, "cpu") == logprobs.DEFAULT_BLOCK_BYTES == 4 << 20
+  assert logprobs.platform_block_bytes(0, "gpu") == logprobs.ACCELERATOR_BLOCK_BYTES == 64 << 20
+  assert logprobs.platform_block_bytes(0, "tpu") == 64 << 20
+  assert logprobs.platform_block_bytes(1 << 20, "gpu") == 1 << 20
+  from grpo_jax import train_step  # pylint: disable=import-outside-toplevel
+  from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
+  model_cfg = qwen.QwenConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
+                              num_heads=2, num_kv_heads=1, head_dim=4)
+  build = lambda mesh: train_step.StepSpec.build(model_cfg, config_lib.loss(), config_lib.optim(),
+                                                 mesh)
+  gpu_mesh = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")]))
+  assert build(None).optim.logprob_block_bytes == 4 << 20  # this CPU
+  assert build(gpu_mesh).optim.logprob_block_bytes == 64 << 20
 
 
 @pytest.fixture(scope="module")

@@ -131,7 +131,7 @@ def test_greedy_equals_transformers_generate(greedy_cases, kind):
 
 
 def test_whole_vocabulary_in_one_chunk_equals_transformers_generate(greedy_cases):
-  """The head's whole vocabulary in one chunk (the default off the CPU) decodes transformers'
+  """The head's whole vocabulary in one chunk (the default on a GPU) decodes transformers'
   greedy tokens too, with the chunked head's log-probs."""
   case = greedy_cases["qwen2_tied"]
   sampler = sampler_lib.Sampler(qwen.Qwen(case["cfg"]), max_new_tokens=case["ref"].shape[1],
@@ -144,16 +144,20 @@ def test_whole_vocabulary_in_one_chunk_equals_transformers_generate(greedy_cases
                              atol=1e-6)
 
 
-def test_default_vocab_chunk_is_chunked_on_a_cpu_and_whole_elsewhere():
+def test_default_vocab_chunk_is_the_whole_vocabulary_on_a_gpu_only():
   cfg = qwen.QwenConfig(vocab_size=20000, hidden_size=16, intermediate_size=32, num_layers=1,
                         num_heads=2, num_kv_heads=1, head_dim=8)
   cpu = sampler_lib.Sampler(cfg, max_new_tokens=4, valid_vocab_size=19000)
-  assert cpu.vocab_chunk == sampler_lib.CPU_VOCAB_CHUNK
-  # A mesh whose devices are GPUs: only its platform is read when the sampler is built.
-  gpu_mesh = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")]))
-  gpu = sampler_lib.Sampler(cfg, max_new_tokens=4, valid_vocab_size=19000, mesh=gpu_mesh)
+  assert cpu.vocab_chunk == sampler_lib.VOCAB_CHUNK == 8192
+  # Meshes of GPUs and TPUs: only their platform is read when the sampler is built.
+  mesh = lambda platform: types.SimpleNamespace(
+      devices=np.array([types.SimpleNamespace(platform=platform)]))
+  gpu = sampler_lib.Sampler(cfg, max_new_tokens=4, valid_vocab_size=19000, mesh=mesh("gpu"))
   assert gpu.vocab_chunk == 19000
-  assert sampler_lib.Sampler(cfg, max_new_tokens=4, vocab_chunk=64, mesh=gpu_mesh).vocab_chunk == 64
+  tpu = sampler_lib.Sampler(cfg, max_new_tokens=4, valid_vocab_size=19000, mesh=mesh("tpu"))
+  assert tpu.vocab_chunk == 8192
+  assert sampler_lib.Sampler(cfg, max_new_tokens=4, vocab_chunk=64,
+                             mesh=mesh("gpu")).vocab_chunk == 64
 
 
 @pytest.mark.parametrize("kind", ["qwen2_tied", "qwen3"])

@@ -24,8 +24,8 @@ from grpo_jax import sampling
 
 V = 200
 CHUNK = 64  # 3 chunks of 64 + a rest of 8: the streaming code's two kinds of chunk both run
-# The chunkings drawn with: CHUNK (as on a CPU), and the whole vocabulary in one chunk (as on a
-# GPU or TPU, sampler.Sampler's default there).
+# The chunkings drawn with: CHUNK (as on a CPU or TPU), and the whole vocabulary in one chunk (as
+# on a GPU, sampler.Sampler's default there).
 CHUNKS = {"chunked": CHUNK, "one_chunk": V}
 DRAWS = 4096  # per row
 K, P, M = 20, 0.8, 0.05

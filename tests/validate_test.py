@@ -28,6 +28,8 @@ def test_presets_are_valid(preset):
     ("sft.overshoot_accuracy", 1.5, r"config\.sft\.overshoot_accuracy: must be 0 \(off\) or in"),
     ("sft.overshoot_accuracy", 0.5, None),
     ("model.lora.rank", -1, r"config\.model\.lora\.rank must be a positive integer, got -1"),
+    ("optim.logprob_block_bytes", 2, r"optim\.logprob_block_bytes=2 must be an int >= 4, or 0"),
+    ("optim.logprob_block_bytes", 4, None),
 ])
 def test_bad_settings_are_named(field, value, message):
   config = gsm8k.get_config("default")

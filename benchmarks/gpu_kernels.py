@@ -1,11 +1,14 @@
-"""The kernels of one decode step as XLA compiles the sampler for a GPU, on a machine without one.
+"""The kernels XLA launches for a decode step and for a train step on a GPU, counted without one.
 
-    python3 benchmarks/decode_kernels.py [--size 0.5b] [--unroll_decode] [--vocab_chunk N]
-                                         [--hlo FILE] [--layer]
-    python3 benchmarks/decode_kernels.py --platform cpu    # the CPU program: no plugin needed
+    python3 benchmarks/gpu_kernels.py [--size 0.5b] [--unroll_decode] [--vocab_chunk N]
+                                      [--hlo FILE] [--layer]
+    python3 benchmarks/gpu_kernels.py --program train [--logprob_block_mib N]
+    python3 benchmarks/gpu_kernels.py --platform cpu    # the CPU programs: no plugin needed
 
 On a GPU, decode is bound by the number of kernels each step launches (docs/performance.md):
-this counts them without the GPU. The sampler's decode program, at benchmarks/gpu_step.py's
+this counts them without the GPU.
+
+Decode (the default). The sampler's decode program, at benchmarks/gpu_step.py's
 workload (16 prompts x G = 8 = 128 rows, prompt bucket 192, 256 new tokens, Qwen2.5 shapes,
 fp32 params, bf16 compute), is compiled ahead of time for an H100 described by XLA's GPU target
 description (`jax.experimental.topologies`, no device and no driver needed), and the kernels of
@@ -20,6 +23,15 @@ This count agreed with the H100 itself: 1131 kernels per decode step at 0.5B wit
 scan and the head in chunks of 8192, as the H100 run's printed count
 (experiments/gpu_2026-11-26.md).
 
+Train (--program train). The whole GRPO train step (TrainStep.program: the reference forward,
+the policy's forward and backward, AdamW) at the same workload (128 rows x (192 + 256) tokens,
+beta = 0.04, remat as gpu_step.py sets it per size, one micro-batch, fp32 params and bf16
+compute), compiled for the H100:
+its kernels (every loop counted with its trip count) and its peak memory (arguments + outputs
+- aliased + temporaries, from the compiler). Every matmul is compiled as a cuBLAS call
+(--xla_gpu_enable_triton_gemm=false): without the device, XLA's Triton GEMM tiler finds no
+tile for the backward's matmuls.
+
 It needs JAX's CUDA plugin at the installed JAX's version, best in a virtual environment of its
 own (the plugin makes JAX look for a GPU at start-up):
 
@@ -28,7 +40,8 @@ own (the plugin makes JAX look for a GPU at start-up):
     /tmp/cuda-venv/bin/python benchmarks/decode_kernels.py
 
 The script sets JAX_PLATFORMS=cpu and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 itself, so the plugin
-loads without a GPU. Prints `decode_kernels[<size>]=<kernels per step>` last.
+loads without a GPU. Prints `decode_kernels[<size>]=<kernels per step>` or
+`train_kernels[<size>]=<kernels per step>` last.
 """
 from __future__ import annotations
 
@@ -125,21 +138,65 @@ def decode_hlo(size: str, mesh, unroll: bool, vocab_chunk: int | None, smoke: bo
                               c).compile().as_text()
 
 
+def train_program(size: str, mesh, block_mib: int | None, smoke: bool):
+  """The compiled GRPO train step at gpu_step.py's workload (128 rows x (192 + 256) tokens)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+  import memory  # pylint: disable=import-outside-toplevel  (benchmarks/memory.py)
+  from configs import gsm8k  # pylint: disable=import-outside-toplevel
+  from grpo_jax import config as config_lib, train_step  # pylint: disable=import-outside-toplevel
+  from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
+  m = gpu_step.SIZES[size]
+  vocab, valid = (512, 500) if smoke else (VOCAB, VALID)
+  prompts, g, c, bucket = (2, 2, 4, 8) if smoke else (gpu_step.NUM_PROMPTS, gpu_step.G,
+                                                      gpu_step.NEW_TOKENS, gpu_step.BUCKET)
+  config = gsm8k.get_config("default")
+  config.optim.update(remat=m["remat"], grad_accum_steps=1, compute_dtype="bfloat16",
+                      param_dtype="float32", logprob_block_bytes=(block_mib or 0) << 20)
+  config.loss.beta = 0.04
+  config.train.prompts_per_step = prompts
+  config.sampling.update(num_generations=g, max_new_tokens=c)
+  cfg = qwen.QwenConfig(vocab_size=vocab, hidden_size=m["hidden"], intermediate_size=m["mlp"],
+                        num_layers=m["layers"], num_heads=m["heads"], num_kv_heads=m["kv_heads"],
+                        head_dim=m["hidden"] // m["heads"], tie_word_embeddings=True)
+  optim = config_lib.optim_settings(config)
+  step = train_step.TrainStep(cfg, config.loss, optim, mesh,
+                              temperature=config.sampling.temperature, valid_vocab_size=valid,
+                              max_completion_length=c, group_size=g,
+                              reward_weights=config.rewards.weights)
+  state = train_step.abstract_state(cfg, optim, mesh)
+  batch = memory.rollout_batch(config, prompts * g, bucket, c, mesh)
+  ref = train_step.abstract_reference(cfg, optim, mesh) if step.needs_ref(batch) else None
+  replicated = NamedSharding(mesh, PartitionSpec())
+  hp = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                    step.hparams)
+  compiled = step.program(batch, ref is not None).lower(state, hp, ref, batch).compile()
+  return compiled, step.spec.optim.logprob_block_bytes, memory.peak_bytes(compiled)
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--program", default="decode", choices=["decode", "train"])
   p.add_argument("--size", default="0.5b", choices=[s for s in gpu_step.SIZES if s != "smoke"])
   p.add_argument("--unroll_decode", action="store_true", help="model.unroll_decode")
   p.add_argument("--vocab_chunk", type=int, default=None,
                  help="the sampler's head chunk (default: the sampler's own for the platform)")
   p.add_argument("--platform", default="gpu", choices=["gpu", "cpu"],
                  help="gpu: an H100 without a device (needs the CUDA plugin); cpu: this CPU")
+  p.add_argument("--logprob_block_mib", type=int, default=None,
+                 help="train: optim.logprob_block_bytes in MiB (default: the platform's)")
   p.add_argument("--hlo", help="write the optimized HLO here")
   p.add_argument("--layer", action="store_true", help="list the kernels of the decoder layers")
   p.add_argument("--smoke", action="store_true", help="a 2-layer toy shape (for the test)")
   a = p.parse_args(argv)
+  if a.program == "train" and a.platform == "gpu":  # read when the backend starts (mesh_for)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_enable_triton_gemm=false")
   mesh = mesh_for(a.platform)
   size = "smoke" if a.smoke else a.size
+  if a.program == "train":
+    return _train(a, mesh, size)
   t = time.perf_counter()
   text = decode_hlo(size, mesh, a.unroll_decode, a.vocab_chunk, a.smoke)
   seconds = time.perf_counter() - t
@@ -166,6 +223,26 @@ def main(argv=None) -> dict:
       print(f"    {n:4d} {op:8s} {line}")
   print(f"decode_kernels[{size}]={total}")
   return {"total": total, "parts": dict(by_part), "ops": dict(by_op)}
+
+
+def _train(a, mesh, size) -> dict:
+  t = time.perf_counter()
+  compiled, block_bytes, (_, memory_line) = train_program(size, mesh, a.logprob_block_mib,
+                                                          a.smoke)
+  seconds = time.perf_counter() - t
+  text = compiled.as_text()
+  if a.hlo:
+    Path(a.hlo).write_text(text)
+  comps, entry = gpu_step.parse_hlo(text)
+  by_op = gpu_step.computation_kernels(comps, entry)
+  total = sum(by_op.values())
+  device = mesh.devices.flat[0]
+  print(f"train step of {size} on {getattr(device, 'device_kind', device.platform)} "
+        f"(log-prob blocks of {block_bytes / 2**20:g} MiB); compiled in {seconds:.1f} s")
+  print(f"  kernels {total}: {dict(by_op.most_common(6))}")
+  print(f"  memory: {memory_line}")
+  print(f"train_kernels[{size}]={total}")
+  return {"total": total, "ops": dict(by_op)}
 
 
 def _layer_kernels(text):
