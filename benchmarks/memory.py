@@ -88,6 +88,10 @@ _PLATFORM = flags.DEFINE_enum(
     "platform", None, ["cpu", "gpu", "tpu"], "whose defaults the programs take (the sampler's "
     "head chunk, the log-prob block); default: cpu for a preset whose hardware is a CPU, else "
     "gpu (the larger sampler)")
+_H100 = flags.DEFINE_bool(
+    "h100", False, "compile for one H100 without a GPU (JAX's CUDA plugin, as "
+    "benchmarks/gpu_kernels.py says) instead of fake CPU devices: the GPU compiler's own "
+    "buffers (every matmul a cuBLAS call); presets on one device")
 _SKIP_SAMPLER = flags.DEFINE_bool("skip_sampler", False, "measure the train step only")
 _SKIP_EVAL = flags.DEFINE_bool("skip_eval", False, "skip the eval sampler's shape")
 _GPU_LIKE = flags.DEFINE_bool(
@@ -182,6 +186,8 @@ def rollout_batch(config, rows, prompt_len, completion_len, mesh):
 
 def platform(config) -> str:
   """The platform whose defaults the compiled programs take (see --platform)."""
+  if _H100.value:
+    return "gpu"
   return _PLATFORM.value or ("cpu" if "CPU" in config.hardware.name else "gpu")
 
 
@@ -306,7 +312,11 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   lora_preset = config.model.get("lora") is not None and config.model.lora.rank > 0
-  gpu_like = lora_preset if _GPU_LIKE.value is None else _GPU_LIKE.value
+  gpu_like = (lora_preset if _GPU_LIKE.value is None else _GPU_LIKE.value) and not _H100.value
+  if _H100.value:  # cuBLAS for every matmul: without the device XLA's Triton GEMM tiler can
+    # find no tile for some (benchmarks/gpu_kernels.py)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_enable_triton_gemm=false")
   if gpu_like:  # read when the CPU backend starts, below
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + GPU_LIKE_XLA_FLAGS
   import jax  # pylint: disable=import-outside-toplevel
@@ -315,10 +325,17 @@ def main(argv):
   if config.agent.enabled:
     raise SystemExit("memory.py: agent presets (multi-turn rollouts) are not measured here")
   hw = config.hardware
-  if hw.devices > jax.device_count():
+  if _H100.value:
+    if hw.devices != 1:
+      raise SystemExit(f"memory.py --h100: one device only, the preset has {hw.devices}")
+    import gpu_kernels  # pylint: disable=import-outside-toplevel  (benchmarks/gpu_kernels.py)
+    devices = list(gpu_kernels.mesh_for("gpu").devices.flat)
+  elif hw.devices > jax.device_count():
     raise SystemExit(f"memory.py: hardware.devices={hw.devices} > {jax.device_count()} fake "
                      "devices")
-  mesh = sharding.make_mesh(tuple(config.mesh), devices=jax.devices()[:hw.devices])
+  else:
+    devices = jax.devices()[:hw.devices]
+  mesh = sharding.make_mesh(tuple(config.mesh), devices=devices)
   cfg, valid = model_config(config)
   prompt_len = _PROMPT_LEN.value or max(config.data.prompt_buckets)
   n_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
