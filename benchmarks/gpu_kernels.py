@@ -32,15 +32,9 @@ its kernels (every loop counted with its trip count) and its peak memory (argume
 (--xla_gpu_enable_triton_gemm=false): without the device, XLA's Triton GEMM tiler finds no
 tile for the backward's matmuls.
 
-It needs JAX's CUDA plugin at the installed JAX's version, best in a virtual environment of its
-own (the plugin makes JAX look for a GPU at start-up):
-
-    python3 -m venv --system-site-packages /tmp/cuda-venv
-    /tmp/cuda-venv/bin/pip install "jax-cuda12-plugin[with-cuda]==$(python3 -c 'import jax; print(jax.__version__)')"
-    /tmp/cuda-venv/bin/python benchmarks/decode_kernels.py
-
-The script sets JAX_PLATFORMS=cpu and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 itself, so the plugin
-loads without a GPU. Prints `decode_kernels[<size>]=<kernels per step>` or
+It needs JAX's CUDA plugin (benchmarks/h100.py says how to install it; then run this script
+with that environment's python). It sets JAX_PLATFORMS=cpu and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1
+itself, so the plugin loads without a GPU. Prints `decode_kernels[<size>]=<kernels per step>` or
 `train_kernels[<size>]=<kernels per step>` last.
 """
 from __future__ import annotations
@@ -53,29 +47,13 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_step  # noqa: E402  (puts the repository on sys.path)
+import h100  # noqa: E402
+
+h100.prepare_environment()
 
 VOCAB, VALID = 151936, 151665  # Qwen2.5's embedding rows and tokenizer size
-# XLA's GPU target description (xla/stream_executor/device_description.proto) of one H100 SXM.
-H100 = """
-gpu_device_info {
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
-  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
-  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
-  clock_rate_ghz: 1.98 device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 minor: 0 }
-  registers_per_core_limit: 65536 registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 8 }
-runtime_version { major: 12 minor: 9 }
-device_description_str: "NVIDIA H100 80GB HBM3"
-"""
 
 
 def where(op: str, text: str) -> str:
@@ -90,18 +68,9 @@ def where(op: str, text: str) -> str:
 
 
 def mesh_for(platform: str):
+  """A one-device (data, fsdp, tensor) mesh: this CPU, or a compile-only H100 (h100.py)."""
   import jax  # pylint: disable=import-outside-toplevel
-  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
-  if platform == "cpu":
-    devices = jax.devices("cpu")[:1]
-  else:
-    try:
-      devices = topologies.get_topology_desc(platform="cuda", target_config=H100,
-                                             topology="1x1x1").devices
-    except (NotImplementedError, RuntimeError) as e:
-      sys.exit(f"decode_kernels.py: no CUDA compiler ({type(e).__name__}: {str(e)[:200]}); "
-               "install jax-cuda12-plugin as this script's docstring says, or pass "
-               "--platform cpu")
+  devices = jax.devices("cpu")[:1] if platform == "cpu" else h100.devices("gpu_kernels.py")
   import numpy as np  # pylint: disable=import-outside-toplevel
   return jax.sharding.Mesh(np.array(devices).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
 

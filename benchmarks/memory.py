@@ -90,7 +90,7 @@ _PLATFORM = flags.DEFINE_enum(
     "gpu (the larger sampler)")
 _H100 = flags.DEFINE_bool(
     "h100", False, "compile for one H100 without a GPU (JAX's CUDA plugin, as "
-    "benchmarks/gpu_kernels.py says) instead of fake CPU devices: the GPU compiler's own "
+    "benchmarks/h100.py says) instead of fake CPU devices: the GPU compiler's own "
     "buffers (every matmul a cuBLAS call); presets on one device")
 _SKIP_SAMPLER = flags.DEFINE_bool("skip_sampler", False, "measure the train step only")
 _SKIP_EVAL = flags.DEFINE_bool("skip_eval", False, "skip the eval sampler's shape")
@@ -328,8 +328,8 @@ def main(argv):
   if _H100.value:
     if hw.devices != 1:
       raise SystemExit(f"memory.py --h100: one device only, the preset has {hw.devices}")
-    import gpu_kernels  # pylint: disable=import-outside-toplevel  (benchmarks/gpu_kernels.py)
-    devices = list(gpu_kernels.mesh_for("gpu").devices.flat)
+    import h100  # pylint: disable=import-outside-toplevel  (benchmarks/h100.py)
+    devices = h100.devices("memory.py")
   elif hw.devices > jax.device_count():
     raise SystemExit(f"memory.py: hardware.devices={hw.devices} > {jax.device_count()} fake "
                      "devices")
