@@ -115,7 +115,7 @@ def model_config(config):
   the preset's model options (attention kernel, unrolled decode)."""
   from grpo_jax import inputs  # pylint: disable=import-outside-toplevel
   cfg, valid = _model_config(config)
-  return inputs.runtime_options(config, cfg), valid
+  return inputs.runtime_options(config, cfg, platform(config)), valid
 
 
 def _model_config(config):
