@@ -110,12 +110,13 @@ GB = 1e9
 KNOWN_MODELS, QWEN25_VALID_VOCAB = shapes.MODELS, shapes.VALID_VOCAB
 
 
-def model_config(config):
+def model_config(config, platform_name: str | None = None):
   """(QwenConfig, valid vocabulary) of the preset's model, without weights or a tokenizer, with
-  the preset's model options (attention kernel, unrolled decode)."""
+  the preset's model options (attention kernel, unrolled decode), a choice left to the platform
+  taking platform_name's (None: that of JAX's devices)."""
   from grpo_jax import inputs  # pylint: disable=import-outside-toplevel
   cfg, valid = _model_config(config)
-  return inputs.runtime_options(config, cfg, platform(config)), valid
+  return inputs.runtime_options(config, cfg, platform_name), valid
 
 
 def _model_config(config):
@@ -336,7 +337,7 @@ def main(argv):
   else:
     devices = jax.devices()[:hw.devices]
   mesh = sharding.make_mesh(tuple(config.mesh), devices=devices)
-  cfg, valid = model_config(config)
+  cfg, valid = model_config(config, platform(config))
   prompt_len = _PROMPT_LEN.value or max(config.data.prompt_buckets)
   n_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
   o = config.optim
