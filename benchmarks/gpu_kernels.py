@@ -1,6 +1,6 @@
 """The kernels XLA launches for a decode step and for a train step on a GPU, counted without one.
 
-    python3 benchmarks/gpu_kernels.py [--size 0.5b] [--scan_decode] [--vocab_chunk N]
+    python3 benchmarks/gpu_kernels.py [--size 0.5b] [--unroll_decode] [--vocab_chunk N]
                                       [--hlo FILE] [--layer]
     python3 benchmarks/gpu_kernels.py --program train [--logprob_block_mib N]
     python3 benchmarks/gpu_kernels.py --platform cpu    # the CPU programs: no plugin needed
@@ -148,10 +148,7 @@ def main(argv=None) -> dict:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--program", default="decode", choices=["decode", "train"])
   p.add_argument("--size", default="0.5b", choices=[s for s in gpu_step.SIZES if s != "smoke"])
-  p.add_argument("--unroll_decode", action="store_true",
-                 help="model.unroll_decode=True (the default on a GPU)")
-  p.add_argument("--scan_decode", action="store_true",
-                 help="model.unroll_decode=False (the default elsewhere)")
+  p.add_argument("--unroll_decode", action="store_true", help="model.unroll_decode")
   p.add_argument("--vocab_chunk", type=int, default=None,
                  help="the sampler's head chunk (default: the sampler's own for the platform)")
   p.add_argument("--platform", default="gpu", choices=["gpu", "cpu"],
@@ -169,10 +166,8 @@ def main(argv=None) -> dict:
   size = "smoke" if a.smoke else a.size
   if a.program == "train":
     return _train(a, mesh, size)
-  # model.unroll_decode as inputs.runtime_options sets it: the platform's unless asked.
-  unroll = a.unroll_decode or (a.platform == "gpu" and not a.scan_decode)
   t = time.perf_counter()
-  text = decode_hlo(size, mesh, unroll, a.vocab_chunk, a.smoke)
+  text = decode_hlo(size, mesh, a.unroll_decode, a.vocab_chunk, a.smoke)
   seconds = time.perf_counter() - t
   if a.hlo:
     Path(a.hlo).write_text(text)
@@ -181,7 +176,7 @@ def main(argv=None) -> dict:
   total = sum(by_part.values())
   device = mesh.devices.flat[0]
   print(f"decode step of {size} on {getattr(device, 'device_kind', device.platform)} "
-        f"(unroll_decode={unroll}, vocab_chunk={a.vocab_chunk or 'default'}); "
+        f"(unroll_decode={a.unroll_decode}, vocab_chunk={a.vocab_chunk or 'default'}); "
         f"compiled in {seconds:.1f} s")
   layers = gpu_step.SIZES[size]["layers"]
   for part, n in by_part.most_common():

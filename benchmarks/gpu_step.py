@@ -266,18 +266,13 @@ def _sampler_figures(spec, sampler, params, out, kernels):
       out["decode_kernels_error"] = f"{type(e).__name__}: {e}"[:300]
 
 
-def _decode_layers(args):
-  """config.model.unroll_decode as the flags ask: True, False, or None (the platform's)."""
-  return True if args.unroll_decode else False if args.scan_decode else None
-
-
 def worker(args) -> None:
   """One (side, size) in this process, through trl_step.py's worker (its RESULT line), with
   this script's options in the spec and the device figures added to the grpo_jax side."""
   configure(args.smoke, args.tokenizer, args.gsm8k)
   side, size = args.worker
   options = {"compute_dtype": "bfloat16", "remat": args.remat_on, "attention": args.attention,
-             "unroll_decode": _decode_layers(args), "grad_accum": args.grad_accum,
+             "unroll_decode": args.unroll_decode, "grad_accum": args.grad_accum,
              "logprob_block_bytes": args.logprob_block_mib << 20,
              "trl_gpu": not args.smoke, "vllm": side == "trl_vllm"}
   run_grpo_jax, run_trl = trl_step.run_grpo_jax, trl_step.run_trl
@@ -337,7 +332,6 @@ def spawn(side, size, args, remat, budget_end) -> dict:
          "--tokenizer", args.tokenizer, "--gsm8k", args.gsm8k]
   cmd += ["--attention", args.attention] if args.attention else []
   cmd += ["--grad_accum", str(args.grad_accum)] + ["--unroll_decode"] * args.unroll_decode
-  cmd += ["--scan_decode"] * args.scan_decode
   cmd += ["--logprob_block_mib", str(args.logprob_block_mib)]
   cmd += ["--remat_on"] * remat + ["--smoke"] * args.smoke + ["--no_kernels"] * args.no_kernels
   env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
@@ -469,10 +463,7 @@ def parse_args(argv=None):
   p.add_argument("--attention", default=None, choices=["xla", "cudnn"],
                  help="config.model.attention (default: JAX's choice, XLA)")
   p.add_argument("--unroll_decode", action="store_true",
-                 help="config.model.unroll_decode=True: the decode step's layers written out "
-                      "(the default on a GPU)")
-  p.add_argument("--scan_decode", action="store_true",
-                 help="config.model.unroll_decode=False: the decode step's layers as a scan")
+                 help="config.model.unroll_decode: the decode step's layers written out")
   p.add_argument("--logprob_block_mib", type=int, default=0,
                  help="optim.logprob_block_bytes in MiB (0: the platform's, 64 on a GPU)")
   p.add_argument("--remat", default="1.5b", help="sizes run with remat on both sides")
@@ -495,8 +486,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
-  if args.unroll_decode and args.scan_decode:
-    sys.exit("gpu_step.py: --unroll_decode and --scan_decode ask for opposite decode loops")
   if args.worker:
     return worker(args)
   t_start = time.perf_counter()

@@ -110,13 +110,12 @@ GB = 1e9
 KNOWN_MODELS, QWEN25_VALID_VOCAB = shapes.MODELS, shapes.VALID_VOCAB
 
 
-def model_config(config, platform_name: str | None = None):
+def model_config(config):
   """(QwenConfig, valid vocabulary) of the preset's model, without weights or a tokenizer, with
-  the preset's model options (attention kernel, unrolled decode), a choice left to the platform
-  taking platform_name's (None: that of JAX's devices)."""
+  the preset's model options (attention kernel, unrolled decode)."""
   from grpo_jax import inputs  # pylint: disable=import-outside-toplevel
   cfg, valid = _model_config(config)
-  return inputs.runtime_options(config, cfg, platform_name), valid
+  return inputs.runtime_options(config, cfg), valid
 
 
 def _model_config(config):
@@ -337,7 +336,7 @@ def main(argv):
   else:
     devices = jax.devices()[:hw.devices]
   mesh = sharding.make_mesh(tuple(config.mesh), devices=devices)
-  cfg, valid = model_config(config, platform(config))
+  cfg, valid = model_config(config)
   prompt_len = _PROMPT_LEN.value or max(config.data.prompt_buckets)
   n_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
   o = config.optim

@@ -270,7 +270,7 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   o.grad_accum_steps, o.param_dtype = spec.get("grad_accum", 1), "float32"
   o.compute_dtype, o.remat = spec.get("compute_dtype", "float32"), spec.get("remat", True)
   c.model.attention = spec.get("attention")
-  c.model.unroll_decode = spec.get("unroll_decode")  # None: the platform's
+  c.model.unroll_decode = spec.get("unroll_decode", False)
   o.logprob_block_bytes = spec.get("logprob_block_bytes", 0)  # 0: the platform's
   c.train.prompts_per_step, c.train.dynamic_sampling = NUM_PROMPTS, False
   c.mesh = (1, 1, 1)

@@ -54,9 +54,7 @@ def model() -> ConfigDict:
       # True: the sampler's decode step runs the layers written out, on per-layer copies of
       # their weights made once per call, instead of a scan over the stacked weights
       # (qwen.QwenConfig.unroll_decode; docs/performance.md). The same numbers either way.
-      # None: the platform's, True on a GPU (half the kernels a decode step launches), False
-      # elsewhere (inputs.runtime_options).
-      unroll_decode=placeholder(bool),
+      unroll_decode=False,
       # Used only when random_init: a Qwen2 architecture of this size.
       tiny=ConfigDict(dict(
           hidden_size=128,          # D

@@ -82,20 +82,15 @@ def model_config(config, tokenizer):
   return cfg, generation_config
 
 
-def runtime_options(config, cfg: qwen.QwenConfig,
-                    platform: str | None = None) -> qwen.QwenConfig:
+def runtime_options(config, cfg: qwen.QwenConfig) -> qwen.QwenConfig:
   """cfg with config.model's choices of how the model runs (attention kernel, unrolled decode),
-  which are no part of a checkpoint: for a cfg read from one, or built by hand. A choice left
-  None takes `platform`'s default (None: the platform of JAX's devices)."""
+  which are no part of a checkpoint: for a cfg read from one, or built by hand."""
   m = config.model
   attention = m.get("attention")
   if attention not in qwen.ATTENTION_IMPLEMENTATIONS:
     raise validate.ConfigError(f"config.model.attention={attention!r} is not one of "
                                f"{qwen.ATTENTION_IMPLEMENTATIONS}")
-  unroll = m.get("unroll_decode")
-  if unroll is None:
-    unroll = (platform or jax.devices()[0].platform) == "gpu"
-  return dataclasses.replace(cfg, attention=attention, unroll_decode=bool(unroll))
+  return dataclasses.replace(cfg, attention=attention, unroll_decode=bool(m.unroll_decode))
 
 
 def initial_params(config, cfg, mesh):

@@ -295,19 +295,3 @@ def test_config_model_attention_reaches_the_model_config():
   config.model.attention = "flash"
   with pytest.raises(validate.ConfigError, match="config.model.attention='flash' is not one of"):
     inputs.model_config(config, tokenizer)
-
-
-def test_config_model_unroll_decode_is_the_platforms_unless_set():
-  """model.unroll_decode None: written out on a GPU, a scan elsewhere; True or False as set."""
-  from configs import gsm8k
-  from grpo_jax import inputs
-  config = gsm8k.get_config("tiny")
-  cfg = inputs.model_config(config, list(range(config.model.tiny.vocab_size)))[0]
-  assert config.model.unroll_decode is None
-  assert not cfg.unroll_decode  # this CPU
-  assert inputs.runtime_options(config, cfg, "gpu").unroll_decode
-  assert not inputs.runtime_options(config, cfg, "tpu").unroll_decode
-  config.model.unroll_decode = False
-  assert not inputs.runtime_options(config, cfg, "gpu").unroll_decode
-  config.model.unroll_decode = True
-  assert inputs.runtime_options(config, cfg, "cpu").unroll_decode
