@@ -111,7 +111,7 @@ def train_program(size: str, mesh, block_mib: int | None, smoke: bool):
   """The compiled GRPO train step at gpu_step.py's workload (128 rows x (192 + 256) tokens)."""
   import jax  # pylint: disable=import-outside-toplevel
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
-  import memory  # pylint: disable=import-outside-toplevel  (benchmarks/memory.py)
+  import aot  # pylint: disable=import-outside-toplevel  (benchmarks/aot.py)
   from configs import gsm8k  # pylint: disable=import-outside-toplevel
   from grpo_jax import config as config_lib, train_step  # pylint: disable=import-outside-toplevel
   from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
@@ -134,13 +134,13 @@ def train_program(size: str, mesh, block_mib: int | None, smoke: bool):
                               max_completion_length=c, group_size=g,
                               reward_weights=config.rewards.weights)
   state = train_step.abstract_state(cfg, optim, mesh)
-  batch = memory.rollout_batch(config, prompts * g, bucket, c, mesh)
+  batch = aot.rollout_batch(config, prompts * g, bucket, c, mesh)
   ref = train_step.abstract_reference(cfg, optim, mesh) if step.needs_ref(batch) else None
   replicated = NamedSharding(mesh, PartitionSpec())
   hp = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                     step.hparams)
   compiled = step.program(batch, ref is not None).lower(state, hp, ref, batch).compile()
-  return compiled, step.spec.optim.logprob_block_bytes, memory.peak_bytes(compiled)
+  return compiled, step.spec.optim.logprob_block_bytes, aot.peak_bytes(compiled)
 
 
 def main(argv=None) -> dict:

@@ -77,6 +77,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from absl import app, flags, logging  # noqa: E402
 import shapes  # noqa: E402
+from aot import GB, abstract, device_bytes, peak_bytes, rollout_batch  # noqa: E402,F401  (shared)
 from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -103,7 +104,6 @@ _GPU_LIKE = flags.DEFINE_bool(
 # [L, ...] stack of saved activations. A GPU multiplies bf16 natively: it has no such converts.
 GPU_LIKE_XLA_FLAGS = " --xla_disable_hlo_passes=while-loop-invariant-code-motion"
 
-GB = 1e9
 
 # config.json of the checkpoints the presets name (benchmarks/shapes.py), so no hub access is
 # needed. A local checkpoint directory is read instead.
@@ -139,49 +139,6 @@ def _model_config(config):
   cfg = qwen.QwenConfig(**KNOWN_MODELS[name], rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                         qkv_bias=True)
   return cfg, QWEN25_VALID_VOCAB
-
-
-def peak_bytes(compiled) -> tuple[int, str]:
-  """arguments + outputs − aliased + temporaries, per device, and a one-line breakdown."""
-  m = compiled.memory_analysis()
-  peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-          + m.temp_size_in_bytes)
-  line = (f"arguments {m.argument_size_in_bytes / GB:.2f} + outputs "
-          f"{m.output_size_in_bytes / GB:.2f} − aliased {m.alias_size_in_bytes / GB:.2f} + "
-          f"temporaries {m.temp_size_in_bytes / GB:.2f} = {peak / GB:.2f} GB")
-  return peak, line
-
-
-def device_bytes(tree) -> int:
-  """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (the largest shard)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-             for x in jax.tree.leaves(tree))
-
-
-def _abstract(tree, shardings):
-  import jax  # pylint: disable=import-outside-toplevel
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
-                      shardings)
-
-
-def rollout_batch(config, rows, prompt_len, completion_len, mesh):
-  """The train step's rollout layout (rollout.Rollouts.device_batch) as sharded abstracts."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from grpo_jax import train_step  # pylint: disable=import-outside-toplevel
-  from grpo_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  prompts = rows // config_lib.group_size(config)  # each prompt once, for its group
-  shapes = {"prompt_NP": ((prompts, prompt_len), jnp.int32),
-            "prompt_mask_NP": ((prompts, prompt_len), jnp.int32),
-            "completion_BC": ((rows, completion_len), jnp.int32),
-            "lengths_B": ((rows,), jnp.int32),
-            "rewards_BR": ((rows, len(config.rewards.names)), jnp.float32)}
-  if config.loss.mask_truncated_completions:
-    shapes["truncated_B"] = ((rows,), jnp.bool_)
-  import jax  # pylint: disable=import-outside-toplevel
-  out = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items()}
-  return _abstract(out, train_step.batch_shardings(out, mesh))
 
 
 def platform(config) -> str:
@@ -252,7 +209,7 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
     from grpo_jax.models import lora  # pylint: disable=import-outside-toplevel
     lowered = jax.jit(functools.partial(lora.merged_kernels, lcfg=lcfg)).lower(
         ref, state["params"])
-    kernels = _abstract(lowered.out_info, lowered.compile().output_shardings)
+    kernels = abstract(lowered.out_info, lowered.compile().output_shardings)
     params = lora.with_kernels(ref, kernels)
     resident += (device_bytes(state["params"]) + device_bytes(ref) - device_bytes(params)
                  + device_bytes(kernels))
