@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
 import sys
 import time
@@ -50,10 +49,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_step  # noqa: E402  (puts the repository on sys.path)
 import h100  # noqa: E402
+import shapes  # noqa: E402
 
 h100.prepare_environment()
-
-VOCAB, VALID = 151936, 151665  # Qwen2.5's embedding rows and tokenizer size
 
 
 def where(op: str, text: str) -> str:
@@ -68,66 +66,70 @@ def where(op: str, text: str) -> str:
 
 
 def mesh_for(platform: str):
-  """A one-device (data, fsdp, tensor) mesh: this CPU, or a compile-only H100 (h100.py)."""
+  """A one-device mesh: this CPU, or a compile-only H100 (h100.py)."""
   import jax  # pylint: disable=import-outside-toplevel
+  from grpo_jax import sharding  # pylint: disable=import-outside-toplevel
   devices = jax.devices("cpu")[:1] if platform == "cpu" else h100.devices("gpu_kernels.py")
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  return jax.sharding.Mesh(np.array(devices).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+  return sharding.make_mesh((1, 1, 1), devices=devices)
+
+
+def workload(size: str, smoke: bool, unroll: bool = False):
+  """(QwenConfig, valid vocabulary, prompts, G, new tokens, prompt bucket) of gpu_step.py's
+  workload at `size` (smoke: a toy vocabulary and batch)."""
+  from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
+  m = gpu_step.SIZES[size]
+  vocab, valid = (512, 500) if smoke else (shapes.MODELS["Qwen2.5-0.5B"]["vocab_size"],
+                                            shapes.VALID_VOCAB)
+  cfg = qwen.QwenConfig(vocab_size=vocab, hidden_size=m["hidden"], intermediate_size=m["mlp"],
+                        num_layers=m["layers"], num_heads=m["heads"], num_kv_heads=m["kv_heads"],
+                        head_dim=m["hidden"] // m["heads"], tie_word_embeddings=True,
+                        unroll_decode=unroll)
+  batch = (2, 2, 4, 8) if smoke else (gpu_step.NUM_PROMPTS, gpu_step.G, gpu_step.NEW_TOKENS,
+                                      gpu_step.BUCKET)
+  return (cfg, valid) + batch
+
+
+def _replicated(tree, mesh):
+  import jax  # pylint: disable=import-outside-toplevel
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
 def decode_hlo(size: str, mesh, unroll: bool, vocab_chunk: int | None, smoke: bool) -> str:
   """The optimized HLO of the sampler's decode program at gpu_step.py's workload."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
   from grpo_jax import sampler as sampler_lib  # pylint: disable=import-outside-toplevel
   from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
-  m = gpu_step.SIZES[size]
-  vocab, valid = (512, 500) if smoke else (VOCAB, VALID)
-  prompts, g, c, bucket = (2, 2, 4, 8) if smoke else (gpu_step.NUM_PROMPTS, gpu_step.G,
-                                                      gpu_step.NEW_TOKENS, gpu_step.BUCKET)
-  cfg = qwen.QwenConfig(vocab_size=vocab, hidden_size=m["hidden"], intermediate_size=m["mlp"],
-                        num_layers=m["layers"], num_heads=m["heads"], num_kv_heads=m["kv_heads"],
-                        head_dim=m["hidden"] // m["heads"], tie_word_embeddings=True,
-                        unroll_decode=unroll)
+  cfg, valid, prompts, g, c, bucket = workload(size, smoke, unroll)
   sampler = sampler_lib.Sampler(qwen.build(cfg, dtype="bfloat16", mesh=mesh), max_new_tokens=c,
                                 mesh=mesh, valid_vocab_size=valid, vocab_chunk=vocab_chunk,
                                 buckets=(bucket,))
-  replicated = NamedSharding(mesh, PartitionSpec())
-  placed = lambda tree: jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tree)
-  params = placed(qwen.abstract_params(cfg))
-  tokens = placed(jax.ShapeDtypeStruct((prompts, bucket), jnp.int32))
-  cache, state = placed(sampler.lower_prefill(params, tokens, tokens, g, bucket + c).out_info)
-  key = placed(jax.eval_shape(lambda: jax.random.key(0)))
+  params = _replicated(qwen.abstract_params(cfg), mesh)
+  tokens = _replicated(jax.ShapeDtypeStruct((prompts, bucket), jnp.int32), mesh)
+  cache, state = _replicated(sampler.lower_prefill(params, tokens, tokens, g, bucket + c).out_info,
+                             mesh)
+  key = _replicated(jax.eval_shape(lambda: jax.random.key(0)), mesh)
   rows = prompts * g
   return sampler.lower_decode(params, cache, state, key,
-                              placed(jax.ShapeDtypeStruct((rows, 2), jnp.int32)),
-                              placed(jax.ShapeDtypeStruct((rows,), jnp.bool_)),
+                              _replicated(jax.ShapeDtypeStruct((rows, 2), jnp.int32), mesh),
+                              _replicated(jax.ShapeDtypeStruct((rows,), jnp.bool_), mesh),
                               c).compile().as_text()
 
 
 def train_program(size: str, mesh, block_mib: int | None, smoke: bool):
   """The compiled GRPO train step at gpu_step.py's workload (128 rows x (192 + 256) tokens)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
   import aot  # pylint: disable=import-outside-toplevel  (benchmarks/aot.py)
   from configs import gsm8k  # pylint: disable=import-outside-toplevel
   from grpo_jax import config as config_lib, train_step  # pylint: disable=import-outside-toplevel
-  from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
-  m = gpu_step.SIZES[size]
-  vocab, valid = (512, 500) if smoke else (VOCAB, VALID)
-  prompts, g, c, bucket = (2, 2, 4, 8) if smoke else (gpu_step.NUM_PROMPTS, gpu_step.G,
-                                                      gpu_step.NEW_TOKENS, gpu_step.BUCKET)
+  cfg, valid, prompts, g, c, bucket = workload(size, smoke)
   config = gsm8k.get_config("default")
-  config.optim.update(remat=m["remat"], grad_accum_steps=1, compute_dtype="bfloat16",
-                      param_dtype="float32", logprob_block_bytes=(block_mib or 0) << 20)
+  config.optim.update(remat=gpu_step.SIZES[size]["remat"], grad_accum_steps=1,
+                      compute_dtype="bfloat16", param_dtype="float32",
+                      logprob_block_bytes=(block_mib or 0) << 20)
   config.loss.beta = 0.04
   config.train.prompts_per_step = prompts
   config.sampling.update(num_generations=g, max_new_tokens=c)
-  cfg = qwen.QwenConfig(vocab_size=vocab, hidden_size=m["hidden"], intermediate_size=m["mlp"],
-                        num_layers=m["layers"], num_heads=m["heads"], num_kv_heads=m["kv_heads"],
-                        head_dim=m["hidden"] // m["heads"], tie_word_embeddings=True)
   optim = config_lib.optim_settings(config)
   step = train_step.TrainStep(cfg, config.loss, optim, mesh,
                               temperature=config.sampling.temperature, valid_vocab_size=valid,
@@ -136,9 +138,7 @@ def train_program(size: str, mesh, block_mib: int | None, smoke: bool):
   state = train_step.abstract_state(cfg, optim, mesh)
   batch = aot.rollout_batch(config, prompts * g, bucket, c, mesh)
   ref = train_step.abstract_reference(cfg, optim, mesh) if step.needs_ref(batch) else None
-  replicated = NamedSharding(mesh, PartitionSpec())
-  hp = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-                    step.hparams)
+  hp = _replicated(step.hparams, mesh)
   compiled = step.program(batch, ref is not None).lower(state, hp, ref, batch).compile()
   return compiled, step.spec.optim.logprob_block_bytes, aot.peak_bytes(compiled)
 
@@ -160,8 +160,7 @@ def main(argv=None) -> dict:
   p.add_argument("--smoke", action="store_true", help="a 2-layer toy shape (for the test)")
   a = p.parse_args(argv)
   if a.program == "train" and a.platform == "gpu":  # read when the backend starts (mesh_for)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_gpu_enable_triton_gemm=false")
+    h100.cublas_matmuls()
   mesh = mesh_for(a.platform)
   size = "smoke" if a.smoke else a.size
   if a.program == "train":
@@ -184,11 +183,8 @@ def main(argv=None) -> dict:
     print(f"  {part:24s} {n:6d}{extra}")
   print(f"  {'by opcode':24s} {dict(by_op.most_common(8))}")
   if a.layer:
-    ops = collections.Counter()
-    for op, line in _layer_kernels(text):
-      ops[(op, line)] += 1
     print("  kernels of the decoder layers (count, opcode, output):")
-    for (op, line), n in ops.most_common():
+    for (op, line), n in _layer_kernels(text).most_common():
       print(f"    {n:4d} {op:8s} {line}")
   print(f"decode_kernels[{size}]={total}")
   return {"total": total, "parts": dict(by_part), "ops": dict(by_op)}
@@ -214,8 +210,8 @@ def _train(a, mesh, size) -> dict:
   return {"total": total, "ops": dict(by_op)}
 
 
-def _layer_kernels(text):
-  """(opcode, fused computation name and output shape) of each layer kernel in the step."""
+def _layer_kernels(text) -> collections.Counter:
+  """{(opcode, fused computation name and output shape): count} of the layers' kernels."""
   def key(op, line):
     if where(op, line) != "layers":
       return None
@@ -224,10 +220,8 @@ def _layer_kernels(text):
     shape = line.split(f" {op}(")[0].split(" ")[-1] if f" {op}(" in line else ""
     return (op, f"{name} {shape}")
   counts = gpu_step.count_loop_kernels(text, key=key)
-  for k, n in counts.items():
-    if k is not None:
-      for _ in range(n):
-        yield k
+  del counts[None]
+  return counts
 
 
 if __name__ == "__main__":

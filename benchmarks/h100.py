@@ -43,6 +43,14 @@ def prepare_environment() -> None:
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 
+def cublas_matmuls() -> None:
+  """Before JAX's backends start: compile every matmul as a cuBLAS call. Without the device,
+  XLA's Triton GEMM tiler cannot autotune and finds no tile for some of a train step's matmuls
+  ("Couldn't find output tile sizes")."""
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_gpu_enable_triton_gemm=false")
+
+
 def devices(script: str) -> list:
   """One compile-only H100; exits naming `script` when no CUDA compiler is installed."""
   prepare_environment()

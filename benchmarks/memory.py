@@ -185,7 +185,7 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=C0415
-  from grpo_jax import sampler as sampler_lib, sampling, sharding  # pylint: disable=C0415
+  from grpo_jax import sampler as sampler_lib, sharding  # pylint: disable=import-outside-toplevel
   from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
   from grpo_jax import config as config_lib, train  # pylint: disable=import-outside-toplevel
   optim, s = config_lib.optim_settings(config), config.sampling
@@ -195,9 +195,7 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
       model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
       max_new_tokens=s.max_new_tokens, stop_ids=(0,), buckets=(prompt_len,),
       valid_vocab_size=valid, pad_id=0, mesh=mesh,
-      # On a GPU the whole vocabulary is one chunk.
-      vocab_chunk=sampler_lib.VOCAB_CHUNK if platform(config) != "gpu" else
-      -(-valid // sampling.ARGMAX_BLOCK) * sampling.ARGMAX_BLOCK)
+      vocab_chunk=sampler_lib.default_vocab_chunk(platform(config), valid))
   # Resident while sampling, outside the sampler's arguments: all but the policy params.
   resident = device_bytes(state) - device_bytes(state["params"])
   if lcfg is None:
@@ -270,10 +268,9 @@ def main(argv):
   config = _CONFIG.value
   lora_preset = config.model.get("lora") is not None and config.model.lora.rank > 0
   gpu_like = (lora_preset if _GPU_LIKE.value is None else _GPU_LIKE.value) and not _H100.value
-  if _H100.value:  # cuBLAS for every matmul: without the device XLA's Triton GEMM tiler can
-    # find no tile for some (benchmarks/gpu_kernels.py)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_gpu_enable_triton_gemm=false")
+  if _H100.value:
+    import h100  # pylint: disable=import-outside-toplevel  (benchmarks/h100.py)
+    h100.cublas_matmuls()
   if gpu_like:  # read when the CPU backend starts, below
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + GPU_LIKE_XLA_FLAGS
   import jax  # pylint: disable=import-outside-toplevel
@@ -285,7 +282,6 @@ def main(argv):
   if _H100.value:
     if hw.devices != 1:
       raise SystemExit(f"memory.py --h100: one device only, the preset has {hw.devices}")
-    import h100  # pylint: disable=import-outside-toplevel  (benchmarks/h100.py)
     devices = h100.devices("memory.py")
   elif hw.devices > jax.device_count():
     raise SystemExit(f"memory.py: hardware.devices={hw.devices} > {jax.device_count()} fake "

@@ -71,6 +71,12 @@ from grpo_jax.models import qwen
 Array = jax.Array
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024)
 VOCAB_CHUNK = 8192  # head columns per pass, except on a GPU (see Sampler's vocab_chunk)
+
+
+def default_vocab_chunk(platform: str, valid: int) -> int:
+  """Sampler's vocab_chunk on `platform` ('cpu', 'gpu', 'tpu') for `valid` vocabulary rows:
+  the whole vocabulary on a GPU, VOCAB_CHUNK elsewhere."""
+  return valid if platform == "gpu" else VOCAB_CHUNK
 CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")  # qwen.init_cache's layout
 
 
@@ -153,9 +159,10 @@ class Sampler:
       raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {cfg.vocab_size})")
     block = sampling.ARGMAX_BLOCK
     if vocab_chunk is None:
-      vocab_chunk = valid if compile_cache.platform(mesh) == "gpu" else VOCAB_CHUNK
-    elif vocab_chunk < 1 or vocab_chunk % block:
-      raise ValueError(f"vocab_chunk={vocab_chunk} must be a positive multiple of {block}")
+      vocab_chunk = default_vocab_chunk(compile_cache.platform(mesh), valid)
+    elif vocab_chunk < valid and (vocab_chunk < 1 or vocab_chunk % block):
+      raise ValueError(f"vocab_chunk={vocab_chunk} must be a positive multiple of {block}, or "
+                       f"the whole vocabulary ({valid})")
     if top_p_draws < 1:
       raise ValueError(f"top_p_draws={top_p_draws} must be >= 1")
     self.defaults = sampling.parse_settings(greedy, temperature, top_k, top_p, min_p)

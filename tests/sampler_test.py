@@ -158,6 +158,12 @@ def test_default_vocab_chunk_is_the_whole_vocabulary_on_a_gpu_only():
   assert tpu.vocab_chunk == 8192
   assert sampler_lib.Sampler(cfg, max_new_tokens=4, vocab_chunk=64,
                              mesh=mesh("gpu")).vocab_chunk == 64
+  # A chunk set by hand: a multiple of 32, or the whole vocabulary (19000 is not a multiple).
+  assert sampler_lib.Sampler(cfg, max_new_tokens=4, valid_vocab_size=19000,
+                             vocab_chunk=19000).vocab_chunk == 19000
+  with pytest.raises(ValueError, match=r"vocab_chunk=100 must be a positive multiple of 32, or "
+                                       r"the whole vocabulary \(19000\)"):
+    sampler_lib.Sampler(cfg, max_new_tokens=4, valid_vocab_size=19000, vocab_chunk=100)
 
 
 @pytest.mark.parametrize("kind", ["qwen2_tied", "qwen3"])
