@@ -1,6 +1,7 @@
 """The kernels XLA launches for a decode step and for a train step on a GPU, counted without one.
 
     python3 benchmarks/gpu_kernels.py [--size 0.5b] [--unroll_decode] [--vocab_chunk N]
+                                      [--decode_attention pallas]
                                       [--hlo FILE] [--layer]
     python3 benchmarks/gpu_kernels.py --program train [--logprob_block_mib N]
     python3 benchmarks/gpu_kernels.py --platform cpu    # the CPU programs: no plugin needed
@@ -73,7 +74,7 @@ def mesh_for(platform: str):
   return sharding.make_mesh((1, 1, 1), devices=devices)
 
 
-def workload(size: str, smoke: bool, unroll: bool = False):
+def workload(size: str, smoke: bool, unroll: bool = False, decode_attention: str = "xla"):
   """(QwenConfig, valid vocabulary, prompts, G, new tokens, prompt bucket) of gpu_step.py's
   workload at `size` (smoke: a toy vocabulary and batch)."""
   from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
@@ -83,7 +84,7 @@ def workload(size: str, smoke: bool, unroll: bool = False):
   cfg = qwen.QwenConfig(vocab_size=vocab, hidden_size=m["hidden"], intermediate_size=m["mlp"],
                         num_layers=m["layers"], num_heads=m["heads"], num_kv_heads=m["kv_heads"],
                         head_dim=m["hidden"] // m["heads"], tie_word_embeddings=True,
-                        unroll_decode=unroll)
+                        unroll_decode=unroll, decode_attention=decode_attention)
   batch = (2, 2, 4, 8) if smoke else (gpu_step.NUM_PROMPTS, gpu_step.G, gpu_step.NEW_TOKENS,
                                       gpu_step.BUCKET)
   return (cfg, valid) + batch
@@ -95,13 +96,14 @@ def _replicated(tree, mesh):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def decode_hlo(size: str, mesh, unroll: bool, vocab_chunk: int | None, smoke: bool) -> str:
+def decode_hlo(size: str, mesh, unroll: bool, vocab_chunk: int | None, smoke: bool,
+               decode_attention: str = "xla") -> str:
   """The optimized HLO of the sampler's decode program at gpu_step.py's workload."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from grpo_jax import sampler as sampler_lib  # pylint: disable=import-outside-toplevel
   from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
-  cfg, valid, prompts, g, c, bucket = workload(size, smoke, unroll)
+  cfg, valid, prompts, g, c, bucket = workload(size, smoke, unroll, decode_attention)
   sampler = sampler_lib.Sampler(qwen.build(cfg, dtype="bfloat16", mesh=mesh), max_new_tokens=c,
                                 mesh=mesh, valid_vocab_size=valid, vocab_chunk=vocab_chunk,
                                 buckets=(bucket,))
@@ -149,6 +151,8 @@ def main(argv=None) -> dict:
   p.add_argument("--program", default="decode", choices=["decode", "train"])
   p.add_argument("--size", default="0.5b", choices=[s for s in gpu_step.SIZES if s != "smoke"])
   p.add_argument("--unroll_decode", action="store_true", help="model.unroll_decode")
+  p.add_argument("--decode_attention", default="xla", choices=["xla", "pallas"],
+                 help="model.decode_attention: 'pallas' is one fused kernel per layer")
   p.add_argument("--vocab_chunk", type=int, default=None,
                  help="the sampler's head chunk (default: the sampler's own for the platform)")
   p.add_argument("--platform", default="gpu", choices=["gpu", "cpu"],
@@ -166,7 +170,7 @@ def main(argv=None) -> dict:
   if a.program == "train":
     return _train(a, mesh, size)
   t = time.perf_counter()
-  text = decode_hlo(size, mesh, a.unroll_decode, a.vocab_chunk, a.smoke)
+  text = decode_hlo(size, mesh, a.unroll_decode, a.vocab_chunk, a.smoke, a.decode_attention)
   seconds = time.perf_counter() - t
   if a.hlo:
     Path(a.hlo).write_text(text)
@@ -175,7 +179,8 @@ def main(argv=None) -> dict:
   total = sum(by_part.values())
   device = mesh.devices.flat[0]
   print(f"decode step of {size} on {getattr(device, 'device_kind', device.platform)} "
-        f"(unroll_decode={a.unroll_decode}, vocab_chunk={a.vocab_chunk or 'default'}); "
+        f"(unroll_decode={a.unroll_decode}, decode_attention={a.decode_attention}, "
+        f"vocab_chunk={a.vocab_chunk or 'default'}); "
         f"compiled in {seconds:.1f} s")
   layers = gpu_step.SIZES[size]["layers"]
   for part, n in by_part.most_common():

@@ -272,7 +272,8 @@ def worker(args) -> None:
   configure(args.smoke, args.tokenizer, args.gsm8k)
   side, size = args.worker
   options = {"compute_dtype": "bfloat16", "remat": args.remat_on, "attention": args.attention,
-             "unroll_decode": args.unroll_decode, "grad_accum": args.grad_accum,
+             "unroll_decode": args.unroll_decode, "decode_attention": args.decode_attention,
+             "grad_accum": args.grad_accum,
              "logprob_block_bytes": args.logprob_block_mib << 20,
              "trl_gpu": not args.smoke, "vllm": side == "trl_vllm"}
   run_grpo_jax, run_trl = trl_step.run_grpo_jax, trl_step.run_trl
@@ -332,6 +333,7 @@ def spawn(side, size, args, remat, budget_end) -> dict:
          "--tokenizer", args.tokenizer, "--gsm8k", args.gsm8k]
   cmd += ["--attention", args.attention] if args.attention else []
   cmd += ["--grad_accum", str(args.grad_accum)] + ["--unroll_decode"] * args.unroll_decode
+  cmd += ["--decode_attention", args.decode_attention]
   cmd += ["--logprob_block_mib", str(args.logprob_block_mib)]
   cmd += ["--remat_on"] * remat + ["--smoke"] * args.smoke + ["--no_kernels"] * args.no_kernels
   env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
@@ -387,7 +389,8 @@ def report(size, spec, runs, args, remat) -> float | None:
   if gj.get("model_options"):  # as the grpo_jax process ran them
     o = gj["model_options"]
     print(f"  grpo_jax model: attention {o['attention'] or 'default (XLA)'}, decode layers "
-          f"{'unrolled' if o['unroll_decode'] else 'scanned'}, head chunk "
+          f"{'unrolled' if o['unroll_decode'] else 'scanned'}, decode attention "
+          f"{o.get('decode_attention', 'xla')}, head chunk "
           f"{o.get('vocab_chunk')} columns, log-prob blocks "
           f"{o.get('logprob_block_bytes', 0) / 2**20:g} MiB")
   print(f"  {'side':10s}{'first':>9s}{'median':>9s}{'sample':>9s}{'reward':>9s}"
@@ -464,6 +467,9 @@ def parse_args(argv=None):
                  help="config.model.attention (default: JAX's choice, XLA)")
   p.add_argument("--unroll_decode", action="store_true",
                  help="config.model.unroll_decode: the decode step's layers written out")
+  p.add_argument("--decode_attention", default="xla", choices=["xla", "pallas"],
+                 help="config.model.decode_attention: 'pallas' is one fused kernel per layer "
+                      "reading the KV cache in place")
   p.add_argument("--logprob_block_mib", type=int, default=0,
                  help="optim.logprob_block_bytes in MiB (0: the platform's, 64 on a GPU)")
   p.add_argument("--remat", default="1.5b", help="sizes run with remat on both sides")

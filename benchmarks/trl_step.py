@@ -271,6 +271,7 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   o.compute_dtype, o.remat = spec.get("compute_dtype", "float32"), spec.get("remat", True)
   c.model.attention = spec.get("attention")
   c.model.unroll_decode = spec.get("unroll_decode", False)
+  c.model.decode_attention = spec.get("decode_attention", "xla")
   o.logprob_block_bytes = spec.get("logprob_block_bytes", 0)  # 0: the platform's
   c.train.prompts_per_step, c.train.dynamic_sampling = NUM_PROMPTS, False
   c.mesh = (1, 1, 1)
@@ -286,6 +287,7 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   # What the sampler and step really run with (gpu_step.py prints these, not its flags).
   out["model_options"] = {"attention": trainer.sampler.cfg.attention,
                           "unroll_decode": trainer.sampler.cfg.unroll_decode,
+                          "decode_attention": trainer.sampler.cfg.decode_attention,
                           "vocab_chunk": trainer.sampler.vocab_chunk,
                           "logprob_block_bytes": trainer.step_fn.spec.optim.logprob_block_bytes}
   spies = {"step_fn": _Spy(trainer.step_fn)}

@@ -55,6 +55,10 @@ def model() -> ConfigDict:
       # their weights made once per call, instead of a scan over the stacked weights
       # (qwen.QwenConfig.unroll_decode; docs/performance.md). The same numbers either way.
       unroll_decode=False,
+      # A decode step's attention: 'xla' (the grouped einsum) or 'pallas' (one fused kernel per
+      # layer reading the KV cache in place: Triton on NVIDIA GPUs, Pallas's interpreter on CPU,
+      # the einsum on TPU; head_dim a power of two). See docs/performance.md.
+      decode_attention="xla",
       # Used only when random_init: a Qwen2 architecture of this size.
       tiny=ConfigDict(dict(
           hidden_size=128,          # D

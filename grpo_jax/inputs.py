@@ -83,14 +83,19 @@ def model_config(config, tokenizer):
 
 
 def runtime_options(config, cfg: qwen.QwenConfig) -> qwen.QwenConfig:
-  """cfg with config.model's choices of how the model runs (attention kernel, unrolled decode),
+  """cfg with config.model's choices of how the model runs (attention kernels, unrolled decode),
   which are no part of a checkpoint: for a cfg read from one, or built by hand."""
   m = config.model
   attention = m.get("attention")
   if attention not in qwen.ATTENTION_IMPLEMENTATIONS:
     raise validate.ConfigError(f"config.model.attention={attention!r} is not one of "
                                f"{qwen.ATTENTION_IMPLEMENTATIONS}")
-  return dataclasses.replace(cfg, attention=attention, unroll_decode=bool(m.unroll_decode))
+  decode = m.get("decode_attention", "xla")
+  if decode not in qwen.DECODE_ATTENTION:
+    raise validate.ConfigError(f"config.model.decode_attention={decode!r} is not one of "
+                               f"{qwen.DECODE_ATTENTION}")
+  return dataclasses.replace(cfg, attention=attention, unroll_decode=bool(m.unroll_decode),
+                             decode_attention=decode)
 
 
 def initial_params(config, cfg, mesh):

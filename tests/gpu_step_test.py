@@ -138,7 +138,8 @@ def test_smoke_run(tmp_path):
   asked for on the command line reach the trainer's sampler (the worker reports them)."""
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_step.py"), "--smoke", "--dir",
-       str(tmp_path), "--attention", "xla", "--unroll_decode", "--logprob_block_mib", "1"],
+       str(tmp_path), "--attention", "xla", "--unroll_decode", "--decode_attention", "pallas",
+       "--logprob_block_mib", "1"],
       capture_output=True, text=True,
       cwd=ROOT, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
   out = proc.stdout + proc.stderr
@@ -147,7 +148,7 @@ def test_smoke_run(tmp_path):
                "bytes per decode step (analytic): weights", "HBM roofline (measured copy",
                "kernels per decode step (optimized HLO of the decode loop):",
                "train MFU at the measured bf16 matmul peak", "gpu_step_speedup_vs_trl[smoke]=",
-               "grpo_jax model: attention xla, decode layers unrolled",
+               "grpo_jax model: attention xla, decode layers unrolled, decode attention pallas",
                "log-prob blocks 1 MiB"):
     assert line in out, (line, out[-3000:])
   assert "FAILED" not in out, out[-3000:]
@@ -175,7 +176,7 @@ def test_gpu_kernels_runs_on_the_cpu_programs():
   """benchmarks/gpu_kernels.py end to end on the CPU (the GPU compile needs the CUDA
   plugin): a decode step's parts add up to its kernels; the train step compiles and counts."""
   import gpu_kernels  # pylint: disable=import-outside-toplevel
-  for extra in ([], ["--unroll_decode"]):
+  for extra in ([], ["--unroll_decode"], ["--decode_attention", "pallas"]):
     c = gpu_kernels.main(["--platform", "cpu", "--smoke"] + extra)
     assert sum(c["parts"].values()) == sum(c["ops"].values()) == c["total"] > 0
   c = gpu_kernels.main(["--program", "train", "--platform", "cpu", "--smoke"])

@@ -222,6 +222,41 @@ def test_unrolled_decode_equals_transformers_and_the_layer_scan(greedy_cases, ki
     assert len({tuple(t) for t in np.asarray(outs[0].tokens)}) > 4  # really sampled
 
 
+def test_pallas_decode_attention_equals_transformers_and_the_einsum(greedy_cases):
+  """cfg.decode_attention='pallas' (one fused kernel per layer, run here by Pallas's
+  interpreter): greedy tokens equal transformers' generate, and sampled tokens and log-probs
+  equal the einsum attention's, with the layers scanned and written out, on one device and on
+  a (2, 2, 2) mesh (the kernel under shard_map)."""
+  case = greedy_cases["qwen2_tied"]
+  fused = dataclasses.replace(case["cfg"], decode_attention="pallas")
+  settings = dict(max_new_tokens=12, stop_ids=case["stop"], buckets=(16,), pad_id=PAD,
+                  vocab_chunk=CHUNK)
+  out = sampler_lib.Sampler(fused, greedy=True, temperature=0.7, **settings)(
+      case["params"], case["prompts"], num_samples=2)
+  np.testing.assert_array_equal(np.asarray(out.tokens)[0::2], case["ref"])
+  np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(case["out"].lengths))
+  mesh = sharding.make_mesh((2, 2, 2))
+  sharded = jax.device_put(case["params"], sharding.param_shardings(
+      qwen.logical_axes(case["cfg"]), qwen.abstract_params(case["cfg"]), mesh))
+  for params, m, unroll in ((case["params"], None, False), (case["params"], None, True),
+                            (sharded, mesh, False)):
+    outs = [sampler_lib.Sampler(dataclasses.replace(c, unroll_decode=unroll), temperature=0.9,
+                                mesh=m, **settings)(
+                params, case["prompts"], num_samples=4, key=jax.random.key(3))
+            for c in (case["cfg"], fused)]
+    np.testing.assert_array_equal(np.asarray(outs[1].tokens), np.asarray(outs[0].tokens))
+    np.testing.assert_allclose(np.asarray(outs[1].logprobs), np.asarray(outs[0].logprobs),
+                               atol=1e-5)
+    assert len({tuple(t) for t in np.asarray(outs[0].tokens)}) > 4  # really sampled
+
+
+def test_pallas_decode_attention_names_a_head_dim_it_cannot_take(greedy_cases):
+  """Said when the model config is made, before anything is compiled."""
+  with pytest.raises(ValueError, match="decode_attention='pallas' needs a head_dim that is a "
+                                       "power of two >= 16.*got 24"):
+    dataclasses.replace(greedy_cases["qwen3"]["cfg"], decode_attention="pallas")  # head_dim 24
+
+
 # ------------------------------------------------------------------------------------------------
 # Sampling: exact supports and goodness of fit on a tiny vocabulary.
 
@@ -373,15 +408,16 @@ def test_many_calls_in_one_bucket_compile_once(checkpoints):
   assert compiled == first, compiled[len(first):]
 
 
-@pytest.mark.parametrize("unroll", [False, True])
-def test_members_equal_their_own_generate_calls(checkpoints, unroll):
+@pytest.mark.parametrize("unroll,decode", [(False, "xla"), (True, "xla"), (False, "pallas")])
+def test_members_equal_their_own_generate_calls(checkpoints, unroll, decode):
   """generate_members (K runs vmapped, one decode loop for all) gives each member what its own
   generate gives: tokens, lengths, truncation and step counts exactly, log-probs to fp32
   rounding. The members stop at different steps (stop ids cover 40% of the vocabulary, so rows
   stop within a few steps), so a member steps on after its own loop would have ended. With
-  cfg.unroll_decode too (the members' per-layer copies)."""
+  cfg.unroll_decode too (the members' per-layer copies), and with the fused decode attention
+  (its kernel under jax.vmap)."""
   params, cfg = weights.load_checkpoint(checkpoints["qwen2_tied"])
-  cfg = dataclasses.replace(cfg, unroll_decode=unroll)
+  cfg = dataclasses.replace(cfg, unroll_decode=unroll, decode_attention=decode)
   members = [params] + [jax.tree.map(lambda x, k=k: x * (1.0 + 0.3 * k), params)
                         for k in (1, 2)]
   smp = sampler_lib.Sampler(cfg, max_new_tokens=9, stop_ids=range(1, 49), valid_vocab_size=VALID,

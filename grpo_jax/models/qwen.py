@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax import custom_batching
 
 from grpo_jax.errors import UserError
+from grpo_jax.models import decode_attention
 
 Array = jax.Array
 # {'k': [L, B, K, S, H], 'v': [L, B, K, S, H]}: kv heads before slots, so a decode step's
@@ -51,6 +52,8 @@ Cache = dict[str, Array]
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # QwenConfig.attention: None (JAX's choice, XLA today), 'xla', 'cudnn' (NVIDIA GPUs, bf16/fp16).
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
+# QwenConfig.decode_attention: 'xla' (the grouped einsum), 'pallas' (decode_attention.py).
+DECODE_ATTENTION = decode_attention.IMPLEMENTATIONS
 
 
 class BidirectionalDecodeError(UserError, ValueError):
@@ -86,6 +89,10 @@ class QwenConfig:
   # written out, each on its own copy of its weights made once per generate call (see
   # apply_unrolled). On a GPU the scan is a loop inside every decode step.
   unroll_decode: bool = False
+  # A decode step's attention (also not part of the checkpoint): 'xla', the grouped einsum of
+  # `attend`; 'pallas', one fused kernel per layer that reads the stacked cache in place
+  # (grpo_jax/models/decode_attention.py: Triton on NVIDIA GPUs, Pallas's interpreter on CPU).
+  decode_attention: str = "xla"
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -94,6 +101,11 @@ class QwenConfig:
     if self.attention not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(f"attention={self.attention!r} is not one of "
                        f"{ATTENTION_IMPLEMENTATIONS} (jax.nn.dot_product_attention's)")
+    if self.decode_attention not in DECODE_ATTENTION:
+      raise ValueError(f"decode_attention={self.decode_attention!r} is not one of "
+                       f"{DECODE_ATTENTION}")
+    if self.decode_attention == "pallas":
+      decode_attention.check_head_dim(self.head_dim)
 
   @classmethod
   def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "QwenConfig":
@@ -293,6 +305,7 @@ class Attention(nn.Module):
   dtype: Any
   param_dtype: Any
   packed: tuple[int, int] | None = None  # (P, G): see Qwen.packed
+  mesh: Any = None  # the model's mesh (Qwen.act_sharding's), for the fused decode attention
 
   @nn.compact
   def __call__(self, x_BTD, positions_BT, attn_mask_BS, cache, layer, cache_index):
@@ -329,6 +342,12 @@ class Attention(nn.Module):
         # dynamic slice of the stack was the prefill program's costliest kernel to compile
         # (small benchmark: the prefill compiles in 0.45 s against 0.52 s, medians of 3).
         keys, values, start = k.astype(cache["k"].dtype), v.astype(cache["v"].dtype), 0
+      elif cfg.decode_attention == "pallas" and k.shape[1] == 1:
+        # One query per row (a decode step): one kernel reads layer `layer` of the stacked cache
+        # where it lies, with no copy of the layer (decode_attention.py).
+        out_BNH = decode_attention.attend(q[:, 0], cache["k"], cache["v"], layer, attn_mask_BS,
+                                          cache_index, mesh=self.mesh)
+        return self._out(out_BNH[:, None].astype(self.dtype)), cache
       else:
         # Read as the cache stores them, kv heads before slots: attend takes that layout, so a
         # decode step copies no layer of the cache into another one. (Under jax.vmap XLA:CPU
@@ -613,7 +632,8 @@ class DecoderLayer(nn.Module):
     cfg = self.cfg
     h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "norm",
                 name="input_layernorm")(x)
-    h, cache = Attention(cfg, self.dtype, self.param_dtype, self.packed, name="self_attn")(
+    mesh = None if self.act_sharding is None else self.act_sharding.mesh
+    h, cache = Attention(cfg, self.dtype, self.param_dtype, self.packed, mesh, name="self_attn")(
         h, positions_BT, attn_mask_BS, cache, layer, cache_index)
     x = _constrain(x + h, self.act_sharding)
     h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "norm",
