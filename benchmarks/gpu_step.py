@@ -37,6 +37,11 @@ measures, after its steps, in the same process:
              that launches work (fusions, custom calls such as cuBLAS GEMMs, copies, ...), with
              the layer scan's body counted once per layer (its known trip count). The
              optimized HLO is written to <dir>/<size>/decode_hlo.txt;
+  fused      with --decode_attention pallas: the kernel on this device against the same
+             attention in jax.numpy, on the sampler's own KV cache after that decode loop (a
+             random bf16 query for every row, the last layer, the last slot): the largest
+             difference of each from the float32 result; FAILED when the kernel's is more
+             than twice jax.numpy's bf16 one and more than 2^-8;
   MFU        model FLOPs of the reference forward (F) and of the update (policy forward +
              backward, 3F), trl_step.step_flops' count (matmuls only, no remat recompute), over
              the phase times and the bf16 matmul peak measured in the same process (an
@@ -232,6 +237,22 @@ def device_figures(spec: dict, trainer, params, out: dict, smoke: bool, kernels:
     out["sampler_error"] = f"{type(e).__name__}: {e}"[:300]
 
 
+def fused_attention_error(cfg, conv) -> tuple[float, float]:
+  """(kernel, jax.numpy in bf16): each one's largest difference from jax.numpy in float32, for
+  the fused decode attention (grpo_jax/models/decode_attention.py) on this device, on a decode
+  loop's cache `conv.cache` and mask."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from grpo_jax.models import decode_attention  # pylint: disable=import-outside-toplevel
+  k, v, mask = conv.cache["k"], conv.cache["v"], conv.state["mask"]
+  layer, index = k.shape[0] - 1, k.shape[3] - 1
+  q = jax.random.normal(jax.random.key(0), (k.shape[1], cfg.num_heads, cfg.head_dim), k.dtype)
+  f32 = lambda x: x.astype(jnp.float32)
+  exact = jax.jit(decode_attention.reference)(f32(q), f32(k), f32(v), layer, mask, index)
+  err = lambda fn: float(jnp.abs(f32(jax.jit(fn)(q, k, v, layer, mask, index)) - exact).max())
+  return err(decode_attention.attend), err(decode_attention.reference)
+
+
 def _sampler_figures(spec, sampler, params, out, kernels):
   """The sampler alone on the step's first prompts, then its decode program's kernels."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -251,6 +272,8 @@ def _sampler_figures(spec, sampler, params, out, kernels):
     out["decode_steps"] = int(results["steps"])
   out["prefill_s"], out["decode_s"] = min(times["prefill"]), min(times["decode"])
   out["rows"], out["slots"] = int(conv.row_ids.shape[0]), int(conv.cache["k"].shape[3])
+  if sampler.cfg.decode_attention == "pallas":
+    out["fused_attention_error"] = fused_attention_error(sampler.cfg, conv)
   if kernels:
     try:  # the decode program as the sampler compiles it, lowered again for its HLO
       active = jnp.ones((out["rows"],), bool)
@@ -439,6 +462,11 @@ def report(size, spec, runs, args, remat) -> float | None:
     print(f"  kernels per decode step: n/a ({gj['decode_kernels_error']})")
   if "sampler_error" in gj:
     print(f"  sampler alone: n/a ({gj['sampler_error']})")
+  if "fused_attention_error" in gj:
+    kernel, xla = gj["fused_attention_error"]
+    bad = kernel > max(2 * xla, 2 ** -8)
+    print(f"  fused decode attention against float32: max |diff| {kernel:.2e} (jax.numpy in "
+          f"bf16: {xla:.2e}){'  FAILED' if bad else ''}")
   peak = gj.get("bf16_peak_tflops")
   f = trl_step.step_flops(spec, _phase(gj, "decode_steps", skip) or c)
   ref, upd = _phase(gj, "reference_s", skip), _phase(gj, "update_s", skip)

@@ -149,7 +149,7 @@ def test_smoke_run(tmp_path):
                "kernels per decode step (optimized HLO of the decode loop):",
                "train MFU at the measured bf16 matmul peak", "gpu_step_speedup_vs_trl[smoke]=",
                "grpo_jax model: attention xla, decode layers unrolled, decode attention pallas",
-               "log-prob blocks 1 MiB"):
+               "log-prob blocks 1 MiB", "fused decode attention against float32: max |diff|"):
     assert line in out, (line, out[-3000:])
   assert "FAILED" not in out, out[-3000:]
   spec = json.loads((tmp_path / "smoke" / "spec.json").read_text())

@@ -34,8 +34,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 from grpo_jax import sharding as sharding_lib
@@ -52,6 +50,8 @@ def _kernel(layer_ref, index_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *, group
   """One (row, kv head): q_ref, o_ref [Gp, H], a block of Gp >= G rows over the G query heads
   (the rows past G are another program's: never stored, and loaded as zeros); k_ref, v_ref
   [L, S, H] (every layer of this row and head: only layer `layer` is read); mask_ref [S]."""
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+  from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
   rows, head_dim = q_ref.shape
   slots = mask_ref.shape[0]
   layer, index = layer_ref[()], index_ref[()]
@@ -85,6 +85,10 @@ def _kernel(layer_ref, index_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *, group
 
 
 def _pallas(q_BNH, k_LBKSH, v_LBKSH, layer, mask_BS, index, *, interpret: bool):
+  # Imported here, not with the module: the model imports this one, and Pallas's experimental
+  # API should cost nothing to a run that does not ask for the kernel.
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+  from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
   b, n, h = q_BNH.shape
   num_layers, _, kv, s, _ = k_LBKSH.shape
   g = n // kv
