@@ -232,15 +232,25 @@ _rms_norm = jax.checkpoint(_rms_norm_impl, prevent_cse=False, static_argnums=(2,
                            policy=jax.checkpoint_policies.nothing_saveable)
 
 
-def rope(x_BTnH: Array, positions_BT: Array, theta: float) -> Array:
-  """Rotary embedding in transformers' convention (halves rotated, not interleaved pairs)."""
-  h = x_BTnH.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+def rope_tables(positions_BT: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+  """RoPE's fp32 (cos, sin) [B, T, 1, H] at these positions, in transformers' convention (halves
+  rotated, not interleaved pairs). Made once per forward and carried through the layer scan: a
+  GPU compile of the scan made them again in every layer (two kernels a layer and step)."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
   freqs_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
   emb = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(emb).astype(x_BTnH.dtype), jnp.sin(emb).astype(x_BTnH.dtype)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x_BTnH: Array, tables: tuple[Array, Array]) -> Array:
+  cos, sin = (t.astype(x_BTnH.dtype) for t in tables)
   x1, x2 = jnp.split(x_BTnH, 2, axis=-1)
   return x_BTnH * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+def rope(x_BTnH: Array, positions_BT: Array, theta: float) -> Array:
+  """Rotary embedding of x at these positions (rope_tables, then apply_rope)."""
+  return apply_rope(x_BTnH, rope_tables(positions_BT, x_BTnH.shape[-1], theta))
 
 
 def _kernel(module: nn.Module, shape, axes, param_dtype) -> Array:
@@ -308,7 +318,8 @@ class Attention(nn.Module):
   mesh: Any = None  # the model's mesh (Qwen.act_sharding's), for the fused decode attention
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, attn_mask_BS, cache, layer, cache_index):
+  def __call__(self, x_BTD, rope_BT, attn_mask_BS, cache, layer, cache_index):
+    """rope_BT: rope_tables at the tokens' positions."""
     cfg = self.cfg
     d, h = cfg.hidden_size, cfg.head_dim
 
@@ -322,8 +333,7 @@ class Attention(nn.Module):
     if cfg.qk_norm:
       q = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "head_dim", name="q_norm")(q)
       k = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "head_dim", name="k_norm")(k)
-    q = rope(q, positions_BT, cfg.rope_theta)
-    k = rope(k, positions_BT, cfg.rope_theta)
+    q, k = apply_rope(q, rope_BT), apply_rope(k, rope_BT)
 
     if self.packed is not None:
       return self._packed_attention(q, k, v, attn_mask_BS), cache
@@ -628,18 +638,18 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, carry, _):
-    x, cache, layer, positions_BT, attn_mask_BS, cache_index = carry
+    x, cache, layer, rope_BT, attn_mask_BS, cache_index = carry
     cfg = self.cfg
     h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "norm",
                 name="input_layernorm")(x)
     mesh = None if self.act_sharding is None else self.act_sharding.mesh
     h, cache = Attention(cfg, self.dtype, self.param_dtype, self.packed, mesh, name="self_attn")(
-        h, positions_BT, attn_mask_BS, cache, layer, cache_index)
+        h, rope_BT, attn_mask_BS, cache, layer, cache_index)
     x = _constrain(x + h, self.act_sharding)
     h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "norm",
                 name="post_attention_layernorm")(x)
     x = _constrain(x + MLP(cfg, self.dtype, self.param_dtype, name="mlp")(h), self.act_sharding)
-    return (x, cache, layer + 1, positions_BT, attn_mask_BS, cache_index), None
+    return (x, cache, layer + 1, rope_BT, attn_mask_BS, cache_index), None
 
 
 class Qwen(nn.Module):
@@ -684,7 +694,8 @@ class Qwen(nn.Module):
       raise ValueError("a packed call takes no cache")
     if cache is not None and not self.cfg.is_causal:
       raise BidirectionalDecodeError(not_causal_message(self.cfg))
-    carry = (self.embed(tokens_BT), cache, jnp.int32(0), positions_BT, attn_mask_BS,
+    rope_BT = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta)
+    carry = (self.embed(tokens_BT), cache, jnp.int32(0), rope_BT, attn_mask_BS,
              None if cache is None else jnp.asarray(cache_index, jnp.int32))
     (x, cache, *_), _ = self.layers(carry, None)
     return self.norm(x), cache
@@ -737,9 +748,10 @@ def apply_unrolled(model: "Qwen", unrolled: Unrolled, tokens_BT: Array, position
   x = model.apply(unrolled.rest, tokens_BT, method=Qwen.embed)
   block = DecoderLayer(model.cfg, model.dtype, model.param_dtype, model.act_sharding)
   index = jnp.asarray(cache_index, jnp.int32)
+  rope_BT = rope_tables(positions_BT, model.cfg.head_dim, model.cfg.rope_theta)
   for i, layer_vars in enumerate(unrolled.layers):
     (x, cache, *_), _ = block.apply(
-        layer_vars, (x, cache, jnp.int32(i), positions_BT, attn_mask_BS, index), None)
+        layer_vars, (x, cache, jnp.int32(i), rope_BT, attn_mask_BS, index), None)
   return model.apply(unrolled.rest, x, method=Qwen.final_norm), cache
 
 
