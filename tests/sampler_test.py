@@ -210,16 +210,24 @@ def test_unrolled_decode_equals_transformers_and_the_layer_scan(greedy_cases, ki
   np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(case["out"].logprobs),
                              atol=1e-6)
   mesh = sharding.make_mesh((2, 2, 2))
-  sharded = jax.device_put(case["params"], sharding.param_shardings(
+  for params, m in ((case["params"], None), (_sharded(case, mesh), mesh)):
+    _same_samples(case, settings, case["cfg"], unrolled, params, m, atol=1e-6)
+
+
+def _sharded(case, mesh):
+  return jax.device_put(case["params"], sharding.param_shardings(
       qwen.logical_axes(case["cfg"]), qwen.abstract_params(case["cfg"]), mesh))
-  for params, m in ((case["params"], None), (sharded, mesh)):
-    outs = [sampler_lib.Sampler(c, temperature=0.9, mesh=m, **settings)(
-                params, case["prompts"], num_samples=4, key=jax.random.key(3))
-            for c in (case["cfg"], unrolled)]
-    np.testing.assert_array_equal(np.asarray(outs[1].tokens), np.asarray(outs[0].tokens))
-    np.testing.assert_allclose(np.asarray(outs[1].logprobs), np.asarray(outs[0].logprobs),
-                               atol=1e-6)
-    assert len({tuple(t) for t in np.asarray(outs[0].tokens)}) > 4  # really sampled
+
+
+def _same_samples(case, settings, cfg, other, params, mesh, atol):
+  """Sampling with model config `other` gives cfg's tokens, and its log-probs within atol."""
+  outs = [sampler_lib.Sampler(c, temperature=0.9, mesh=mesh, **settings)(
+              params, case["prompts"], num_samples=4, key=jax.random.key(3))
+          for c in (cfg, other)]
+  np.testing.assert_array_equal(np.asarray(outs[1].tokens), np.asarray(outs[0].tokens))
+  np.testing.assert_allclose(np.asarray(outs[1].logprobs), np.asarray(outs[0].logprobs),
+                             atol=atol)
+  assert len({tuple(t) for t in np.asarray(outs[0].tokens)}) > 4  # really sampled
 
 
 def test_pallas_decode_attention_equals_transformers_and_the_einsum(greedy_cases):
@@ -236,18 +244,10 @@ def test_pallas_decode_attention_equals_transformers_and_the_einsum(greedy_cases
   np.testing.assert_array_equal(np.asarray(out.tokens)[0::2], case["ref"])
   np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(case["out"].lengths))
   mesh = sharding.make_mesh((2, 2, 2))
-  sharded = jax.device_put(case["params"], sharding.param_shardings(
-      qwen.logical_axes(case["cfg"]), qwen.abstract_params(case["cfg"]), mesh))
   for params, m, unroll in ((case["params"], None, False), (case["params"], None, True),
-                            (sharded, mesh, False)):
-    outs = [sampler_lib.Sampler(dataclasses.replace(c, unroll_decode=unroll), temperature=0.9,
-                                mesh=m, **settings)(
-                params, case["prompts"], num_samples=4, key=jax.random.key(3))
-            for c in (case["cfg"], fused)]
-    np.testing.assert_array_equal(np.asarray(outs[1].tokens), np.asarray(outs[0].tokens))
-    np.testing.assert_allclose(np.asarray(outs[1].logprobs), np.asarray(outs[0].logprobs),
-                               atol=1e-5)
-    assert len({tuple(t) for t in np.asarray(outs[0].tokens)}) > 4  # really sampled
+                            (_sharded(case, mesh), mesh, False)):
+    _same_samples(case, settings, dataclasses.replace(case["cfg"], unroll_decode=unroll),
+                  dataclasses.replace(fused, unroll_decode=unroll), params, m, atol=1e-5)
 
 
 def test_pallas_decode_attention_names_a_head_dim_it_cannot_take(greedy_cases):
