@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from grpo_jax import compile_cache, data, hosts, sampling
+from grpo_jax import compile_cache, data, errors, hosts, sampling
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.models import qwen
 
@@ -158,8 +158,13 @@ class Sampler:
     if not 0 <= pad_id < cfg.vocab_size:
       raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {cfg.vocab_size})")
     block = sampling.ARGMAX_BLOCK
+    platform = compile_cache.platform(mesh)
+    if cfg.decode_attention == "pallas" and platform != "gpu":
+      errors.warn(f"model.decode_attention='pallas' is a GPU kernel; on {platform} the decode "
+                  "step runs " + ("Pallas's interpreter (exact, and slow)" if platform == "cpu"
+                                  else "the same attention in jax.numpy") + ": 'xla' suits it")
     if vocab_chunk is None:
-      vocab_chunk = default_vocab_chunk(compile_cache.platform(mesh), valid)
+      vocab_chunk = default_vocab_chunk(platform, valid)
     elif vocab_chunk < valid and (vocab_chunk < 1 or vocab_chunk % block):
       raise ValueError(f"vocab_chunk={vocab_chunk} must be a positive multiple of {block}, or "
                        f"the whole vocabulary ({valid})")

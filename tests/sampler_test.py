@@ -250,6 +250,14 @@ def test_pallas_decode_attention_equals_transformers_and_the_einsum(greedy_cases
                   dataclasses.replace(fused, unroll_decode=unroll), params, m, atol=1e-5)
 
 
+def test_pallas_decode_attention_off_a_gpu_says_what_runs(greedy_cases, capsys):
+  cfg = dataclasses.replace(greedy_cases["qwen2_tied"]["cfg"], decode_attention="pallas")
+  sampler_lib.Sampler(cfg, max_new_tokens=3, buckets=(16,), pad_id=PAD)
+  err = capsys.readouterr().err
+  assert ("grpo_jax: warning: model.decode_attention='pallas' is a GPU kernel; on cpu the decode "
+          "step runs Pallas's interpreter (exact, and slow): 'xla' suits it") in err
+
+
 def test_pallas_decode_attention_names_a_head_dim_it_cannot_take(greedy_cases):
   """Said when the model config is made, before anything is compiled."""
   with pytest.raises(ValueError, match="decode_attention='pallas' needs a head_dim that is a "

@@ -97,10 +97,11 @@ def _pallas(q_BNH, k_LBKSH, v_LBKSH, layer, mask_BS, index, *, interpret: bool):
   scalar = pl.BlockSpec((), lambda i, j: ())
   per_head = pl.BlockSpec((None, None, rows, h), lambda i, j: (i, j, 0, 0))
   cache = pl.BlockSpec((num_layers, None, None, s, h), lambda i, j: (0, i, j, 0, 0))
+  row_mask = pl.BlockSpec((None, s), lambda i, j: (i, 0))
   out = pl.pallas_call(
       functools.partial(_kernel, groups=g, scale=h ** -0.5),
       grid=(b, kv),
-      in_specs=[scalar, scalar, per_head, cache, cache, pl.BlockSpec((None, s), lambda i, j: (i, 0))],
+      in_specs=[scalar, scalar, per_head, cache, cache, row_mask],
       out_specs=per_head,
       out_shape=jax.ShapeDtypeStruct((b, kv, g, h), q_BNH.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
