@@ -3,6 +3,8 @@ conversation: the carried cache (with the holes rows leave after stopping early)
 same next turn as a fresh prefill of the compacted conversation, and the same log-probs as the
 train step's forward over the trajectory row the rollout builds."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,18 +26,22 @@ def params():
   return jax.tree.map(lambda x: x * 3.0 if x.ndim == 2 else x, p)
 
 
-def _sampler(stop_ids=(), **kw):
-  return sampler_lib.Sampler(CFG, max_new_tokens=6, stop_ids=stop_ids, buckets=(8, 16, 32, 64),
+def _sampler(stop_ids=(), cfg=CFG, **kw):
+  return sampler_lib.Sampler(cfg, max_new_tokens=6, stop_ids=stop_ids, buckets=(8, 16, 32, 64),
                              pad_id=PAD, **kw)
 
 
-def test_carried_cache_equals_reprefilling_the_conversation(params):
+@pytest.mark.parametrize("decode_attention", ["xla", "pallas"])
+def test_carried_cache_equals_reprefilling_the_conversation(params, decode_attention):
+  """With either decode attention: the fused kernel (run here by Pallas's interpreter) reads the
+  carried cache's holes through its mask."""
   rng = np.random.default_rng(0)
   prompts = [rng.integers(1, VOCAB, n).tolist() for n in (5, 3)]
   g, turns, action = 2, 3, 6
   # Stop ids taken from the greedy continuations, so rows stop early and leave holes.
   probe = np.asarray(_sampler().generate(params, prompts, greedy=True).tokens)
-  s = _sampler(stop_ids=[int(probe[0, 2]), int(probe[1, 1])])
+  cfg = dataclasses.replace(CFG, decode_attention=decode_attention)
+  s = _sampler(stop_ids=[int(probe[0, 2]), int(probe[1, 1])], cfg=cfg)
   conv = s.begin(params, prompts, num_samples=g, room=turns * (action + 5))
   history = [list(prompts[i // g]) for i in range(len(prompts) * g)]
   key, early = jax.random.key(0), 0
