@@ -33,6 +33,7 @@ def abstract(tree, shardings):
 
 def rollout_batch(config, rows, prompt_len, completion_len, mesh):
   """The train step's rollout layout (rollout.Rollouts.device_batch) as sharded abstracts."""
+  import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from grpo_jax import train_step  # pylint: disable=import-outside-toplevel
   from grpo_jax import config as config_lib  # pylint: disable=import-outside-toplevel
@@ -44,6 +45,5 @@ def rollout_batch(config, rows, prompt_len, completion_len, mesh):
             "rewards_BR": ((rows, len(config.rewards.names)), jnp.float32)}
   if config.loss.mask_truncated_completions:
     shapes["truncated_B"] = ((rows,), jnp.bool_)
-  import jax  # pylint: disable=import-outside-toplevel
   out = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items()}
   return abstract(out, train_step.batch_shardings(out, mesh))

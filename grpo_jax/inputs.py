@@ -86,16 +86,12 @@ def runtime_options(config, cfg: qwen.QwenConfig) -> qwen.QwenConfig:
   """cfg with config.model's choices of how the model runs (attention kernels, unrolled decode),
   which are no part of a checkpoint: for a cfg read from one, or built by hand."""
   m = config.model
-  attention = m.get("attention")
-  if attention not in qwen.ATTENTION_IMPLEMENTATIONS:
-    raise validate.ConfigError(f"config.model.attention={attention!r} is not one of "
-                               f"{qwen.ATTENTION_IMPLEMENTATIONS}")
-  decode = m.get("decode_attention", "xla")
-  if decode not in qwen.DECODE_ATTENTION:
-    raise validate.ConfigError(f"config.model.decode_attention={decode!r} is not one of "
-                               f"{qwen.DECODE_ATTENTION}")
-  return dataclasses.replace(cfg, attention=attention, unroll_decode=bool(m.unroll_decode),
-                             decode_attention=decode)
+  try:  # QwenConfig checks these fields (values, head_dim for the fused kernel): one rule each
+    return dataclasses.replace(cfg, attention=m.get("attention"),
+                               unroll_decode=bool(m.unroll_decode),
+                               decode_attention=m.get("decode_attention", "xla"))
+  except ValueError as e:
+    raise validate.ConfigError(f"config.model.{e}") from None
 
 
 def initial_params(config, cfg, mesh):

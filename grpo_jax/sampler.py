@@ -71,13 +71,13 @@ from grpo_jax.models import qwen
 Array = jax.Array
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024)
 VOCAB_CHUNK = 8192  # head columns per pass, except on a GPU (see Sampler's vocab_chunk)
+CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")  # qwen.init_cache's layout
 
 
 def default_vocab_chunk(platform: str, valid: int) -> int:
   """Sampler's vocab_chunk on `platform` ('cpu', 'gpu', 'tpu') for `valid` vocabulary rows:
   the whole vocabulary on a GPU, VOCAB_CHUNK elsewhere."""
   return valid if platform == "gpu" else VOCAB_CHUNK
-CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")  # qwen.init_cache's layout
 
 
 class SampleOutput(NamedTuple):
@@ -160,9 +160,10 @@ class Sampler:
     block = sampling.ARGMAX_BLOCK
     platform = compile_cache.platform(mesh)
     if cfg.decode_attention == "pallas" and platform != "gpu":
+      runs = ("Pallas's interpreter (exact, and slow)" if platform == "cpu"
+              else "the same attention in jax.numpy")
       errors.warn(f"model.decode_attention='pallas' is a GPU kernel; on {platform} the decode "
-                  "step runs " + ("Pallas's interpreter (exact, and slow)" if platform == "cpu"
-                                  else "the same attention in jax.numpy") + ": 'xla' suits it")
+                  f"step runs {runs}: 'xla' suits it")
     if vocab_chunk is None:
       vocab_chunk = default_vocab_chunk(platform, valid)
     elif vocab_chunk < valid and (vocab_chunk < 1 or vocab_chunk % block):

@@ -61,10 +61,11 @@ def test_bf16_is_as_close_to_numpy_as_the_einsum():
   q, k, v, mask, (qj, kj, vj, mj) = _case(1, jnp.bfloat16)
   as_f64 = lambda x: np.asarray(x, np.float64)
   exact = _numpy(as_f64(qj), as_f64(kj), as_f64(vj), mask, 1, 70)
-  got = as_f64(jax.jit(decode_attention.attend)(qj, kj, vj, 1, mj, 70))
+  raw = jax.jit(decode_attention.attend)(qj, kj, vj, 1, mj, 70)
+  assert raw.dtype == jnp.bfloat16  # the compute dtype, as qwen.attend gives
+  got = as_f64(raw)
   einsum = as_f64(qwen.attend(qj[:, None], kj[1][:, :, :71], vj[1][:, :, :71], mj[:, :71],
                               jnp.int32(70), True, None, heads_first=True)[:, 0])
-  assert got.dtype == einsum.dtype
   err, err_einsum = np.abs(got - exact).max(), np.abs(einsum - exact).max()
   assert err <= max(2 * err_einsum, 2 ** -8), (err, err_einsum)
 

@@ -52,8 +52,6 @@ Cache = dict[str, Array]
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # QwenConfig.attention: None (JAX's choice, XLA today), 'xla', 'cudnn' (NVIDIA GPUs, bf16/fp16).
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
-# QwenConfig.decode_attention: 'xla' (the grouped einsum), 'pallas' (decode_attention.py).
-DECODE_ATTENTION = decode_attention.IMPLEMENTATIONS
 
 
 class BidirectionalDecodeError(UserError, ValueError):
@@ -101,9 +99,9 @@ class QwenConfig:
     if self.attention not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(f"attention={self.attention!r} is not one of "
                        f"{ATTENTION_IMPLEMENTATIONS} (jax.nn.dot_product_attention's)")
-    if self.decode_attention not in DECODE_ATTENTION:
+    if self.decode_attention not in decode_attention.IMPLEMENTATIONS:
       raise ValueError(f"decode_attention={self.decode_attention!r} is not one of "
-                       f"{DECODE_ATTENTION}")
+                       f"{decode_attention.IMPLEMENTATIONS}")
     if self.decode_attention == "pallas":
       decode_attention.check_head_dim(self.head_dim)
 
@@ -357,7 +355,7 @@ class Attention(nn.Module):
         # where it lies, with no copy of the layer (decode_attention.py).
         out_BNH = decode_attention.attend(q[:, 0], cache["k"], cache["v"], layer, attn_mask_BS,
                                           cache_index, mesh=self.mesh)
-        return self._out(out_BNH[:, None].astype(self.dtype)), cache
+        return self._out(out_BNH[:, None]), cache
       else:
         # Read as the cache stores them, kv heads before slots: attend takes that layout, so a
         # decode step copies no layer of the cache into another one. (Under jax.vmap XLA:CPU
