@@ -50,10 +50,16 @@ def _main_cmd(config, workdir, args):
            f"--workdir={workdir}"] + [f"--config.{k}={sweep.cli_value(v)}" for k, v in args.items()])
 
 
+def _env() -> dict:
+  """This environment with the repository first on PYTHONPATH (keeping what was there: packages
+  installed with pip --target, say)."""
+  path = [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+  return dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+
+
 def _run(cmd, log):
   with open(log, "a") as f:
-    subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True,
-                   env=dict(os.environ, PYTHONPATH=REPO))
+    subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True, env=_env())
 
 
 def _metrics(d):
@@ -135,7 +141,7 @@ def main():
     out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks",
                                                        "lora_members_memory.py"), f"--k={a.k}"],
                          cwd=REPO, capture_output=True, text=True, check=True,
-                         env=dict(os.environ, PYTHONPATH=REPO)).stdout
+                         env=_env()).stdout
     print(out, end="")
 
 

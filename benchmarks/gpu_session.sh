@@ -1,0 +1,78 @@
+#!/bin/bash
+# The GPU measurements of docs/performance.md, in priority order, under one deadline.
+#
+#     bash benchmarks/gpu_session.sh PART [SECONDS]
+#
+# PART 1: the 0.5B step as it is by default, then with each decode option (the fused decode
+#         attention first: its on-device check prints FAILED if the kernel is off), then the
+#         0.5B step against TRL with remat on both sides.
+# PART 2: the vmapped sweep at 50 steps, the log-prob block sizes, cuDNN's attention, the 1.5B
+#         step against TRL, XLA's command buffers, the LoRA presets.
+#
+# Each command gets at most its own limit and never runs past SECONDS (default 540) from the
+# start; one with under 25 s left is skipped. Logs go to $OUT/<name>.log (OUT defaults to
+# /tmp/gpu_session); each log's tail is printed as it ends. TOKENIZER and GSM8K name the Qwen2.5
+# tokenizer and the GSM8K directory (default: ../shared's, as benchmarks/trl_step.py). The
+# prepared checkpoints stay in /tmp/gs between the commands and between the two parts. DRY=1
+# prints the commands without running them.
+set -u
+cd "$(dirname "$0")/.."
+PART=${1:?"usage: bash benchmarks/gpu_session.sh PART [SECONDS] (PART 1 or 2)"}
+END=$(( $(date +%s) + ${2:-540} ))
+OUT=${OUT:-/tmp/gpu_session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+DATA=()
+[ -n "${TOKENIZER:-}" ] && DATA+=(--tokenizer "$TOKENIZER")
+[ -n "${GSM8K:-}" ] && DATA+=(--gsm8k "$GSM8K")
+
+left() { echo $(( END - $(date +%s) )); }
+run() {  # run NAME MAX_S CMD...
+  local name=$1 max=$2; shift 2
+  local l; l=$(left)
+  if [ "$l" -lt 25 ]; then echo "== $name: skipped ($l s left)"; return; fi
+  local t=$(( l < max ? l : max ))
+  echo "== $name (limit $t s, $(date +%T)): $*"
+  if [ -n "${DRY:-}" ]; then return; fi  # DRY=1: print the plan only
+  timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name rc=$? $(date +%T)"
+  tail -c 4000 "$OUT/$name.log"
+}
+# gpu_step.py on the 0.5B shape, grpo_jax alone, sharing the prepared inputs; budget_s is its own
+# limit for the measured steps (a little under the command's).
+step05() { local name=$1 max=$2; shift 2
+  run "$name" "$max" python3 benchmarks/gpu_step.py --sizes 0.5b --sides grpo_jax --dir /tmp/gs \
+    --budget_s $(( max - 15 )) "${DATA[@]}" "$@"; }
+
+if [ -z "${DRY:-}" ]; then
+  nvidia-smi -L
+  python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+fi
+case "$PART" in
+  1)
+    step05 default 110                                        # layer scan, XLA attention: 752 kernels
+    step05 pallas 95 --decode_attention pallas                # fused attention: 584 kernels
+    step05 unroll_pallas 95 --unroll_decode --decode_attention pallas --no_kernels   # 318
+    step05 unroll 80 --unroll_decode --no_kernels             # 414
+    run trl05 170 python3 benchmarks/gpu_step.py --sizes 0.5b --remat 0.5b --sides grpo_jax,trl \
+      --dir /tmp/gs --budget_s 155 --no_kernels "${DATA[@]}"
+    ;;
+  2)
+    run sweep50 300 python3 benchmarks/sweep.py --steps=50 --workdir=/tmp/sweep50   # issue 32
+    step05 logprob4 60 --logprob_block_mib 4 --no_kernels
+    step05 logprob256 60 --logprob_block_mib 256 --no_kernels
+    step05 cudnn 80 --attention cudnn --no_kernels
+    run trl15 200 python3 benchmarks/gpu_step.py --sizes 1.5b --remat 1.5b --sides grpo_jax,trl \
+      --dir /tmp/gs --budget_s 185 --no_kernels "${DATA[@]}"
+    # XLA's option names move between versions: check them in that XLA before reading a null result
+    run command_buffers 90 env \
+      XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL \
+      python3 benchmarks/gpu_step.py --sizes 0.5b --sides grpo_jax --dir /tmp/gs --budget_s 75 \
+      --unroll_decode --no_kernels "${DATA[@]}"
+    run preset_3b_lora 150 python3 benchmarks/preset_steps.py --preset 3b_lora --steps 2 "${DATA[@]}"
+    run preset_7b_lora 200 python3 benchmarks/preset_steps.py --preset 7b_lora --steps 2 "${DATA[@]}"
+    run sweep_lora 200 python3 benchmarks/sweep.py --lora --workdir=/tmp/sweep_lora
+    ;;
+  *) echo "PART is 1 or 2"; exit 2 ;;
+esac
+echo "== part $PART done, $(left) s left"
