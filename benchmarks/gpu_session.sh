@@ -6,8 +6,9 @@
 # PART 1: the 0.5B step as it is by default, then with each decode option (the fused decode
 #         attention first: its on-device check prints FAILED if the kernel is off), then the
 #         0.5B step against TRL with remat on both sides.
-# PART 2: the vmapped sweep at 50 steps, the log-prob block sizes, cuDNN's attention, the 1.5B
-#         step against TRL, XLA's command buffers, the LoRA presets.
+# PART 2: the vmapped sweep at 50 steps, the log-prob block sizes, cuDNN's attention, XLA's
+#         dynamic-slice fusion, the 1.5B step against TRL, XLA's command buffers, the LoRA
+#         presets.
 #
 # Each command gets at most its own limit and never runs past SECONDS (default 540) from the
 # start; one with under 25 s left is skipped. Logs go to $OUT/<name>.log (OUT defaults to
@@ -62,6 +63,11 @@ case "$PART" in
     step05 logprob4 60 --logprob_block_mib 4 --no_kernels
     step05 logprob256 60 --logprob_block_mib 256 --no_kernels
     step05 cudnn 80 --attention cudnn --no_kernels
+    # the layer scan's weight slices read in place by the GEMMs (a compile without the device
+    # kept them as copies: experiments/decode_attention_2026-11-27.md); compare with `default`
+    run ds_fusion 90 env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true \
+      python3 benchmarks/gpu_step.py --sizes 0.5b --sides grpo_jax --dir /tmp/gs --budget_s 75 \
+      "${DATA[@]}"
     run trl15 200 python3 benchmarks/gpu_step.py --sizes 1.5b --remat 1.5b --sides grpo_jax,trl \
       --dir /tmp/gs --budget_s 185 --no_kernels "${DATA[@]}"
     # XLA's option names move between versions: check them in that XLA before reading a null result
