@@ -4,11 +4,11 @@
 #     bash benchmarks/gpu_session.sh PART [SECONDS]
 #
 # PART 1: the 0.5B step as it is by default, then with each decode option (the fused decode
-#         attention first: its on-device check prints FAILED if the kernel is off), then the
-#         0.5B step against TRL with remat on both sides.
-# PART 2: the vmapped sweep at 50 steps, the log-prob block sizes, cuDNN's attention, XLA's
-#         dynamic-slice fusion, the 1.5B step against TRL, XLA's command buffers, the LoRA
-#         presets.
+#         attention first: its on-device check prints FAILED if the kernel is off); about 4-5
+#         minutes.
+# PART 2: the vmapped sweep at 50 steps (up to 7 minutes), the 0.5B step against TRL with remat
+#         on both sides, the log-prob block sizes, cuDNN's attention, XLA's dynamic-slice
+#         fusion, the 1.5B step against TRL, XLA's command buffers, the LoRA presets.
 #
 # Each command gets at most its own limit and never runs past SECONDS (default 540) from the
 # start; one with under 25 s left is skipped. Logs go to $OUT/<name>.log (OUT defaults to
@@ -55,11 +55,12 @@ case "$PART" in
     step05 pallas 95 --decode_attention pallas                # fused attention: 584 kernels
     step05 unroll_pallas 95 --unroll_decode --decode_attention pallas --no_kernels   # 318
     step05 unroll 80 --unroll_decode --no_kernels             # 414
-    run trl05 170 python3 benchmarks/gpu_step.py --sizes 0.5b --remat 0.5b --sides grpo_jax,trl \
-      --dir /tmp/gs --budget_s 155 --no_kernels "${DATA[@]}"
     ;;
   2)
-    run sweep50 300 python3 benchmarks/sweep.py --steps=50 --workdir=/tmp/sweep50   # issue 32
+    # issue 32: 8 tiny runs one after another, then vmapped; it prints nothing until both end
+    run sweep50 420 python3 benchmarks/sweep.py --steps=50 --workdir=/tmp/sweep50
+    run trl05 170 python3 benchmarks/gpu_step.py --sizes 0.5b --remat 0.5b --sides grpo_jax,trl \
+      --dir /tmp/gs --budget_s 155 --no_kernels "${DATA[@]}"
     step05 logprob4 60 --logprob_block_mib 4 --no_kernels
     step05 logprob256 60 --logprob_block_mib 256 --no_kernels
     step05 cudnn 80 --attention cudnn --no_kernels
