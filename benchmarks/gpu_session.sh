@@ -3,12 +3,12 @@
 #
 #     bash benchmarks/gpu_session.sh PART [SECONDS]
 #
-# PART 1: the 0.5B step as it is by default, then with each decode option (the fused decode
-#         attention first: its on-device check prints FAILED if the kernel is off); about 4-5
-#         minutes.
-# PART 2: the vmapped sweep at 50 steps (up to 7 minutes), the 0.5B step against TRL with remat
-#         on both sides, the log-prob block sizes, cuDNN's attention, XLA's dynamic-slice
-#         fusion, the 1.5B step against TRL, XLA's command buffers, the LoRA presets.
+# PART 1: the 0.5B step as it is by default, then with the decode options (the fused decode
+#         attention first: its on-device check prints FAILED if the kernel is off), then the
+#         fewest-kernel decode under XLA's command buffers; about 4-5 minutes.
+# PART 2: the vmapped sweep at 50 steps (up to 7 minutes), the layers written out alone, the
+#         0.5B step against TRL with remat on both sides, the log-prob block sizes, cuDNN's
+#         attention, XLA's dynamic-slice fusion, the 1.5B step against TRL, the LoRA presets.
 #
 # Each command gets at most its own limit and never runs past SECONDS (default 540) from the
 # start; one with under 25 s left is skipped. Logs go to $OUT/<name>.log (OUT defaults to
@@ -54,11 +54,17 @@ case "$PART" in
     step05 default 110                                        # layer scan, XLA attention: 752 kernels
     step05 pallas 95 --decode_attention pallas                # fused attention: 584 kernels
     step05 unroll_pallas 95 --unroll_decode --decode_attention pallas --no_kernels   # 318
-    step05 unroll 80 --unroll_decode --no_kernels             # 414
+    # XLA's command buffers (CUDA graphs) over the decode loop's body, on the fewest kernels.
+    # The names are XLA's (DebugOptions.CommandBufferCmdType) and move between versions.
+    run command_buffers 90 env \
+      XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL \
+      python3 benchmarks/gpu_step.py --sizes 0.5b --sides grpo_jax --dir /tmp/gs --budget_s 75 \
+      --unroll_decode --decode_attention pallas --no_kernels "${DATA[@]}"
     ;;
   2)
     # issue 32: 8 tiny runs one after another, then vmapped; it prints nothing until both end
     run sweep50 420 python3 benchmarks/sweep.py --steps=50 --workdir=/tmp/sweep50
+    step05 unroll 80 --unroll_decode --no_kernels             # 414 kernels
     run trl05 170 python3 benchmarks/gpu_step.py --sizes 0.5b --remat 0.5b --sides grpo_jax,trl \
       --dir /tmp/gs --budget_s 155 --no_kernels "${DATA[@]}"
     step05 logprob4 60 --logprob_block_mib 4 --no_kernels
@@ -71,11 +77,6 @@ case "$PART" in
       "${DATA[@]}"
     run trl15 200 python3 benchmarks/gpu_step.py --sizes 1.5b --remat 1.5b --sides grpo_jax,trl \
       --dir /tmp/gs --budget_s 185 --no_kernels "${DATA[@]}"
-    # XLA's option names move between versions: check them in that XLA before reading a null result
-    run command_buffers 90 env \
-      XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL \
-      python3 benchmarks/gpu_step.py --sizes 0.5b --sides grpo_jax --dir /tmp/gs --budget_s 75 \
-      --unroll_decode --no_kernels "${DATA[@]}"
     run preset_3b_lora 150 python3 benchmarks/preset_steps.py --preset 3b_lora --steps 2 "${DATA[@]}"
     run preset_7b_lora 200 python3 benchmarks/preset_steps.py --preset 7b_lora --steps 2 "${DATA[@]}"
     run sweep_lora 200 python3 benchmarks/sweep.py --lora --workdir=/tmp/sweep_lora
