@@ -3,7 +3,7 @@
 #
 #     bash benchmarks/gpu_session.sh PART [SECONDS]
 #
-# PART 1: the 0.5B step as it is by default, then with the decode options (the fused decode
+# PART 1: the 0.5B step as it is by default (profiled), then with the decode options (the fused decode
 #         attention first: its on-device check prints FAILED if the kernel is off), then the
 #         fewest-kernel decode under XLA's command buffers; about 4-5 minutes.
 # PART 2: the vmapped sweep at 50 steps (up to 7 minutes), the layers written out alone, the
@@ -51,7 +51,8 @@ if [ -z "${DRY:-}" ]; then
 fi
 case "$PART" in
   1)
-    step05 default 110                                        # layer scan, XLA attention: 752 kernels
+    # layer scan, XLA attention: 752 kernels; where the device time goes (jax.profiler)
+    step05 default 130 --profile
     step05 pallas 95 --decode_attention pallas                # fused attention: 584 kernels
     step05 unroll_pallas 95 --unroll_decode --decode_attention pallas --no_kernels   # 318
     # XLA's command buffers (CUDA graphs) over the decode loop's body, on the fewest kernels.

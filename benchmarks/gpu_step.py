@@ -47,7 +47,12 @@ measures, after its steps, in the same process:
              the phase times and the bf16 matmul peak measured in the same process (an
              8192³ bf16 product of random data, median of 10);
   memory     peak device memory of the process (`device.memory_stats()['peak_bytes_in_use']`);
-             TRL's from torch.cuda.max_memory_allocated.
+             TRL's from torch.cuda.max_memory_allocated;
+  profile    with --profile, last: one sampling call (prefill and the decode loop) and one call
+             of the train program (the last step's batch) under jax.profiler.trace, summed from
+             the trace (trace_summary): per XLA program the kernels launched, their summed
+             device time and the span they ran in (busy well under 100%: the device waited
+             between kernels), then the instruction families with the most device time.
 
 Protocol: one process per (side, size), run one after the other (JAX and PyTorch never share
 the GPU): prepare 0.5b, grpo_jax, TRL, [TRL + vLLM], then the same for 1.5b. grpo_jax runs
@@ -197,6 +202,83 @@ def decode_bytes(spec: dict, rows: int, slots: int, weight_bytes: int = 2,
           "logits": rows * spec["valid_vocab"] * 4}
 
 
+# --- where the device time goes: a jax.profiler trace, summed ------------------------------
+
+# Instructions whose events hold their callees' (a CPU trace nests a loop's body in its event).
+_CONTAINERS = ("while", "call", "conditional")
+
+
+def _op_family(op: str) -> str:
+  """An HLO instruction's name without its number: 'loop_add_fusion.12' -> 'loop_add_fusion'."""
+  return re.sub(r"(\.\d+)+$", "", op)
+
+
+def trace_summary(trace_dir, platform: str, top: int = 12) -> dict:
+  """Device time from the jax.profiler trace in trace_dir: for each XLA program (hlo_module),
+  the summed duration of its kernels (on a CPU: its thunks), how many there were, and the
+  span from the first one's start to the last one's end; busy = summed / span (well under 1:
+  the device waited between kernels, for launches or the host). Then the `top` instruction
+  families by summed time. Events without an hlo_op (memcpys, the host's own work) are left
+  out."""
+  import jax  # pylint: disable=import-outside-toplevel
+  paths = sorted(Path(trace_dir).rglob("*.xplane.pb"))
+  if not paths:
+    return {"error": "the profiler wrote no trace"}
+  data = jax.profiler.ProfileData.from_file(str(paths[-1]))
+  prefix = "/host:CPU" if platform == "cpu" else "/device:"
+  modules, ops = {}, collections.defaultdict(lambda: [0, 0])
+  for plane in data.planes:
+    if not plane.name.startswith(prefix):
+      continue
+    for line in plane.lines:
+      for e in line.events:
+        if e.name.startswith("end: "):
+          continue
+        stats = dict(e.stats)
+        op, module = stats.get("hlo_op"), stats.get("hlo_module")
+        if not op or not module or _op_family(str(op)) in _CONTAINERS:
+          continue
+        m = modules.setdefault(module, {"busy_ns": 0, "kernels": 0, "start": e.start_ns,
+                                        "end": e.end_ns})
+        m["busy_ns"] += e.duration_ns
+        m["kernels"] += 1
+        m["start"], m["end"] = min(m["start"], e.start_ns), max(m["end"], e.end_ns)
+        ops[(module, _op_family(str(op)))][0] += e.duration_ns
+        ops[(module, _op_family(str(op)))][1] += 1
+  if not modules:
+    return {"error": f"no events with an hlo_op on {prefix}* planes (is CUPTI there?)"}
+  out = {"modules": {}, "top_ops": []}
+  for name, m in sorted(modules.items(), key=lambda kv: -kv[1]["busy_ns"]):
+    span = max(m["end"] - m["start"], 1)
+    out["modules"][name] = {"busy_ms": m["busy_ns"] / 1e6, "kernels": m["kernels"],
+                            "span_ms": span / 1e6, "busy": m["busy_ns"] / span}
+  for (module, op), (ns, n) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]:
+    out["top_ops"].append({"module": module, "op": op, "ms": ns / 1e6, "count": n})
+  return out
+
+
+def profiled(fn, trace_dir, platform: str) -> dict:
+  """fn() run once under jax.profiler.trace (to block_until_ready), summed by trace_summary."""
+  import jax  # pylint: disable=import-outside-toplevel
+  with jax.profiler.trace(str(trace_dir)):
+    jax.block_until_ready(fn())
+  return trace_summary(trace_dir, platform)
+
+
+def print_profile(name: str, summary: dict) -> None:
+  if "error" in summary:
+    print(f"  profile of {name}: n/a ({summary['error']})")
+    return
+  print(f"  profile of {name} (jax.profiler, one call): program, kernels, device-busy ms over "
+        f"its span ms")
+  for module, m in summary["modules"].items():
+    print(f"    {module[:48]:48s}{m['kernels']:>9,d}{m['busy_ms']:>11.1f} /{m['span_ms']:>9.1f}"
+          f" ms ({100 * m['busy']:.0f}% busy)")
+  print("    the instruction families with the most device time (program, family, ms, count):")
+  for o in summary["top_ops"]:
+    print(f"      {o['module'][:28]:28s} {o['op'][:44]:44s}{o['ms']:>9.2f}{o['count']:>9,d}")
+
+
 # --- the grpo_jax worker's device figures ----------------------------------------------------
 
 def _median_seconds(fn, reps):
@@ -210,8 +292,11 @@ def _median_seconds(fn, reps):
   return statistics.median(times)
 
 
-def device_figures(spec: dict, trainer, params, out: dict, smoke: bool, kernels: bool) -> None:
-  """Matmul peak, HBM copy bandwidth, the sampler alone, decode kernels, peak memory."""
+def device_figures(spec: dict, trainer, state, out: dict, smoke: bool, kernels: bool,
+                   profile: bool = False) -> None:
+  """Matmul peak, HBM copy bandwidth, the sampler alone, decode kernels, peak memory; with
+  profile, where the device time of one sampling call and of one train program call goes
+  (the train call is last: it consumes `state`)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
@@ -231,10 +316,29 @@ def device_figures(spec: dict, trainer, params, out: dict, smoke: bool, kernels:
   out["copy_tbps"] = 2 * x.nbytes / _median_seconds(lambda: add(x), 10) / 1e12
   del a, x
 
+  params = state["params"]
   try:
     _sampler_figures(spec, trainer.sampler, params, out, kernels)
   except Exception as e:  # noqa: BLE001 - figures missing, not a failed run
     out["sampler_error"] = f"{type(e).__name__}: {e}"[:300]
+  if not profile:
+    return
+  traces = Path(spec["model"]).parent / "traces"
+  sampler, c = trainer.sampler, spec["new_tokens"]
+  prompts = spec["prompt_ids"][:trl_step.NUM_PROMPTS]
+
+  def sample():
+    conv = sampler.begin(params, prompts, num_samples=trl_step.G, room=c)
+    return sampler.extend(params, conv, jax.random.key(1), max_tokens=c)
+
+  # The train program on the last step's batch (TrainStep(state, batch, ref_params, hparams),
+  # as trl_step.py's spy kept it) and the state that step returned (the one it took was donated).
+  step_fn = trainer.step_fn
+  for name, fn in (("sampling", sample), ("train", lambda: step_fn.fn(state, *step_fn.last[1:]))):
+    try:
+      out[f"profile_{name}"] = profiled(fn, traces / name, dev.platform)
+    except Exception as e:  # noqa: BLE001 - a figure missing, not a failed run
+      out[f"profile_{name}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
 
 
 def fused_attention_error(cfg, conv) -> tuple[float, float]:
@@ -323,8 +427,8 @@ def worker(args) -> None:
 
     train.Trainer = Trainer
     run_grpo_jax(spec, forced, out)
-    device_figures(spec, captured["trainer"], captured["state"]["params"], out, args.smoke,
-                   not args.no_kernels)
+    device_figures(spec, captured["trainer"], captured["state"], out, args.smoke,
+                   not args.no_kernels, args.profile)
 
   def trl_side(spec, forced, out):
     import torch  # pylint: disable=import-outside-toplevel
@@ -359,6 +463,7 @@ def spawn(side, size, args, remat, budget_end) -> dict:
   cmd += ["--decode_attention", args.decode_attention]
   cmd += ["--logprob_block_mib", str(args.logprob_block_mib)]
   cmd += ["--remat_on"] * remat + ["--smoke"] * args.smoke + ["--no_kernels"] * args.no_kernels
+  cmd += ["--profile"] * args.profile
   env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
              HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
   if args.smoke:
@@ -462,6 +567,9 @@ def report(size, spec, runs, args, remat) -> float | None:
     print(f"  kernels per decode step: n/a ({gj['decode_kernels_error']})")
   if "sampler_error" in gj:
     print(f"  sampler alone: n/a ({gj['sampler_error']})")
+  for name in ("sampling", "train"):
+    if f"profile_{name}" in gj:
+      print_profile(name, gj[f"profile_{name}"])
   if "fused_attention_error" in gj:
     kernel, xla = gj["fused_attention_error"]
     bad = kernel > max(2 * xla, 2 ** -8)
@@ -508,6 +616,9 @@ def parse_args(argv=None):
   p.add_argument("--budget_s", type=float, default=450.0,
                  help="skip workers that would start later than this after the start")
   p.add_argument("--no_kernels", action="store_true", help="skip the decode HLO kernel count")
+  p.add_argument("--profile", action="store_true",
+                 help="grpo_jax: where the device time of one sampling call and one train "
+                      "program call goes (jax.profiler), printed by program and instruction")
   p.add_argument("--tokenizer", default=str(trl_step.QWEN_TOKENIZER))
   p.add_argument("--gsm8k", default=str(trl_step.GSM8K), help="a directory with train.jsonl")
   p.add_argument("--smoke", action="store_true", help="CPU, toy shape (see the docstring)")

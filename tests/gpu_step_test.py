@@ -139,7 +139,7 @@ def test_smoke_run(tmp_path):
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_step.py"), "--smoke", "--dir",
        str(tmp_path), "--attention", "xla", "--unroll_decode", "--decode_attention", "pallas",
-       "--logprob_block_mib", "1"],
+       "--logprob_block_mib", "1", "--profile"],
       capture_output=True, text=True,
       cwd=ROOT, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
   out = proc.stdout + proc.stderr
@@ -149,7 +149,9 @@ def test_smoke_run(tmp_path):
                "kernels per decode step (optimized HLO of the decode loop):",
                "train MFU at the measured bf16 matmul peak", "gpu_step_speedup_vs_trl[smoke]=",
                "grpo_jax model: attention xla, decode layers unrolled, decode attention pallas",
-               "log-prob blocks 1 MiB", "fused decode attention against float32: max |diff|"):
+               "log-prob blocks 1 MiB", "fused decode attention against float32: max |diff|",
+               "profile of sampling (jax.profiler, one call)", "jit__decode_impl",
+               "profile of train (jax.profiler, one call)"):
     assert line in out, (line, out[-3000:])
   assert "FAILED" not in out, out[-3000:]
   spec = json.loads((tmp_path / "smoke" / "spec.json").read_text())
@@ -158,6 +160,30 @@ def test_smoke_run(tmp_path):
   counted = gpu_step.count_loop_kernels((tmp_path / "smoke" / "decode_hlo.txt").read_text())
   printed = re.search(r"kernels per decode step \(optimized HLO of the decode loop\): (\d+)", out)
   assert int(printed.group(1)) == sum(counted.values()) > 0
+
+
+def test_trace_summary_counts_what_ran(tmp_path):
+  """A jax.profiler trace summed by trace_summary: a loop of n iterations launches its body n
+  times, so going from 5 to 10 iterations adds exactly 5 times what one iteration launches, and
+  two calls launch twice what one does."""
+  @jax.jit
+  def f(x, n):
+    return jax.lax.fori_loop(0, n, lambda i, x: jnp.tanh(x @ x) + 1.0, x)
+
+  x = jnp.ones((64, 64))
+  kernels = {}
+  for n, calls in ((5, 1), (10, 1), (5, 2)):
+    jax.block_until_ready(f(x, n))
+    summary = gpu_step.profiled(lambda: [f(x, n) for _ in range(calls)],
+                                tmp_path / f"{n}_{calls}", "cpu")
+    kernels[n, calls] = summary["modules"]["jit_f"]["kernels"]
+    assert summary["top_ops"] and summary["modules"]["jit_f"]["busy_ms"] > 0
+    assert "while" not in {o["op"] for o in summary["top_ops"]}  # a loop's own event
+  per_iteration = (kernels[10, 1] - kernels[5, 1]) / 5
+  assert per_iteration == int(per_iteration) > 0, kernels
+  assert kernels[5, 2] == 2 * kernels[5, 1], kernels
+  assert gpu_step.trace_summary(tmp_path / "none", "cpu") == {
+      "error": "the profiler wrote no trace"}
 
 
 def test_decode_bytes_at_the_qwen25_shapes():
