@@ -227,24 +227,31 @@ def trace_summary(trace_dir, platform: str, top: int = 12) -> dict:
   data = jax.profiler.ProfileData.from_file(str(paths[-1]))
   prefix = "/host:CPU" if platform == "cpu" else "/device:"
   modules, ops = {}, collections.defaultdict(lambda: [0, 0])
-  for plane in data.planes:
-    if not plane.name.startswith(prefix):
-      continue
+
+  def add(module, op, e):
+    m = modules.setdefault(module, {"busy_ns": 0, "kernels": 0, "start": e.start_ns,
+                                    "end": e.end_ns})
+    m["busy_ns"] += e.duration_ns
+    m["kernels"] += 1
+    m["start"], m["end"] = min(m["start"], e.start_ns), max(m["end"], e.end_ns)
+    ops[module, op][0] += e.duration_ns
+    ops[module, op][1] += 1
+
+  planes = [p for p in data.planes if p.name.startswith(prefix)]
+  for plane in planes:
     for line in plane.lines:
       for e in line.events:
-        if e.name.startswith("end: "):
-          continue
         stats = dict(e.stats)
         op, module = stats.get("hlo_op"), stats.get("hlo_module")
-        if not op or not module or _op_family(str(op)) in _CONTAINERS:
-          continue
-        m = modules.setdefault(module, {"busy_ns": 0, "kernels": 0, "start": e.start_ns,
-                                        "end": e.end_ns})
-        m["busy_ns"] += e.duration_ns
-        m["kernels"] += 1
-        m["start"], m["end"] = min(m["start"], e.start_ns), max(m["end"], e.end_ns)
-        ops[(module, _op_family(str(op)))][0] += e.duration_ns
-        ops[(module, _op_family(str(op)))][1] += 1
+        if op and module and not e.name.startswith("end: ") and (
+            _op_family(str(op)) not in _CONTAINERS):
+          add(str(module), _op_family(str(op)), e)
+  if not modules and platform != "cpu":  # kernels not tied to their HLO: by kernel name
+    for plane in planes:
+      for line in plane.lines:
+        if "stream" in line.name.lower():
+          for e in line.events:
+            add(str(dict(e.stats).get("hlo_module", "(kernels by name)")), e.name[:60], e)
   if not modules:
     return {"error": f"no events with an hlo_op on {prefix}* planes (is CUPTI there?)"}
   out = {"modules": {}, "top_ops": []}
