@@ -218,8 +218,9 @@ def trace_summary(trace_dir, platform: str, top: int = 12) -> dict:
   the summed duration of its kernels (on a CPU: its thunks), how many there were, and the
   span from the first one's start to the last one's end; busy = summed / span (well under 1:
   the device waited between kernels, for launches or the host). Then the `top` instruction
-  families by summed time. Events without an hlo_op (memcpys, the host's own work) are left
-  out."""
+  families by summed time. Events without an hlo_op (memcpys, the host's own work) and those of
+  loops and calls themselves (their bodies' are counted) are left out; on a GPU whose trace ties
+  no kernel to its HLO instruction, the kernels of the stream lines are summed by kernel name."""
   import jax  # pylint: disable=import-outside-toplevel
   paths = sorted(Path(trace_dir).rglob("*.xplane.pb"))
   if not paths:
