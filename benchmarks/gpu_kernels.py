@@ -3,7 +3,7 @@
     python3 benchmarks/gpu_kernels.py [--size 0.5b] [--unroll_decode] [--vocab_chunk N]
                                       [--decode_attention pallas]
                                       [--hlo FILE] [--layer]
-    python3 benchmarks/gpu_kernels.py --program train [--logprob_block_mib N]
+    python3 benchmarks/gpu_kernels.py --program train [--logprob_block_mib N] [--attention cudnn]
     python3 benchmarks/gpu_kernels.py --platform cpu    # the CPU programs: no plugin needed
 
 On a GPU, decode is bound by the number of kernels each step launches (docs/performance.md):
@@ -28,8 +28,12 @@ Train (--program train). The whole GRPO train step (TrainStep.program: the refer
 the policy's forward and backward, AdamW) at the same workload (128 rows x (192 + 256) tokens,
 beta = 0.04, remat as gpu_step.py sets it per size, one micro-batch, fp32 params and bf16
 compute), compiled for the H100:
-its kernels (every loop counted with its trip count) and its peak memory (arguments + outputs
-- aliased + temporaries, from the compiler). Every matmul is compiled as a cuBLAS call
+its kernels (every loop counted with its trip count), its peak memory (arguments + outputs
+- aliased + temporaries, from the compiler), and the bytes its kernels write, by part of the
+model (`written_bytes`: each kernel's output shapes times its runs; a fusion updating a buffer
+in place counts its update; what kernels read is not counted, so this is a floor on the
+traffic, for comparing programs). `--attention cudnn` compiles the model with cuDNN's fused
+attention (the prefill and the train step; decode steps keep theirs). Every matmul is compiled as a cuBLAS call
 (--xla_gpu_enable_triton_gemm=false): without the device, XLA's Triton GEMM tiler finds no
 tile for the backward's matmuls.
 
@@ -74,7 +78,8 @@ def mesh_for(platform: str):
   return sharding.make_mesh((1, 1, 1), devices=devices)
 
 
-def workload(size: str, smoke: bool, unroll: bool = False, decode_attention: str = "xla"):
+def workload(size: str, smoke: bool, unroll: bool = False, decode_attention: str = "xla",
+             attention: str | None = None):
   """(QwenConfig, valid vocabulary, prompts, G, new tokens, prompt bucket) of gpu_step.py's
   workload at `size` (smoke: a toy vocabulary and batch)."""
   from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
@@ -84,7 +89,8 @@ def workload(size: str, smoke: bool, unroll: bool = False, decode_attention: str
   cfg = qwen.QwenConfig(vocab_size=vocab, hidden_size=m["hidden"], intermediate_size=m["mlp"],
                         num_layers=m["layers"], num_heads=m["heads"], num_kv_heads=m["kv_heads"],
                         head_dim=m["hidden"] // m["heads"], tie_word_embeddings=True,
-                        unroll_decode=unroll, decode_attention=decode_attention)
+                        unroll_decode=unroll, decode_attention=decode_attention,
+                        attention=attention)
   batch = (2, 2, 4, 8) if smoke else (gpu_step.NUM_PROMPTS, gpu_step.G, gpu_step.NEW_TOKENS,
                                       gpu_step.BUCKET)
   return (cfg, valid) + batch
@@ -97,13 +103,13 @@ def _replicated(tree, mesh):
 
 
 def decode_hlo(size: str, mesh, unroll: bool, vocab_chunk: int | None, smoke: bool,
-               decode_attention: str = "xla") -> str:
+               decode_attention: str = "xla", attention: str | None = None) -> str:
   """The optimized HLO of the sampler's decode program at gpu_step.py's workload."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from grpo_jax import sampler as sampler_lib  # pylint: disable=import-outside-toplevel
   from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
-  cfg, valid, prompts, g, c, bucket = workload(size, smoke, unroll, decode_attention)
+  cfg, valid, prompts, g, c, bucket = workload(size, smoke, unroll, decode_attention, attention)
   sampler = sampler_lib.Sampler(qwen.build(cfg, dtype="bfloat16", mesh=mesh), max_new_tokens=c,
                                 mesh=mesh, valid_vocab_size=valid, vocab_chunk=vocab_chunk,
                                 buckets=(bucket,))
@@ -119,12 +125,13 @@ def decode_hlo(size: str, mesh, unroll: bool, vocab_chunk: int | None, smoke: bo
                               c).compile().as_text()
 
 
-def train_program(size: str, mesh, block_mib: int | None, smoke: bool):
+def train_program(size: str, mesh, block_mib: int | None, smoke: bool,
+                  attention: str | None = None):
   """The compiled GRPO train step at gpu_step.py's workload (128 rows x (192 + 256) tokens)."""
   import aot  # pylint: disable=import-outside-toplevel  (benchmarks/aot.py)
   from configs import gsm8k  # pylint: disable=import-outside-toplevel
   from grpo_jax import config as config_lib, train_step  # pylint: disable=import-outside-toplevel
-  cfg, valid, prompts, g, c, bucket = workload(size, smoke)
+  cfg, valid, prompts, g, c, bucket = workload(size, smoke, attention=attention)
   config = gsm8k.get_config("default")
   config.optim.update(remat=gpu_step.SIZES[size]["remat"], grad_accum_steps=1,
                       compute_dtype="bfloat16", param_dtype="float32",
@@ -159,6 +166,8 @@ def main(argv=None) -> dict:
                  help="gpu: an H100 without a device (needs the CUDA plugin); cpu: this CPU")
   p.add_argument("--logprob_block_mib", type=int, default=None,
                  help="train: optim.logprob_block_bytes in MiB (default: the platform's)")
+  p.add_argument("--attention", default=None, choices=["xla", "cudnn"],
+                 help="model.attention: the prefill's and the train step's kernel")
   p.add_argument("--hlo", help="write the optimized HLO here")
   p.add_argument("--layer", action="store_true", help="list the kernels of the decoder layers")
   p.add_argument("--smoke", action="store_true", help="a 2-layer toy shape (for the test)")
@@ -170,7 +179,8 @@ def main(argv=None) -> dict:
   if a.program == "train":
     return _train(a, mesh, size)
   t = time.perf_counter()
-  text = decode_hlo(size, mesh, a.unroll_decode, a.vocab_chunk, a.smoke, a.decode_attention)
+  text = decode_hlo(size, mesh, a.unroll_decode, a.vocab_chunk, a.smoke, a.decode_attention,
+                    a.attention)
   seconds = time.perf_counter() - t
   if a.hlo:
     Path(a.hlo).write_text(text)
@@ -198,7 +208,7 @@ def main(argv=None) -> dict:
 def _train(a, mesh, size) -> dict:
   t = time.perf_counter()
   compiled, block_bytes, (_, memory_line) = train_program(size, mesh, a.logprob_block_mib,
-                                                          a.smoke)
+                                                          a.smoke, a.attention)
   seconds = time.perf_counter() - t
   text = compiled.as_text()
   if a.hlo:
@@ -208,11 +218,92 @@ def _train(a, mesh, size) -> dict:
   total = sum(by_op.values())
   device = mesh.devices.flat[0]
   print(f"train step of {size} on {getattr(device, 'device_kind', device.platform)} "
-        f"(log-prob blocks of {block_bytes / 2**20:g} MiB); compiled in {seconds:.1f} s")
+        f"(log-prob blocks of {block_bytes / 2**20:g} MiB, attention {a.attention or 'xla'}); "
+        f"compiled in {seconds:.1f} s")
   print(f"  kernels {total}: {dict(by_op.most_common(6))}")
   print(f"  memory: {memory_line}")
+  written = written_bytes(text)
+  print(f"  written by its kernels: {sum(written.values()) / 1e9:.1f} GB "
+        f"({', '.join(f'{part} {n / 1e9:.1f}' for part, n in written.most_common())})")
   print(f"train_kernels[{size}]={total}")
-  return {"total": total, "ops": dict(by_op)}
+  return {"total": total, "ops": dict(by_op), "written": dict(written)}
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+                "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_NAMED = re.compile(r"^\s+(?:ROOT )?%?(\S+) = (.*)$")
+_ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+
+
+def _array_bytes(shape: str, skip=()) -> int:
+  """Bytes of the arrays in an HLO shape ('f32[2,3]{1,0}' or a tuple of them)."""
+  total = 0
+  for dtype, dims in _ARRAY.findall(shape):
+    if dtype not in skip:
+      n = 1
+      for d in filter(None, dims.split(",")):
+        n *= int(d)
+      total += n * _DTYPE_BYTES.get(dtype, 4)
+  return total
+
+
+def _instructions(text) -> dict[str, dict[str, tuple[str, str]]]:
+  """{computation: {instruction name: (opcode, output shape, its operands and attributes)}}."""
+  out, current = {}, None
+  for line in text.splitlines():
+    if current is None:
+      m = gpu_step._HEADER.match(line)  # pylint: disable=protected-access
+      if m:
+        current = out.setdefault(m.group(2), {})
+      continue
+    if line.startswith("}"):
+      current = None
+      continue
+    m = _NAMED.match(line)
+    op = m and gpu_step._OPCODE.search(" " + m.group(2))  # pylint: disable=protected-access
+    if op:
+      current[m.group(1)] = (op.group(1), m.group(2)[:op.start()].strip(),
+                             m.group(2)[op.end() - 1:])
+  return out
+
+
+def part_of(text: str) -> str:
+  """The part of the train step an instruction comes from (its op_name's scopes)."""
+  name = re.search(r'op_name="([^"]*)"', text)
+  name = name.group(1) if name else ""
+  for scope, part in (("token_logprobs", "log-probs"), ("self_attn", "attention"),
+                      ("mlp", "MLP")):
+    if scope in name:
+      return part
+  return "layers, other" if "Qwen" in name else "loss, optimizer, other"
+
+
+def written_bytes(text: str) -> collections.Counter:
+  """{part: bytes} the kernels of a program write, by their output shapes, every loop's body
+  counted its trip count times (gpu_step.computation_kernels). A fusion that updates a buffer
+  in place (a dynamic-update-slice: the scans stacking each layer's activations, the log-prob
+  blocks' accumulators) counts the update it writes, not the buffer; a cuBLAS call's int8
+  workspace is left out. A lower bound on the memory traffic: what the kernels read is not
+  counted."""
+  named = _instructions(text)
+
+  def key(op, line):
+    shape = line.split(f" {op}(")[0] if f" {op}(" in line else ""
+    written = _array_bytes(shape, skip=("s8", "u8") if op == "custom-call" else ())
+    callee = re.search(r"calls=%?([^\s,]+)", line)
+    if op == "fusion" and callee and callee.group(1) in named:
+      body = named[callee.group(1)]
+      for dus_op, dus_shape, operands in body.values():
+        update = re.match(r"%?([^,\s)]+), %?([^,\s)]+)", operands)
+        if dus_op == "dynamic-update-slice" and update and update.group(2) in body:
+          written += (_array_bytes(body[update.group(2)][1]) - _array_bytes(dus_shape))
+    return (part_of(line), written)
+
+  comps, entry = gpu_step.parse_hlo(text)
+  out = collections.Counter()
+  for (part, written), n in gpu_step.computation_kernels(comps, entry, {}, key).items():
+    out[part] += written * n
+  return out
 
 
 def _layer_kernels(text) -> collections.Counter:

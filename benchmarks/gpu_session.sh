@@ -3,12 +3,13 @@
 #
 #     bash benchmarks/gpu_session.sh PART [SECONDS]
 #
-# PART 1: the 0.5B step as it is by default (profiled), then with the decode options (the fused decode
-#         attention first: its on-device check prints FAILED if the kernel is off), then the
-#         fewest-kernel decode under XLA's command buffers; about 4-5 minutes.
+# PART 1: the 0.5B step as it is by default (profiled), then with the decode options (the fused
+#         decode attention first: its on-device check prints FAILED if the kernel is off),
+#         cuDNN's attention, and the fewest-kernel decode under XLA's command buffers; about
+#         5-6 minutes.
 # PART 2: the vmapped sweep at 50 steps (up to 7 minutes), the layers written out alone, the
-#         0.5B step against TRL with remat on both sides, the log-prob block sizes, cuDNN's
-#         attention, XLA's dynamic-slice fusion, the 1.5B step against TRL, the LoRA presets.
+#         0.5B step against TRL with remat on both sides, the log-prob block sizes, XLA's
+#         dynamic-slice fusion, the 1.5B step against TRL, the LoRA presets.
 #
 # Each command gets at most its own limit and never runs past SECONDS (default 540) from the
 # start; one with under 25 s left is skipped. Logs go to $OUT/<name>.log (OUT defaults to
@@ -55,6 +56,9 @@ case "$PART" in
     step05 default 130 --profile
     step05 pallas 95 --decode_attention pallas                # fused attention: 584 kernels
     step05 unroll_pallas 95 --unroll_decode --decode_attention pallas --no_kernels   # 318
+    # cuDNN's fused attention in the prefill and the train step (their attention writes ~200 GB
+    # a step at 0.5B with XLA's, by the compiled program's output shapes)
+    step05 cudnn 80 --attention cudnn --no_kernels
     # XLA's command buffers (CUDA graphs) over the decode loop's body, on the fewest kernels.
     # The names are XLA's (DebugOptions.CommandBufferCmdType) and move between versions.
     run command_buffers 90 env \
@@ -70,7 +74,6 @@ case "$PART" in
       --dir /tmp/gs --budget_s 155 --no_kernels "${DATA[@]}"
     step05 logprob4 60 --logprob_block_mib 4 --no_kernels
     step05 logprob256 60 --logprob_block_mib 256 --no_kernels
-    step05 cudnn 80 --attention cudnn --no_kernels
     # the layer scan's weight slices read in place by the GEMMs (a compile without the device
     # kept them as copies: experiments/decode_attention_2026-11-27.md); compare with `default`
     run ds_fusion 90 env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true \

@@ -181,6 +181,7 @@ def token_logprobs(hidden_ND, head_VD, targets_N, *, temperature: float = 1.0,
   h_ND = hidden_ND.reshape(-1, hidden_ND.shape[-1])
   y_N = targets_N.reshape(-1).astype(jnp.int32)
   t, c = block_shape(h_ND.shape[0], head_VD.shape[0], block_bytes)
-  logp_N, entropy_N = _fused(h_ND, head_VD.astype(h_ND.dtype), y_N, 1.0 / float(temperature),
-                             t, c)
+  with jax.named_scope("token_logprobs"):  # names its kernels in compiled programs and profiles
+    logp_N, entropy_N = _fused(h_ND, head_VD.astype(h_ND.dtype), y_N, 1.0 / float(temperature),
+                               t, c)
   return logp_N.reshape(lead), entropy_N.reshape(lead)

@@ -209,6 +209,68 @@ def test_gpu_kernels_runs_on_the_cpu_programs():
   assert sum(c["ops"].values()) == c["total"] > 0
 
 
+# A train-shaped module, written as XLA:GPU prints optimized HLO (operands by name only): a loop
+# of known trip count 4 whose body writes one row of a stacked f32[4,8] in place (a fusion
+# rooted at a dynamic-update-slice: 1 x 8 x 4 bytes written, not the 128-byte buffer), runs a
+# cuBLAS call (a bf16[16,16] output and an int8 workspace, which is not data) and an MLP
+# fusion (bf16[16,32]); after the loop, a copy of the stack (f32[4,8]) with no op_name.
+TRAIN_HLO = """HloModule train
+
+%fused_row (p0: f32[4,8], p1: f32[1,8], p2: s32[]) -> f32[4,8] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = f32[1,8]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %d = f32[4,8]{1,0} dynamic-update-slice(%p0, %p1, %p2, %z), metadata={op_name="jit(f)/token_logprobs/while/body/dynamic_update_slice"}
+}
+
+%fused_mul (a: bf16[16,32]) -> bf16[16,32] {
+  %a = bf16[16,32]{1,0} parameter(0)
+  ROOT %m = bf16[16,32]{1,0} multiply(%a, %a)
+}
+
+%body (t: (s32[], f32[4,8], bf16[16,32])) -> (s32[], f32[4,8], bf16[16,32]) {
+  %t = (s32[], f32[4,8]{1,0}, bf16[16,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %buf = f32[4,8]{1,0} get-tuple-element(%t), index=1
+  %x = bf16[16,32]{1,0} get-tuple-element(%t), index=2
+  %row = f32[1,8]{1,0} constant({...})
+  %u = f32[4,8]{1,0} fusion(%buf, %row, %i), kind=kLoop, calls=%fused_row, metadata={op_name="jit(f)/token_logprobs/while/body/dynamic_update_slice"}
+  %g = (bf16[16,16]{1,0}, s8[1024]{0}) custom-call(%x, %x), custom_call_target="__cublas$gemm", metadata={op_name="jit(f)/Qwen/layers/self_attn/dot_general"}
+  %f = bf16[16,32]{1,0} fusion(%x), kind=kLoop, calls=%fused_mul, metadata={op_name="jit(f)/Qwen/layers/mlp/mul"}
+  ROOT %r = (s32[], f32[4,8]{1,0}, bf16[16,32]{1,0}) tuple(%i, %u, %f)
+}
+
+%cond (t: (s32[], f32[4,8], bf16[16,32])) -> pred[] {
+  %t = (s32[], f32[4,8]{1,0}, bf16[16,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT, metadata={op_name="jit(f)/Qwen/while"}
+}
+
+ENTRY %main (a: f32[4,8], b: bf16[16,32]) -> f32[4,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %b = bf16[16,32]{1,0} parameter(1)
+  %s = s32[] constant(0)
+  %t = (s32[], f32[4,8]{1,0}, bf16[16,32]{1,0}) tuple(%s, %a, %b)
+  %w = (s32[], f32[4,8]{1,0}, bf16[16,32]{1,0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %o = f32[4,8]{1,0} get-tuple-element(%w), index=1
+  ROOT %c = f32[4,8]{1,0} copy(%o)
+}
+"""
+
+
+def test_written_bytes_of_a_module_counted_by_hand():
+  import gpu_kernels  # pylint: disable=import-outside-toplevel
+  written = gpu_kernels.written_bytes(TRAIN_HLO)
+  assert dict(written) == {
+      "log-probs": 4 * 1 * 8 * 4,           # 4 rows of 8 fp32 written in place
+      "attention": 4 * 16 * 16 * 2,         # the GEMM's output, not its workspace
+      "MLP": 4 * 16 * 32 * 2,
+      "layers, other": 4 * 1,               # the loop condition's compare (pred)
+      "loss, optimizer, other": 4 * 8 * 4}  # the copy after the loop
+
+
 def test_gpu_kernels_attributes_one_layer_per_layer_on_h100_programs():
   """On decode programs compiled for an H100 by gpu_kernels.py (the smoke shape with the
   layer scan, 2 and 3 layers, kept in tests/testdata): one more layer adds to the step exactly
