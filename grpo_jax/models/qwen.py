@@ -448,8 +448,29 @@ def _grouped_attend(q_BTNH, k, v, visible_B1TS, causal_aligned: bool, heads_firs
   kh = k.shape[1 if heads_first else 2]
   s = k.shape[2 if heads_first else 1]
   q_BTKGH = q_BTNH.reshape(b, t, kh, n // kh, h)
-  scores = jnp.einsum(f"BTKGH,{kv}->BKGTS", q_BTKGH, k,
-                      preferred_element_type=jnp.float32) * (h ** -0.5)
+  f32 = jnp.float32
+
+  def heads_major(q_BTKGH):
+    # q laid out as the scores are, [B, K, G, T, H]: the backward's gradient of k contracts G
+    # and T, now adjacent and in the same order in q and in the scores' gradient. Compiled for
+    # an H100 (benchmarks/gpu_kernels.py), the 0.5B train step then writes score-sized fp32
+    # arrays twice a layer in its backward instead of four times (556 -> 523 GB written,
+    # 14,058 -> 13,702 kernels) and a decode step launches 680 kernels instead of 752
+    # (experiments/train_traffic_2026-11-27.md). On a CPU the attention's gradient at a training
+    # shape is ~10% faster this way too (fp32).
+    return jnp.einsum(f"BKGTH,{kv}->BKGTS", q_BTKGH.transpose(0, 2, 3, 1, 4), k,
+                      preferred_element_type=f32)
+
+  def tokens_major(q_BTKGH):
+    # XLA:CPU's dot for one query per row (a decode step) is 1.8x slower from the layout above
+    # (fp32, 64 rows x 352 slots: 0.84 ms against 0.48 ms a layer).
+    return jnp.einsum(f"BTKGH,{kv}->BKGTS", q_BTKGH, k, preferred_element_type=f32)
+
+  if t == 1:
+    scores = jax.lax.platform_dependent(q_BTKGH, cpu=tokens_major, default=heads_major)
+  else:
+    scores = heads_major(q_BTKGH)
+  scores = scores * (h ** -0.5)
   visible = visible_B1TS[:, :, None]  # [B, 1, 1, T or 1, S]
   if causal_aligned:
     visible = visible & (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None])
