@@ -198,7 +198,19 @@ def _both(monkeypatch, fn):
   return got, want
 
 
-def test_forward_prefill_and_decode_match_the_einsum_reference(params, monkeypatch):
+def _force_layout(monkeypatch, heads_major):
+  """Every platform's scores in one layout of q: the CPU runs the tokens' order by default
+  (qwen.scores_einsum), so the heads' order (every other platform's) is tested here through
+  this."""
+  if heads_major is not None:
+    layout = qwen.scores_einsum
+    monkeypatch.setattr(qwen, "scores_einsum",
+                        lambda q, k, *, kv, heads_major: layout(q, k, kv=kv, heads_major=True))
+
+
+@pytest.mark.parametrize("heads_major", [None, True])
+def test_forward_prefill_and_decode_match_the_einsum_reference(params, monkeypatch, heads_major):
+  _force_layout(monkeypatch, heads_major)
   model = qwen.Qwen(CFG)
   tokens, mask = _left_padded(0, 4, 12)
   pos = qwen.positions_from_mask(mask)
@@ -231,9 +243,12 @@ def test_forward_prefill_and_decode_match_the_einsum_reference(params, monkeypat
                                rtol=0)
 
 
-def test_packed_training_forward_and_gradient_match_the_einsum_reference(params, monkeypatch):
+@pytest.mark.parametrize("heads_major", [None, True])
+def test_packed_training_forward_and_gradient_match_the_einsum_reference(params, monkeypatch,
+                                                                          heads_major):
   """The packed forward of qwen.Qwen.packed with its two masks (the prompt's, and the
   completions' over [prompt, completion]; one completion ended early), and its gradient."""
+  _force_layout(monkeypatch, heads_major)
   g, c, p = 3, 5, 7
   prompts, pmask = _left_padded(1, 2, p)
   rng = np.random.default_rng(2)
@@ -264,6 +279,34 @@ def test_packed_training_forward_and_gradient_match_the_einsum_reference(params,
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
     a, b = np.asarray(a), np.asarray(b)
     assert np.abs(a - b).max() <= TOL * np.abs(b).max()
+
+
+@pytest.mark.parametrize("kv", ["BSKH", "BKSH"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_scores_einsum_layouts_agree_with_numpy(kv, dtype):
+  """Both layouts of q give q·k per kv head and query head, and the same gradients of q and k,
+  against NumPy in float64 (to the dtype's rounding)."""
+  rng = np.random.default_rng(3)
+  b, t, kh, g, h, s = 2, 5, 2, 3, 16, 7
+  q = rng.normal(size=(b, t, kh, g, h))
+  k_bskh = rng.normal(size=(b, s, kh, h))
+  k = k_bskh if kv == "BSKH" else k_bskh.transpose(0, 2, 1, 3)
+  ct = rng.normal(size=(b, kh, g, t, s))  # a cotangent for the scores
+  want = np.einsum("btkgh,bskh->bkgts", q, k_bskh)
+  want_dq = np.einsum("bkgts,bskh->btkgh", ct, k_bskh)
+  want_dk = np.einsum("bkgts,btkgh->bskh", ct, q)
+  want_dk = want_dk if kv == "BSKH" else want_dk.transpose(0, 2, 1, 3)
+  tol = 1e-5 if dtype == jnp.float32 else 3e-2 * np.abs(want).max()
+  for heads_major in (False, True):
+    fn = lambda q, k: qwen.scores_einsum(q, k, kv=kv, heads_major=heads_major)
+    got, vjp = jax.vjp(fn, jnp.asarray(q, dtype), jnp.asarray(k, dtype))
+    dq, dk = vjp(jnp.asarray(ct, jnp.float32))
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, atol=tol, rtol=0)
+    for a, w in ((dq, want_dq), (dk, want_dk)):
+      scale = 1e-5 if dtype == jnp.float32 else 3e-2
+      np.testing.assert_allclose(np.asarray(a, np.float64), w, atol=scale * np.abs(w).max(),
+                                 rtol=0)
 
 
 def test_attention_setting_is_checked():

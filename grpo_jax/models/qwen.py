@@ -34,6 +34,7 @@ collection the model is the base model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -435,6 +436,28 @@ def attend(q_BTNH: Array, k: Array, v: Array, attn_mask_BS: Array, start: Array 
   return jax.checkpoint(core, prevent_cse=False)(q_BTNH, k, v, visible)
 
 
+def scores_einsum(q_BTKGH: Array, k: Array, *, kv: str, heads_major: bool) -> Array:
+  """q·k per kv head and query head, fp32 [B, K, G, T, S]; k laid out as `kv` says ('BSKH' or
+  'BKSH'). The same numbers either way, up to fp32 rounding; what differs is what XLA makes of
+  the backward.
+
+  heads_major: q laid out as the scores are, [B, K, G, T, H], first. The backward's gradient of k
+  contracts G and T, then adjacent and in the same order in q and in the scores' gradient.
+  Compiled for an H100 (benchmarks/gpu_kernels.py), the 0.5B train step then writes
+  score-sized fp32 arrays twice a layer in its backward instead of four times (556 -> 523 GB
+  written, 14,058 -> 13,702 kernels) and a decode step launches 680 kernels instead of 752
+  (experiments/train_traffic_2026-11-27.md).
+
+  The CPU keeps q in the tokens' order (heads_major False): there a decode step's dot (one query
+  per row) was 1.8x slower the other way (fp32, 64 rows x 352 slots: 0.84 against 0.48 ms), the
+  whole CPU step was no faster, and its programs stay bitwise what they were (the tiny presets'
+  results over seeds were measured with them)."""
+  if heads_major:
+    return jnp.einsum(f"BKGTH,{kv}->BKGTS", q_BTKGH.transpose(0, 2, 3, 1, 4), k,
+                      preferred_element_type=jnp.float32)
+  return jnp.einsum(f"BTKGH,{kv}->BKGTS", q_BTKGH, k, preferred_element_type=jnp.float32)
+
+
 def _grouped_attend(q_BTNH, k, v, visible_B1TS, causal_aligned: bool, heads_first: bool):
   """softmax(q k^T / sqrt(H)) v with the G = N / K query heads of a kv head batched against its
   keys: no copy of k or v per query head, the mask applied once for all heads.
@@ -448,28 +471,9 @@ def _grouped_attend(q_BTNH, k, v, visible_B1TS, causal_aligned: bool, heads_firs
   kh = k.shape[1 if heads_first else 2]
   s = k.shape[2 if heads_first else 1]
   q_BTKGH = q_BTNH.reshape(b, t, kh, n // kh, h)
-  f32 = jnp.float32
-
-  def heads_major(q_BTKGH):
-    # q laid out as the scores are, [B, K, G, T, H]: the backward's gradient of k contracts G
-    # and T, now adjacent and in the same order in q and in the scores' gradient. Compiled for
-    # an H100 (benchmarks/gpu_kernels.py), the 0.5B train step then writes score-sized fp32
-    # arrays twice a layer in its backward instead of four times (556 -> 523 GB written,
-    # 14,058 -> 13,702 kernels) and a decode step launches 680 kernels instead of 752
-    # (experiments/train_traffic_2026-11-27.md). On a CPU the attention's gradient at a training
-    # shape is ~10% faster this way too (fp32).
-    return jnp.einsum(f"BKGTH,{kv}->BKGTS", q_BTKGH.transpose(0, 2, 3, 1, 4), k,
-                      preferred_element_type=f32)
-
-  def tokens_major(q_BTKGH):
-    # XLA:CPU's dot for one query per row (a decode step) is 1.8x slower from the layout above
-    # (fp32, 64 rows x 352 slots: 0.84 ms against 0.48 ms a layer).
-    return jnp.einsum(f"BTKGH,{kv}->BKGTS", q_BTKGH, k, preferred_element_type=f32)
-
-  if t == 1:
-    scores = jax.lax.platform_dependent(q_BTKGH, cpu=tokens_major, default=heads_major)
-  else:
-    scores = heads_major(q_BTKGH)
+  scores = jax.lax.platform_dependent(
+      q_BTKGH, k, cpu=functools.partial(scores_einsum, kv=kv, heads_major=False),
+      default=functools.partial(scores_einsum, kv=kv, heads_major=True))
   scores = scores * (h ** -0.5)
   visible = visible_B1TS[:, :, None]  # [B, 1, 1, T or 1, S]
   if causal_aligned:
