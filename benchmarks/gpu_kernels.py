@@ -231,7 +231,6 @@ def _train(a, mesh, size) -> dict:
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
                 "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_NAMED = re.compile(r"^\s+(?:ROOT )?%?(\S+) = (.*)$")
 _ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 
 
@@ -247,23 +246,13 @@ def _array_bytes(shape: str, skip=()) -> int:
   return total
 
 
-def _instructions(text) -> dict[str, dict[str, tuple[str, str]]]:
+def _instructions(text) -> dict[str, dict[str, tuple[str, str, str]]]:
   """{computation: {instruction name: (opcode, output shape, its operands and attributes)}}."""
-  out, current = {}, None
-  for line in text.splitlines():
-    if current is None:
-      m = gpu_step._HEADER.match(line)  # pylint: disable=protected-access
-      if m:
-        current = out.setdefault(m.group(2), {})
-      continue
-    if line.startswith("}"):
-      current = None
-      continue
-    m = _NAMED.match(line)
-    op = m and gpu_step._OPCODE.search(" " + m.group(2))  # pylint: disable=protected-access
-    if op:
-      current[m.group(1)] = (op.group(1), m.group(2)[:op.start()].strip(),
-                             m.group(2)[op.end() - 1:])
+  out = collections.defaultdict(dict)
+  for comp, _, name, op, rest in gpu_step.hlo_instructions(text):
+    if name is not None:
+      shape, _, operands = rest.partition(f" {op}(")
+      out[comp][name] = (op, shape, operands)
   return out
 
 
@@ -288,7 +277,7 @@ def written_bytes(text: str) -> collections.Counter:
   named = _instructions(text)
 
   def key(op, line):
-    shape = line.split(f" {op}(")[0] if f" {op}(" in line else ""
+    shape = line.partition(f" {op}(")[0]
     written = _array_bytes(shape, skip=("s8", "u8") if op == "custom-call" else ())
     callee = re.search(r"calls=%?([^\s,]+)", line)
     if op == "fusion" and callee and callee.group(1) in named:

@@ -118,28 +118,38 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "whil
          "send-done", "recv-done", "all-reduce-done", "all-gather-done",
          "collective-permute-done"}
 _HEADER = re.compile(r"^(ENTRY )?%?([^\s(]+) .*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?\S+ = (.*)$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?(\S+) = (.*)$")
 _OPCODE = re.compile(r"\s([a-z][a-z0-9-]*)\(")
 
 
-def parse_hlo(text: str) -> tuple[dict[str, list[tuple[str, str]]], str | None]:
-  """{computation: [(opcode, instruction text)]} and the entry computation's name."""
-  comps, entry, current = {}, None, None
+def hlo_instructions(text: str):
+  """Each instruction of an HLO module as (computation, is it the entry computation,
+  instruction name, opcode, the text after '= ': output shape, opcode, operands, attributes)."""
+  current, entry = None, False
   for line in text.splitlines():
     if current is None:
       m = _HEADER.match(line)
       if m:
-        current = m.group(2)
-        comps[current] = []
-        entry = current if m.group(1) else entry
+        current, entry = m.group(2), bool(m.group(1))
+        yield current, entry, None, None, None  # a computation, even one with no instruction
       continue
     if line.startswith("}"):
       current = None
       continue
     m = _INSTRUCTION.match(line)
-    op = m and _OPCODE.search(" " + m.group(1))
+    op = m and _OPCODE.search(" " + m.group(2))
     if op:
-      comps[current].append((op.group(1), m.group(1)))
+      yield current, entry, m.group(1), op.group(1), m.group(2)
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[tuple[str, str]]], str | None]:
+  """{computation: [(opcode, instruction text)]} and the entry computation's name."""
+  comps, entry = {}, None
+  for comp, is_entry, name, op, rest in hlo_instructions(text):
+    comps.setdefault(comp, [])
+    entry = comp if is_entry else entry
+    if name is not None:
+      comps[comp].append((op, rest))
   return comps, entry
 
 
