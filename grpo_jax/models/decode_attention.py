@@ -145,8 +145,7 @@ def attend(q_BNH: Array, k_LBKSH: Array, v_LBKSH: Array, layer, mask_BS: Array, 
   args = (q_BNH, k_LBKSH, v_LBKSH, jnp.asarray(layer, jnp.int32), mask_BS.astype(jnp.int32),
           jnp.asarray(index, jnp.int32))
 
-  def run(q, k, v, layer, mask, index):
-    a = (q, k, v, layer, mask, index)
+  def run(*a):
     return jax.lax.platform_dependent(
         *a, cuda=functools.partial(_pallas, interpret=False),
         cpu=functools.partial(_pallas, interpret=True), default=reference)

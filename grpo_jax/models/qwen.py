@@ -247,11 +247,6 @@ def apply_rope(x_BTnH: Array, tables: tuple[Array, Array]) -> Array:
   return x_BTnH * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
-def rope(x_BTnH: Array, positions_BT: Array, theta: float) -> Array:
-  """Rotary embedding of x at these positions (rope_tables, then apply_rope)."""
-  return apply_rope(x_BTnH, rope_tables(positions_BT, x_BTnH.shape[-1], theta))
-
-
 def _kernel(module: nn.Module, shape, axes, param_dtype) -> Array:
   """The module's kernel in param_dtype: its 'kernel' param, or, for a base quantized by
   grpo_jax.models.quant, int8 'kernel_q' times the per-output-channel 'kernel_scale'."""
