@@ -161,6 +161,14 @@ class Checkpointer:
         temporary_path_class=(_ChecksummedCommit if storage.is_remote(self.directory)
                               else _ChecksummedRename))
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+    # orbax clears the tmp dirs of interrupted saves in a thread of its own and waits for that
+    # thread only in save(), not in close(). A run that stops before its first save (a resume
+    # that finds no usable checkpoint) could exit with the thread still running, and at
+    # interpreter shutdown it printed a traceback under the run's one-line error. So wait here:
+    # listing the checkpoint directory is quick. (orbax 0.12.8 has no public call for this.)
+    wait_for_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
+    if wait_for_cleanup is not None:
+      wait_for_cleanup()
 
   def save(self, step: int, state, data_position: dict) -> bool:
     """Starts saving (async by default); False when `step` is not after the latest saved step."""

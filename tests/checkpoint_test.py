@@ -157,6 +157,35 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
   _assert_bit_identical(checkpoint.restore(workdir, _state(1)).state, _state(1))
 
 
+def test_interrupted_saves_are_cleared_before_the_checkpointer_is_returned(tmp_path,
+                                                                          monkeypatch):
+  """orbax clears tmp dirs in a background thread; a run that stopped right after making its
+  Checkpointer (a resume with no usable step: a one-line error) left that thread running into
+  interpreter shutdown, which printed a traceback (seen once in CI). With the removal slowed
+  down, the tmp dir must be gone when the constructor returns."""
+  import asyncio  # pylint: disable=import-outside-toplevel
+  from orbax.checkpoint._src.path import async_path  # pylint: disable=import-outside-toplevel
+  workdir = str(tmp_path / "run")
+  with checkpoint.Checkpointer(workdir, async_save=False) as ckpt:
+    ckpt.save(1, _state(0), {"index": 1})
+  ckpt_dir = checkpoint.checkpoint_dir(workdir)
+  debris = os.path.join(ckpt_dir, "2.orbax-checkpoint-tmp-1700000000")
+  os.makedirs(os.path.join(debris, "state"))
+  rmtree = async_path.rmtree
+
+  async def slow_rmtree(path):
+    await asyncio.sleep(1.0)
+    return await rmtree(path)
+
+  monkeypatch.setattr(async_path, "rmtree", slow_rmtree)
+  ckpt = checkpoint.Checkpointer(workdir)
+  try:
+    assert not os.path.exists(debris), os.listdir(ckpt_dir)
+    assert ckpt.all_steps() == [1]
+  finally:
+    ckpt.close()
+
+
 def _state_with_data_file(seed):
   """_state plus a 64 kB leaf: big enough that OCDBT keeps its bytes in a data file of its own
   (small leaves are inlined in B-tree nodes, whose own checksums catch a flip)."""
