@@ -54,8 +54,8 @@ case "$PART" in
   1)
     # layer scan, XLA attention: 680 kernels; where the device time goes (jax.profiler)
     step05 default 130 --profile
-    step05 pallas 95 --decode_attention pallas                # fused attention: 584 kernels
-    step05 unroll_pallas 95 --unroll_decode --decode_attention pallas --no_kernels   # 318
+    step05 pallas 95 --decode_attention pallas                # fused attention: 536 kernels
+    step05 unroll_pallas 95 --unroll_decode --decode_attention pallas --no_kernels   # 270
     # cuDNN's fused attention in the prefill and the train step (their attention writes ~200 GB
     # a step at 0.5B with XLA's, by the compiled program's output shapes)
     step05 cudnn 80 --attention cudnn --no_kernels

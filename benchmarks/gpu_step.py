@@ -360,19 +360,31 @@ def device_figures(spec: dict, trainer, state, out: dict, smoke: bool, kernels: 
 
 
 def fused_attention_error(cfg, conv) -> tuple[float, float]:
-  """(kernel, jax.numpy in bf16): each one's largest difference from jax.numpy in float32, for
-  the fused decode attention (grpo_jax/models/decode_attention.py) on this device, on a decode
-  loop's cache `conv.cache` and mask."""
+  """(kernel, jax.numpy in bf16): each one's largest difference from jax.numpy in float32, over
+  the attention's output and the k cache it writes, for the fused decode attention
+  (grpo_jax/models/decode_attention.py) on this device, on a decode loop's cache `conv.cache`
+  and mask, with random q, k and v for the last slot of the last layer."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from grpo_jax.models import decode_attention  # pylint: disable=import-outside-toplevel
+  from grpo_jax.models import decode_attention, qwen  # pylint: disable=import-outside-toplevel
   k, v, mask = conv.cache["k"], conv.cache["v"], conv.state["mask"]
   layer, index = k.shape[0] - 1, k.shape[3] - 1
-  q = jax.random.normal(jax.random.key(0), (k.shape[1], cfg.num_heads, cfg.head_dim), k.dtype)
+  rows, kv = k.shape[1], k.shape[2]
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k_new, v_new = (jax.random.normal(key, (rows, n, cfg.head_dim), k.dtype)
+                     for key, n in zip(keys, (cfg.num_heads, kv, kv)))
+  tables = tuple(t[:, 0, 0] for t in qwen.rope_tables(
+      jnp.full((rows, 1), index, jnp.int32), cfg.head_dim, cfg.rope_theta))
   f32 = lambda x: x.astype(jnp.float32)
-  exact = jax.jit(decode_attention.reference)(f32(q), f32(k), f32(v), layer, mask, index)
-  err = lambda fn: float(jnp.abs(f32(jax.jit(fn)(q, k, v, layer, mask, index)) - exact).max())
-  return err(decode_attention.attend), err(decode_attention.reference)
+  exact = jax.jit(decode_attention.reference)(f32(q), f32(k_new), f32(v_new), *tables, f32(k),
+                                              f32(v), layer, mask, index)
+
+  def err(fn):
+    got = jax.jit(fn)(q, k_new, v_new, *tables, k, v, layer, mask, index)
+    return max(float(jnp.abs(f32(got[i]) - exact[i]).max()) for i in (0, 1))
+  step = lambda q, k_new, v_new, cos, sin, *rest: decode_attention.step(q, k_new, v_new,
+                                                                        (cos, sin), *rest)
+  return err(step), err(decode_attention.reference)
 
 
 def _sampler_figures(spec, sampler, params, out, kernels):

@@ -327,6 +327,16 @@ class Attention(nn.Module):
     if cfg.qk_norm:
       q = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "head_dim", name="q_norm")(q)
       k = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "head_dim", name="k_norm")(k)
+    if (cfg.decode_attention == "pallas" and cache is not None and self.packed is None
+        and k.shape[1] == 1 < cache["k"].shape[3]):
+      # One query per row (a decode step): one kernel applies RoPE to q and k, writes k and v
+      # into slot cache_index of layer `layer` of the stacked caches and attends over slots
+      # 0..cache_index where they lie, with no copy of the layer (decode_attention.py).
+      cos, sin = rope_BT
+      out_BNH, k_cache, v_cache = decode_attention.step(
+          q[:, 0], k[:, 0], v[:, 0], (cos[:, 0, 0], sin[:, 0, 0]), cache["k"], cache["v"], layer,
+          attn_mask_BS, cache_index, mesh=self.mesh)
+      return self._out(out_BNH[:, None]), {"k": k_cache, "v": v_cache}
     q, k = apply_rope(q, rope_BT), apply_rope(k, rope_BT)
 
     if self.packed is not None:
@@ -346,12 +356,6 @@ class Attention(nn.Module):
         # dynamic slice of the stack was the prefill program's costliest kernel to compile
         # (small benchmark: the prefill compiles in 0.45 s against 0.52 s, medians of 3).
         keys, values, start = k.astype(cache["k"].dtype), v.astype(cache["v"].dtype), 0
-      elif cfg.decode_attention == "pallas" and k.shape[1] == 1:
-        # One query per row (a decode step): one kernel reads layer `layer` of the stacked cache
-        # where it lies, with no copy of the layer (decode_attention.py).
-        out_BNH = decode_attention.attend(q[:, 0], cache["k"], cache["v"], layer, attn_mask_BS,
-                                          cache_index, mesh=self.mesh)
-        return self._out(out_BNH[:, None]), cache
       else:
         # Read as the cache stores them, kv heads before slots: attend takes that layout, so a
         # decode step copies no layer of the cache into another one. (Under jax.vmap XLA:CPU
