@@ -28,6 +28,7 @@ autodiff backward of a bf16 matmul would.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,7 @@ DEFAULT_BLOCK_BYTES = 4 << 20  # fp32 logits per [t, c] block: on a CPU, inside 
 # kernels (forward and backward, compiled for an H100), at 64 MiB 5,634, for 0.12 GB more
 # temporaries (docs/performance.md).
 ACCELERATOR_BLOCK_BYTES = 64 << 20
-_MAX_BLOCK_TOKENS = 1024
+_MAX_BLOCK_TOKENS = 1024  # a floor: blocks of fewer tokens only where there are fewer
 _MIN_BLOCK_ROWS = 128
 
 
@@ -61,9 +62,15 @@ def platform_block_bytes(block_bytes: int, platform: str) -> int:
 def block_shape(num_tokens: int, vocab: int, block_bytes: int = DEFAULT_BLOCK_BYTES):
   """(t, c): tokens and vocabulary rows per block, t·c·4 bytes <= block_bytes where possible.
 
-  Example: 4,096 tokens, 151,665 rows, 4 MiB → (1024, 1024).
+  Square where the tokens allow (t at most the largest power of two <= sqrt(block_bytes / 4),
+  and never under 1024): the backward writes one [D, c] partial of the head's gradient per token
+  block and one [N, D] partial of the hidden states' per vocabulary block, D·N·V·(1/t + 1/c)
+  elements, least for t = c at a given t·c.
+  Examples: 4,096 tokens, 151,665 rows, 4 MiB → (1024, 1024); 32,640 tokens, 64 MiB →
+  (4096, 4096).
   """
-  t = max(1, min(num_tokens, _MAX_BLOCK_TOKENS))
+  side = 1 << (math.isqrt(max(1, block_bytes // 4)).bit_length() - 1)
+  t = max(1, min(num_tokens, max(_MAX_BLOCK_TOKENS, side)))
   c = max(_MIN_BLOCK_ROWS, block_bytes // (4 * t)) // _MIN_BLOCK_ROWS * _MIN_BLOCK_ROWS
   return t, max(1, min(vocab, c))
 

@@ -133,6 +133,14 @@ def test_block_shape_stays_within_the_budget():
   assert logprobs.block_shape(4096, 151_665, 4 << 20) == (1024, 1024)
   assert logprobs.block_shape(64, 151_665, 4 << 20) == (64, 16384)
   assert logprobs.block_shape(10, 13, 4 << 20) == (10, 13)  # never wider than the vocabulary
+  # An accelerator's 64 MiB: square blocks, which write the backward's partial sums least.
+  assert logprobs.block_shape(32_640, 151_936, 64 << 20) == (4096, 4096)
+  assert logprobs.block_shape(5000, 151_665, 1 << 20) == (1024, 256)  # never under 1024 tokens
+  for n, budget in ((32_640, 64 << 20), (4096, 4 << 20), (100_000, 256 << 20)):
+    t, c = logprobs.block_shape(n, 151_936, budget)
+    # Of the shapes of this budget, the one with the fewest backward partials: 1/t + 1/c.
+    assert t * c * 4 <= budget
+    assert 1 / t + 1 / c <= min(1 / x + 4 * x / budget for x in (256, 512, 1024, 2048, 8192))
 
 
 def test_log_prob_block_is_the_platforms_unless_set():
