@@ -163,7 +163,10 @@ def _loop_parts(text: str) -> tuple[str, str, int | None]:
 def computation_kernels(comps, name, memo=None, key=None) -> collections.Counter:
   """Kernels one run of computation `name` launches, by opcode (or by key(opcode, instruction
   text)): a nested while loop counts its body and condition times its known trip count (1 if
-  unknown), a call or conditional its callees (every branch: an upper bound)."""
+  unknown), a call its callees, a conditional the one of its branches that launches the most
+  kernels (the path a train step usually takes: the update rather than the identity of a
+  skipped one, whose copies of the state never run otherwise; the reference forward rather
+  than the shortcut of a first step)."""
   memo = {} if memo is None else memo
   if name not in memo:
     total = collections.Counter()
@@ -173,14 +176,28 @@ def computation_kernels(comps, name, memo=None, key=None) -> collections.Counter
         for k, v in (computation_kernels(comps, body, memo, key)
                      + computation_kernels(comps, cond, memo, key)).items():
           total[k] += (trip or 1) * v
-      elif op in ("call", "conditional"):
-        for callee in re.findall(r"(?:to_apply|computations?)=\{?%?([^\s,}]+)", text):
+      elif op == "call":
+        for callee in re.findall(r"to_apply=%?([^\s,}]+)", text):
           if callee in comps:
             total.update(computation_kernels(comps, callee, memo, key))
+      elif op == "conditional":
+        branches = [computation_kernels(comps, callee, memo, key)
+                    for callee in _branches(text) if callee in comps]
+        if branches:
+          total.update(max(branches, key=lambda k: sum(k.values())))
       elif op not in _FREE:
         total[op if key is None else key(op, text)] += 1
     memo[name] = total
   return memo[name]
+
+
+def _branches(text: str) -> list[str]:
+  """A conditional's branch computations: true_computation/false_computation, or the list of
+  branch_computations."""
+  listed = re.search(r"branch_computations=\{([^}]*)\}", text)
+  if listed:
+    return [c.strip().lstrip("%") for c in listed.group(1).split(",")]
+  return re.findall(r"(?:true|false)_computation=%?([^\s,}]+)", text)
 
 
 def count_loop_kernels(hlo_text: str, key=None) -> collections.Counter:

@@ -80,6 +80,55 @@ def test_kernel_count_of_a_module_counted_by_hand():
   assert sum(k.values()) == 12
 
 
+# A conditional as a train step's skip-if-not-finite makes it: the update branch launches 3
+# kernels (two fusions, a cuBLAS call), the identity branch copies the state (2 copies). One
+# run takes one branch: the count is the update's, with the entry's fusion, 1 + 3.
+COND_HLO = """HloModule step
+
+%fused_a (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %e = f32[4]{0} exponential(f32[4]{0} %p)
+}
+
+%update (t: (f32[4], f32[4])) -> (f32[4], f32[4]) {
+  %t = (f32[4]{0}, f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%t), index=0
+  %y = f32[4]{0} get-tuple-element(%t), index=1
+  %f = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_a
+  %g = f32[4]{0} custom-call(%f, %y), custom_call_target="__cublas$gemm"
+  %h = f32[4]{0} fusion(%g), kind=kLoop, calls=%fused_a
+  ROOT %r = (f32[4]{0}, f32[4]{0}) tuple(%h, %g)
+}
+
+%skip (t: (f32[4], f32[4])) -> (f32[4], f32[4]) {
+  %t = (f32[4]{0}, f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%t), index=0
+  %y = f32[4]{0} get-tuple-element(%t), index=1
+  %cx = f32[4]{0} copy(%x)
+  %cy = f32[4]{0} copy(%y)
+  ROOT %r = (f32[4]{0}, f32[4]{0}) tuple(%cx, %cy)
+}
+
+ENTRY %main (a: f32[4], ok: pred[]) -> (f32[4], f32[4]) {
+  %a = f32[4]{0} parameter(0)
+  %ok = pred[] parameter(1)
+  %b = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_a
+  %t = (f32[4]{0}, f32[4]{0}) tuple(%b, %a)
+  ROOT %c = (f32[4]{0}, f32[4]{0}) conditional(%ok, %t, %t), true_computation=%update, false_computation=%skip
+}
+"""
+
+
+def test_a_conditional_counts_the_branch_with_the_most_kernels():
+  comps, entry = gpu_step.parse_hlo(COND_HLO)
+  assert dict(gpu_step.computation_kernels(comps, entry)) == {"fusion": 1 + 2, "custom-call": 1}
+  # The same with the branches listed (an index-switched conditional), the copies first.
+  listed = COND_HLO.replace("true_computation=%update, false_computation=%skip",
+                            "branch_computations={%skip, %update}")
+  comps, entry = gpu_step.parse_hlo(listed)
+  assert dict(gpu_step.computation_kernels(comps, entry)) == {"fusion": 1 + 2, "custom-call": 1}
+
+
 def test_an_async_fusion_is_one_kernel():
   """XLA:GPU may run a fusion asynchronously as a fusion-start / fusion-done pair: one launch
   (the start); the done only waits."""
