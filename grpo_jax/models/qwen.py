@@ -89,8 +89,9 @@ class QwenConfig:
   # apply_unrolled). On a GPU the scan is a loop inside every decode step.
   unroll_decode: bool = False
   # A decode step's attention (also not part of the checkpoint): 'xla', the grouped einsum of
-  # `attend`; 'pallas', one fused kernel per layer that reads the stacked cache in place
-  # (grpo_jax/models/decode_attention.py: Triton on NVIDIA GPUs, Pallas's interpreter on CPU).
+  # `attend`; 'pallas', one fused kernel per layer that applies RoPE, writes the step's k and v
+  # and reads the stacked cache in place (grpo_jax/models/decode_attention.py: Triton on NVIDIA
+  # GPUs, Pallas's interpreter on CPU).
   decode_attention: str = "xla"
 
   def __post_init__(self):
