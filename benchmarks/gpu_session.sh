@@ -52,10 +52,10 @@ if [ -z "${DRY:-}" ]; then
 fi
 case "$PART" in
   1)
-    # layer scan, XLA attention: 680 kernels; where the device time goes (jax.profiler)
+    # layer scan, XLA attention: 678 kernels; where the device time goes (jax.profiler)
     step05 default 130 --profile
-    step05 pallas 95 --decode_attention pallas                # fused attention: 536 kernels
-    step05 unroll_pallas 95 --unroll_decode --decode_attention pallas --no_kernels   # 270
+    step05 pallas 95 --decode_attention pallas                # fused attention: 534 kernels
+    step05 unroll_pallas 95 --unroll_decode --decode_attention pallas --no_kernels   # 268
     # cuDNN's fused attention in the prefill and the train step (their attention writes ~200 GB
     # a step at 0.5B with XLA's, by the compiled program's output shapes)
     step05 cudnn 80 --attention cudnn --no_kernels
@@ -69,7 +69,7 @@ case "$PART" in
   2)
     # issue 32: 8 tiny runs one after another, then vmapped; it prints nothing until both end
     run sweep50 420 python3 benchmarks/sweep.py --steps=50 --workdir=/tmp/sweep50
-    step05 unroll 80 --unroll_decode --no_kernels             # 366 kernels
+    step05 unroll 80 --unroll_decode --no_kernels             # 364 kernels
     run trl05 170 python3 benchmarks/gpu_step.py --sizes 0.5b --remat 0.5b --sides grpo_jax,trl \
       --dir /tmp/gs --budget_s 155 --no_kernels "${DATA[@]}"
     step05 logprob4 60 --logprob_block_mib 4 --no_kernels

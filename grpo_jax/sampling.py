@@ -214,7 +214,9 @@ def _inverse_cdf(w_BR: Array, u_BS: Array) -> Array:
   weight 0 is never returned even where rounding makes neighbouring partial sums disagree.
   """
   r = w_BR.shape[-1]
-  cum_BR = jnp.einsum("BR,RQ->BQ", w_BR, jnp.triu(jnp.ones((r, r), w_BR.dtype)),
+  # The triangle as a NumPy constant: built with jnp, a GPU compile made it (and its padding for
+  # the matmul) again in every decode step, two kernels of about 270.
+  cum_BR = jnp.einsum("BR,RQ->BQ", w_BR, np.triu(np.ones((r, r), w_BR.dtype)),
                       precision=jax.lax.Precision.HIGHEST)
   target_BS = u_BS * cum_BR[:, -1:]
   positive_B1R = (w_BR > 0)[:, None, :]
