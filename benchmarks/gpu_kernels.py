@@ -33,9 +33,9 @@ its kernels (every loop counted with its trip count), its peak memory (arguments
 model (`written_bytes`: each kernel's output shapes times its runs; a fusion updating a buffer
 in place counts its update; what kernels read is not counted, so this is a floor on the
 traffic, for comparing programs). `--attention cudnn` compiles the model with cuDNN's fused
-attention (the prefill and the train step; decode steps keep theirs). Every matmul is compiled as a cuBLAS call
-(--xla_gpu_enable_triton_gemm=false): without the device, XLA's Triton GEMM tiler finds no
-tile for the backward's matmuls.
+attention (the prefill and the train step; decode steps keep theirs). Every matmul is compiled
+as a cuBLAS call (--xla_gpu_enable_triton_gemm=false): without the device, XLA's Triton GEMM
+tiler finds no tile for the backward's matmuls.
 
 It needs JAX's CUDA plugin (benchmarks/h100.py says how to install it; then run this script
 with that environment's python). It sets JAX_PLATFORMS=cpu and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1

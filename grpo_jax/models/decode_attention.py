@@ -11,7 +11,7 @@ Here they are one Pallas kernel per layer. Program (b, j) of its (B, K) grid:
 - reads row b of q, k and v joined ([B, N + 2K, H]: the caller's concatenation, which XLA
   makes in the same kernel as the projection's partial sums and biases);
 - applies RoPE to its G query heads and to k (rotate-half, on the two halves of the head, in the
-  compute dtype, as qwen.apply_rope does);
+  compute dtype, as rope.apply_rope does);
 - writes k and v at slot `index` of layer `layer` of the caches (the caches are aliased to the
   kernel's outputs: written in place, the layer is a scalar operand, nothing is copied);
 - attends over slots 0..index: the step's own slot from registers (as the cache stores it),
@@ -22,7 +22,7 @@ Where it runs (jax.lax.platform_dependent, chosen when the program is lowered):
 - CPU: Pallas's interpreter, the same kernel run as XLA:CPU ops; slow, for tests.
 - elsewhere (TPU): `reference` below, plain jax.numpy (no Mosaic kernel is written).
 
-Numbers against the XLA path (qwen.apply_rope, the cache write, qwen.attend over the first
+Numbers against the XLA path (rope.apply_rope, the cache write, qwen.attend over the first
 index + 1 slots): the same RoPE and the same cache contents; the same scores and softmax in
 fp32, probabilities cast to the compute dtype before they multiply V; qwen.attend divides by the
 sum before that cast, this kernel after the product (as flash attention does). fp32: equal to
@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from grpo_jax import sharding as sharding_lib
+from grpo_jax.models.rope import apply_rope
 
 Array = jax.Array
 
@@ -94,11 +95,10 @@ def _kernel(layer_ref, index_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_i
     for h, x in zip(halves, xs):
       plgpu.store(ref.at[(*at, h)], x.astype(ref.dtype), mask=cols)
 
-  cos, _ = load_halves(cos_ref)  # the two halves of RoPE's tables are equal
-  sin, _ = load_halves(sin_ref)
-  cos, sin = cos.astype(dtype), sin.astype(dtype)
+  # The two halves of RoPE's tables are equal: the first is read.
+  cos, sin = (_load(t.at[halves[0]], cols).astype(dtype) for t in (cos_ref, sin_ref))
 
-  def rope(x1, x2):  # qwen.apply_rope: x * cos + concat(-x2, x1) * sin, by halves
+  def rope(x1, x2):  # apply_rope: x * cos + concat(-x2, x1) * sin, by halves
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
   ours = (jnp.arange(rows) < groups)[:, None]
@@ -179,24 +179,18 @@ def _pallas(q_BNH, k_BKH, v_BKH, cos_BH, sin_BH, k_LBKSH, v_LBKSH, layer, mask_B
   return out.reshape(b, n, h), k_LBKSH, v_LBKSH
 
 
-def _rope(x_BnH, cos_BH, sin_BH):
-  """qwen.apply_rope at one position per row: x [B, n, H], fp32 tables [B, H]."""
-  cos, sin = (t[:, None].astype(x_BnH.dtype) for t in (cos_BH, sin_BH))
-  x1, x2 = jnp.split(x_BnH, 2, axis=-1)
-  return x_BnH * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
-
-
 def reference(q_BNH, k_BKH, v_BKH, cos_BH, sin_BH, k_LBKSH, v_LBKSH, layer, mask_BS, index):
   """The kernel's contract in jax.numpy; the path on platforms without the kernel."""
   b, n, h = q_BNH.shape
   kv, s = k_LBKSH.shape[2], k_LBKSH.shape[3]
+  tables = (cos_BH[:, None], sin_BH[:, None])  # one position per row: [B, 1, H]
   write = lambda c, new: jax.lax.dynamic_update_slice(
       c, new[None, :, :, None].astype(c.dtype), (layer, 0, 0, index, 0))
-  k_LBKSH = write(k_LBKSH, _rope(k_BKH, cos_BH, sin_BH))
+  k_LBKSH = write(k_LBKSH, apply_rope(k_BKH, tables))
   v_LBKSH = write(v_LBKSH, v_BKH)
   k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False).astype(q_BNH.dtype)
           for c in (k_LBKSH, v_LBKSH))
-  q_BKGH = _rope(q_BNH, cos_BH, sin_BH).reshape(b, kv, n // kv, h)
+  q_BKGH = apply_rope(q_BNH, tables).reshape(b, kv, n // kv, h)
   scores = jnp.einsum("BKGH,BKSH->BKGS", q_BKGH, k, preferred_element_type=jnp.float32)
   scores = jnp.where((mask_BS > 0)[:, None, None, :], scores * h ** -0.5,
                      jnp.finfo(jnp.float32).min)

@@ -44,6 +44,7 @@ from jax import custom_batching
 
 from grpo_jax.errors import UserError
 from grpo_jax.models import decode_attention
+from grpo_jax.models.rope import apply_rope, rope_tables
 
 Array = jax.Array
 # {'k': [L, B, K, S, H], 'v': [L, B, K, S, H]}: kv heads before slots, so a decode step's
@@ -230,22 +231,6 @@ def _rms_norm_impl(x, weight, eps, dtype):
 # grad_accum_steps 4), for a few elementwise ops more. Without a gradient nothing changes.
 _rms_norm = jax.checkpoint(_rms_norm_impl, prevent_cse=False, static_argnums=(2, 3),
                            policy=jax.checkpoint_policies.nothing_saveable)
-
-
-def rope_tables(positions_BT: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
-  """RoPE's fp32 (cos, sin) [B, T, 1, H] at these positions, in transformers' convention (halves
-  rotated, not interleaved pairs). Made once per forward and carried through the layer scan: a
-  GPU compile of the scan made them again in every layer (two kernels a layer and step)."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  freqs_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
-  emb = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)[:, :, None, :]
-  return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x_BTnH: Array, tables: tuple[Array, Array]) -> Array:
-  cos, sin = (t.astype(x_BTnH.dtype) for t in tables)
-  x1, x2 = jnp.split(x_BTnH, 2, axis=-1)
-  return x_BTnH * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
 def _kernel(module: nn.Module, shape, axes, param_dtype) -> Array:
