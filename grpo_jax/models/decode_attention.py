@@ -58,9 +58,19 @@ def _both(a, b):
 
 
 def _load(ref, mask=None):
-  """ref's elements, zeros where mask is False (Triton takes no `other` without a mask)."""
+  """ref's elements, zeros where mask is False (Triton takes no `other` without a mask). The
+  mask is broadcast to the ref's shape first: Triton's lowering broadcasts no lower rank."""
   from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
-  return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0)
+  if mask is None:
+    return plgpu.load(ref)
+  return plgpu.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0)
+
+
+def _store(ref, x, mask=None):
+  """x into ref where mask is True (broadcast to the ref's shape, as in _load)."""
+  from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
+  plgpu.store(ref, x.astype(ref.dtype),
+              mask=None if mask is None else jnp.broadcast_to(mask, ref.shape))
 
 
 def _kernel(layer_ref, index_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_in, o_ref,
@@ -93,7 +103,7 @@ def _kernel(layer_ref, index_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_i
 
   def store_halves(ref, at, xs):
     for h, x in zip(halves, xs):
-      plgpu.store(ref.at[(*at, h)], x.astype(ref.dtype), mask=cols)
+      _store(ref.at[(*at, h)], x, cols)
 
   # The two halves of RoPE's tables are equal: the first is read.
   cos, sin = (_load(t.at[halves[0]], cols).astype(dtype) for t in (cos_ref, sin_ref))
@@ -107,7 +117,7 @@ def _kernel(layer_ref, index_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_i
   v_own = _load(qkv_ref.at[pl.ds(heads + kv + j, 1), :], head)
   own = pl.ds(index, 1)
   store_halves(k_ref, (layer, own), (k1, k2))
-  plgpu.store(v_ref.at[layer, own, :], v_own.astype(v_ref.dtype), mask=head)
+  _store(v_ref.at[layer, own, :], v_own, head)
   # The own slot's score and value from registers, as the cache stores them.
   k1, k2, v_own = (x.astype(k_ref.dtype).astype(dtype) for x in (k1, k2, v_own))
   top = ((q1.astype(f32) * k1.astype(f32)).sum(axis=1)
@@ -124,7 +134,7 @@ def _kernel(layer_ref, index_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_i
     span = pl.ds(i * BLOCK_SLOTS, BLOCK_SLOTS)
     c1, c2 = load_halves(k_ref, (layer, span), before[:, None])
     v = _load(v_ref.at[layer, span, :], _both(before[:, None], head))
-    real = plgpu.load(mask_ref.at[span], mask=before, other=0) > 0
+    real = _load(mask_ref.at[span], before) > 0
     scores = (plgpu.dot(q1, c1.astype(dtype), trans_b=True, allow_tf32=False)
               + plgpu.dot(q2, c2.astype(dtype), trans_b=True, allow_tf32=False)) * scale
     scores = jnp.where(real[None, :], scores, jnp.finfo(f32).min)
@@ -140,7 +150,7 @@ def _kernel(layer_ref, index_ref, qkv_ref, cos_ref, sin_ref, mask_ref, k_in, v_i
   # The own slot is the first term of the running sums: probability exp(0) = 1 times its v.
   carry = (jnp.broadcast_to(v_own.astype(f32), (rows, columns)), top, jnp.ones((rows,), f32))
   out, _, total = jax.lax.fori_loop(0, (index + BLOCK_SLOTS - 1) // BLOCK_SLOTS, block, carry)
-  plgpu.store(o_ref, (out / total[:, None]).astype(o_ref.dtype), mask=_both(ours, head))
+  _store(o_ref, out / total[:, None], _both(ours, head))
 
 
 def _pallas(q_BNH, k_BKH, v_BKH, cos_BH, sin_BH, k_LBKSH, v_LBKSH, layer, mask_BS, index, *,
