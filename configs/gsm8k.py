@@ -49,7 +49,7 @@ tiny — offline, CPU, minutes: a 2-layer 128-wide Qwen2 with random weights, a 
   Hardware: a CPU (memory: train step 0.13 GB, sampler 0.07 GB; 4 GB declared).
   Runtime: 2-4 minutes alone on 2 cores (the warm start's length depends on the seed).
   Expected: held-out greedy accuracy gain +43.0 ± 12.6 points over seeds 0-19 (mean ± std;
-  95% BCa interval of the mean [37.4, 48.5]; lowest +22.7; from 16-33% after the warm start to
+  95% t interval of the mean [37.1, 48.9]; lowest +22.7; from 16-33% after the warm start to
   46-91%), from `python -m grpo_jax.sweep experiments/tiny_seeds.py
   --workdir=runs/tiny_seeds` and `python -m grpo_jax.report runs/tiny_seeds`.
   Per-seed tables and the learning-rate diagnosis: experiments/tiny_seeds.md.
@@ -60,8 +60,8 @@ tiny_lora — tiny's warm start (the whole model), then GRPO trains rank-8 adapt
     python -m grpo_jax.main --config=configs/gsm8k.py:tiny_lora --workdir=runs/tiny_lora
   Hardware: a CPU (memory: train step 0.11 GB, sampler 0.06 GB; 4 GB declared).
   Runtime: about 5 minutes alone on 2 cores.
-  Expected: held-out greedy accuracy gain +51.8 ± 9.0 points over seeds 0-4 (95% BCa interval
-  of the mean [45.3, 59.0]; lowest +42.8), from `python -m grpo_jax.sweep
+  Expected: held-out greedy accuracy gain +51.8 ± 9.0 points over seeds 0-4 (95% t interval
+  of the mean [40.5, 63.0]; lowest +42.8), from `python -m grpo_jax.sweep
   experiments/tiny_lora_seeds.py --workdir=runs/tiny_lora_seeds` and `python -m
   grpo_jax.report runs/tiny_lora_seeds` (experiments/tiny_lora.md).
 

@@ -14,12 +14,12 @@ tiny — offline, CPU: the 2-layer tiny Qwen2 on synthetic word problems with th
   with the tool on 256 validation problems, then Flow-GRPO:
     python -m grpo_jax.main --config=configs/gsm8k_agent.py:tiny --workdir=runs/agent
   Hardware: a CPU. Runtime: about 5 minutes alone on 2 cores. Expected: a held-out accuracy
-  gain of +46.3 +- 14.9 points over seeds 0-9 (mean +- std; 95% BCa interval of the mean
-  [37.7, 55.1]; lowest +25.2; seed 0: 27.7% -> 71.3%), from
+  gain of +46.3 +- 14.9 points over seeds 0-9 (mean +- std; 95% t interval of the mean
+  [35.7, 57.0]; lowest +25.2; seed 0: 27.7% -> 71.3%), from
   `python -m grpo_jax.sweep experiments/agent_vs_single.py --workdir=runs/agent_vs_single` and
   `python -m grpo_jax.report runs/agent_vs_single` (experiments/agent_seeds.md). Single-turn
   GRPO gains nothing on this task: Flow-GRPO - single-turn = +48.7 points, paired over seeds
-  0-4, 95% BCa interval [35.7, 57.9] (experiments/agent_vs_single.md).
+  0-4, 95% t interval [31.4, 66.0] (experiments/agent_vs_single.md).
 
 default — Qwen2.5-1.5B-Instruct on GSM8K with the sandboxed Python tool:
     python -m grpo_jax.main --config=configs/gsm8k_agent.py --workdir=runs/agent_1.5b

@@ -16,13 +16,13 @@ are. Columns of the first table, each mean ± sample std (ddof 1) over those run
     wall                  minutes the run's processes ran, over all attempts (sweep_run.json);
                           a run started from a shared warm start does not count that warm start
 
-Intervals over seeds: the 95% BCa bootstrap interval of the mean (stats.bootstrap_mean_ci:
-10,000 resamples, NumPy seed 0) of start, final and gain, and the seeds per setting a
+Intervals over seeds: the 95% Student-t interval of the mean (stats.mean_ci: mean ± t·s/√n)
+of start, final and gain, and the seeds per setting a
 two-sample comparison needs to detect --effect points of gain with 80% power at the 5% level
 (stats.seeds_needed, normal approximation with Guenther's correction, at the setting's std).
 
 Paired differences: for each pair of settings that finished on two or more of the same seeds,
-B − A of --metric (gain by default) seed by seed: mean, std, the BCa interval of the mean
+B − A of --metric (gain by default) seed by seed: mean, std, the t interval of the mean
 difference, whether it excludes 0, and the seeds a paired comparison needs for --effect.
 
 Runs: each run's values, with the 95% Wilson interval of its final accuracy over the n eval
@@ -30,8 +30,8 @@ problems (summary.json's eval_examples; for older runs, read from its config.jso
 
 Plots: each metric plots.panels draws for a run, one line per setting: the mean over seeds of
 each seed's series, smoothed as plots.py smooths it (sparse eval points are not), at the steps
-every seed logged, shaded with the 95% BCa bootstrap interval of that mean where there are two
-seeds or more (PLOT_RESAMPLES resamples per step).
+every seed logged, shaded with the 95% Student-t interval of that mean where there are two
+seeds or more.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ TAIL_STEPS = 50
 TAIL_KEYS = (("reward", "reward/total/mean"), ("KL", "loss/kl"),
              ("length", "completion/mean_length"))
 EFFECT_POINTS = 5.0     # --effect: the difference in points the seed counts are for
-PLOT_RESAMPLES = 2_000  # per plotted step; the tables use stats.RESAMPLES
 INTERVAL_KEYS = ("start", "final", "gain")
 
 
@@ -192,7 +191,7 @@ def interval_rows(runs: Sequence[RunResult], effect: float = EFFECT_POINTS) -> l
     for key in INTERVAL_KEYS:
       xs = [v[key] for v in values]
       mean, std, _ = mean_std(xs)
-      row[key] = (mean, std, *stats.bootstrap_mean_ci(xs))
+      row[key] = (mean, std, *stats.mean_ci(xs))
     row["seeds_needed"] = stats.seeds_needed(effect, row["gain"][1], paired=False)
     rows.append(row)
   return rows
@@ -252,11 +251,11 @@ def plot_metric(runs, key, title, sparse, out_path, smoothing=None) -> str | Non
     line, = ax.plot(steps, mean, marker="o" if sparse or len(steps) < 30 else None,
                     markersize=3, label=f"{setting} (n={len(series)})")
     if len(series) > 1:
-      band = [stats.bootstrap_mean_ci(xs, resamples=PLOT_RESAMPLES) for xs in per_step]
+      band = [stats.mean_ci(xs) for xs in per_step]
       ax.fill_between(steps, [lo for lo, _ in band], [hi for _, hi in band],
                       color=line.get_color(), alpha=0.2, linewidth=0)
   how = "not smoothed" if weight == 0 else f"EMA weight {weight:.2f}"
-  ax.set_title(f"{title}: mean over seeds, shaded 95% BCa bootstrap interval ({how})",
+  ax.set_title(f"{title}: mean over seeds, shaded 95% t interval of the mean ({how})",
                fontsize=9)
   ax.set_xlabel("GRPO step")
   ax.set_ylabel(key, fontsize=8)
@@ -317,10 +316,9 @@ def render(sweep_dir, runs, plotted, effect=EFFECT_POINTS, metric="gain") -> str
                   for r in prefixes) + "."]
 
   lines += ["", "## Intervals over seeds", "",
-            f"Mean [95% interval of the mean over seeds]: the BCa bootstrap (bias-corrected and "
-            f"accelerated), {stats.RESAMPLES:,} resamples, NumPy seed {stats.BOOTSTRAP_SEED}; "
-            "none for one seed. Bootstrap intervals from fewer than about 10 seeds are too "
-            "narrow. Seeds needed: per setting, for a two-sample comparison of gain to detect "
+            "Mean [95% interval of the mean over seeds]: Student's t, mean ± t(0.975, n − 1) "
+            "· s / √n with s the sample std; none for one seed. It assumes roughly normal seed "
+            "outcomes, and from 2-3 seeds it is wide: that is how little they say. Seeds needed: per setting, for a two-sample comparison of gain to detect "
             f"{effect:g} points with {stats.POWER:.0%} power at the 5% level (two-sided), at "
             "this setting's std (normal approximation with Guenther's correction).", ""]
   header = ["setting", "n", "start acc %", "final acc %", "gain (points)",
@@ -338,7 +336,7 @@ def render(sweep_dir, runs, plotted, effect=EFFECT_POINTS, metric="gain") -> str
   if pairs:
     lines += ["", "## Paired differences", "",
               f"B − A of {metric} (points) over the seeds both settings finished, seed by seed. "
-              "Interval: the BCa bootstrap of the mean difference as above; 'excludes 0' is "
+              "Interval: the t interval of the mean difference as above; 'excludes 0' is "
               "yes when the whole interval lies on one side of 0. Seeds needed: for a paired "
               f"comparison to detect {effect:g} points with {stats.POWER:.0%} power at the 5% "
               "level, at the std of the differences.", ""]
@@ -368,9 +366,8 @@ def render(sweep_dir, runs, plotted, effect=EFFECT_POINTS, metric="gain") -> str
     lines.append("| " + " | ".join(cells) + " |")
   if plotted:
     lines += ["", "## Plots", "",
-              "Each setting's mean over seeds, shaded with the 95% BCa bootstrap interval of "
-              f"that mean at each step ({PLOT_RESAMPLES:,} resamples) where it has two seeds "
-              "or more.", ""]
+              "Each setting's mean over seeds, shaded with the 95% Student-t interval of that "
+              "mean at each step where it has two seeds or more.", ""]
     lines += [f"![{key}]({path})" for key, path in plotted]
   return "\n".join(lines) + "\n"
 

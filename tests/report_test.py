@@ -2,12 +2,14 @@
 directories (summary.json, metrics.jsonl, sweep_run.json as main and the runner write them),
 unfinished runs left out and counted, one PNG per metric; the intervals, paired differences,
 seed counts and Wilson intervals the report prints are those of grpo_jax.stats (tested on its
-own in stats_test) on the right numbers, and the plots shade the bootstrap interval."""
+own in stats_test) on the right numbers, and the plots shade the t interval of the mean."""
 
 import json
 import math
 
+import numpy as np
 import pytest
+import scipy.stats
 from matplotlib import image as mpimg
 
 from grpo_jax import report, stats
@@ -114,14 +116,19 @@ def test_plot_band_is_mean_pm_std_of_the_smoothed_seeds(sweep_dir, monkeypatch):
   assert len(drawn) == 2 * STEPS  # then lr 2e-3's two finished seeds
 
 
+def _t(xs):
+  """scipy's 95% t interval of the mean, the reference for stats.mean_ci."""
+  xs = np.asarray(xs, float)
+  return scipy.stats.t.interval(0.95, len(xs) - 1, loc=xs.mean(), scale=scipy.stats.sem(xs))
+
+
 def test_intervals_paired_differences_and_seed_counts(sweep_dir):
   runs = report.load_runs(str(sweep_dir))
   rows = {r["setting"]: r for r in report.interval_rows(runs, effect=5.0)}
   a, b = rows["optim.lr=0.001"], rows["optim.lr=0.002"]
-  assert a["gain"] == pytest.approx((35.0, math.sqrt(31.0),
-                                     *stats.bootstrap_mean_ci([30.0, 34.0, 41.0])))
-  assert a["final"][2:] == pytest.approx(stats.bootstrap_mean_ci([50.0, 59.0, 71.0]))
-  assert a["start"][2:] == pytest.approx(stats.bootstrap_mean_ci([20.0, 25.0, 30.0]))
+  assert a["gain"] == pytest.approx((35.0, math.sqrt(31.0), *_t([30.0, 34.0, 41.0])))
+  assert a["final"][2:] == pytest.approx(_t([50.0, 59.0, 71.0]))
+  assert a["start"][2:] == pytest.approx(_t([20.0, 25.0, 30.0]))
   assert a["seeds_needed"] == stats.seeds_needed(5.0, math.sqrt(31.0), paired=False)
   assert b["seeds_needed"] is None  # gains 20 and 20: no spread to size a study with
   # Paired over seeds 0 and 1 (seed 2 of lr 2e-3 stopped early): gains 20 - 30, 20 - 34.
@@ -130,19 +137,19 @@ def test_intervals_paired_differences_and_seed_counts(sweep_dir):
   p = pair["paired"]
   assert p.seeds == [0, 1] and p.diffs.tolist() == pytest.approx([-10.0, -14.0])
   assert (p.mean, p.std) == pytest.approx((-12.0, math.sqrt(8.0)))
-  assert p.ci == pytest.approx(stats.bootstrap_mean_ci([-10.0, -14.0])) and p.excludes_zero
+  assert p.ci == pytest.approx(_t([-10.0, -14.0])) and not p.excludes_zero  # 2 seeds: ± 25
   assert pair["seeds_needed"] == stats.seeds_needed(5.0, math.sqrt(8.0), paired=True)
   # Final accuracy: 40 - 50, 45 - 59.
   (final,) = report.paired_rows(runs, "final")
   assert final["paired"].diffs.tolist() == pytest.approx([-10.0, -14.0])
 
   text = report.render(str(sweep_dir), runs, [], effect=5.0)
-  lo, hi = stats.bootstrap_mean_ci([30.0, 34.0, 41.0])
+  lo, hi = _t([30.0, 34.0, 41.0])
   assert f"| 35.0 [{lo:.1f}, {hi:.1f}] | {a['seeds_needed']} |" in text
   lo, hi = p.ci
   assert (f"| `optim.lr=0.002` | `optim.lr=0.001` | 2 | -12.0 | 2.8 | [{lo:.1f}, {hi:.1f}] | "
-          f"yes | {pair['seeds_needed']} |") in text
-  assert "BCa bootstrap" in text and "10,000 resamples, NumPy seed 0" in text
+          f"no | {pair['seeds_needed']} |") in text
+  assert "Student's t, mean ± t(0.975, n − 1) · s / √n" in text
 
 
 def test_wilson_interval_of_each_run(tmp_path):
@@ -175,8 +182,8 @@ def test_wilson_interval_of_each_run(tmp_path):
   assert row.endswith("| — | — |")  # no eval count known: no interval
 
 
-def test_plot_band_is_the_bootstrap_interval(sweep_dir, monkeypatch):
-  """The shaded band at each step: the BCa interval of the seeds' smoothed values there."""
+def test_plot_band_is_the_t_interval(sweep_dir, monkeypatch):
+  """The shaded band at each step: the t interval of the mean of the seeds' smoothed values."""
   import matplotlib.axes
 
   from grpo_jax import plots
@@ -194,7 +201,7 @@ def test_plot_band_is_the_bootstrap_interval(sweep_dir, monkeypatch):
   steps, lo, hi = bands[0]  # lr 1e-3
   assert steps == list(range(1, STEPS + 1))
   for i in (0, STEPS - 1):
-    want = stats.bootstrap_mean_ci([s[i] for s in smoothed], resamples=report.PLOT_RESAMPLES)
+    want = _t([s[i] for s in smoothed])
     assert (lo[i], hi[i]) == pytest.approx(want)
     mean = sum(s[i] for s in smoothed) / 3
     assert lo[i] < mean < hi[i]
