@@ -130,13 +130,33 @@ def _masked_std(x_B, valid_B):
   return jnp.sqrt((dev_B ** 2).sum() / jnp.maximum(n - 1, 1))
 
 
+def weighted_total(rewards_BR, valid_BR, weights_R, group_size):
+  """Σ_k w_k r_k per row; a missing component (invalid) counts as the mean of that component
+  over the present rows of its group (0 where none has it).
+
+  A filled-in component moves no row against its group: it adds the same to the row as the
+  group's mean does, so it centres to 0. Counting it as 0 instead (TRL's nansum) ranked a right
+  answer whose judge timed out below wrong ones that were scored."""
+  R = rewards_BR.shape[1]
+  r_GNR = jnp.where(valid_BR, rewards_BR, 0.0).reshape(-1, group_size, R)
+  v_GNR = valid_BR.reshape(-1, group_size, R)
+  # The mean relative to a present member, so a component equal on every present row fills
+  # in exactly that value (a plain sum / n can round away from it).
+  first_G1R = jnp.take_along_axis(r_GNR, jnp.argmax(v_GNR, 1)[:, None], 1)
+  offset_GR = (jnp.where(v_GNR, r_GNR - first_G1R, 0.0).sum(1)
+               / jnp.maximum(v_GNR.sum(1), 1))
+  mean_G1R = jnp.where(v_GNR.any(1, keepdims=True), first_G1R + offset_GR[:, None], 0.0)
+  filled_GNR = jnp.where(v_GNR, r_GNR, mean_G1R)
+  return (filled_GNR * weights_R).sum(-1).reshape(-1)
+
+
 def group_advantages(rewards_BR, group_size, *, weights_R=None, scale_rewards="group",
                      aggregation="sum_then_normalize", eps=1e-4):
   """Group-relative advantages from a reward matrix with NaN for missing rewards.
 
   Rows are group-major: rows [g·G, (g+1)·G) are the G completions of prompt g.
-  * sum_then_normalize: r = Σ_k w_k r_k over the present components (TRL's nansum), then
-    (r − mean_g) / (std_g + eps), std per `scale_rewards`.
+  * sum_then_normalize: r = Σ_k w_k r_k, a missing component counted as its group's mean
+    (weighted_total), then (r − mean_g) / (std_g + eps), std per `scale_rewards`.
   * normalize_then_sum (GDPO): each component normalised within its group as above, weighted
     sum, then normalised over the batch: (s − mean) / (std + eps).
   A row whose every component is missing is left out of all statistics and gets advantage 0.
@@ -164,7 +184,7 @@ def group_advantages(rewards_BR, group_size, *, weights_R=None, scale_rewards="g
   valid_BR = ~jnp.isnan(rewards_BR)
   valid_B = valid_BR.any(-1)
   if aggregation == "sum_then_normalize":
-    r_B = jnp.where(valid_BR, rewards_BR * weights_R, 0.0).sum(-1)
+    r_B = weighted_total(rewards_BR, valid_BR, weights_R, group_size)
     adv_B, std_G = _centre_and_scale(r_B, valid_B, group_size, scale_rewards, eps)
   else:
     a_RB, _ = jax.vmap(_centre_and_scale, in_axes=(1, 1, None, None, None))(
@@ -195,7 +215,7 @@ def informative_groups(rewards_BR, group_size: int, weights_R=None,
       weights_R, jnp.float32)
   valid_BR = ~jnp.isnan(rewards_BR)
   if aggregation == "sum_then_normalize":
-    r_B = jnp.where(valid_BR, rewards_BR * weights_R, 0.0).sum(-1)
+    r_B = weighted_total(rewards_BR, valid_BR, weights_R, group_size)
     _, std_G = _centre_and_scale(r_B, valid_BR.any(-1), group_size, "none", 0.0)
   else:
     _, std_RG = jax.vmap(_centre_and_scale, in_axes=(1, 1, None, None, None))(

@@ -335,9 +335,14 @@ class Collection:
       m["sampling/filled_groups"] = int(max(0, n - informative.sum()))
       order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])
       pool = pool.take(order[:n], g)
-    total = np.nansum(first.reward_BR * self.weights_R, axis=1)
+    # The weighted total the advantages see (a missing component counts as its group's mean),
+    # over the rows with any reward.
+    present = ~np.all(np.isnan(first.reward_BR), axis=1)
+    total = np.asarray(grpo.weighted_total(first.reward_BR, ~np.isnan(first.reward_BR),
+                                           self.weights_R, g))[present]
     m.update({
-        "reward/total/mean": float(total.mean()), "reward/total/std": float(total.std()),
+        "reward/total/mean": float(total.mean()) if total.size else float("nan"),
+        "reward/total/std": float(total.std()) if total.size else float("nan"),
         "completion/mean_length": float(first.lengths_B.mean()),
         "completion/max_length": int(first.lengths_B.max()),
         "completion/truncated_frac": float(first.truncated_B.mean()),

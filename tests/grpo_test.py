@@ -25,6 +25,23 @@ def np_log_softmax_gather(hidden, head, targets, temperature):
   return logp, entropy, probs
 
 
+def filled_totals(rewards, group_size, weights):
+  """Σ_k w_k r_k per row, a missing r_k replaced by the mean of component k over the rows of the
+  group that have it (0 when none has it)."""
+  B, R = rewards.shape
+  out = np.zeros(B)
+  for i in range(B):
+    group = range(i // group_size * group_size, (i // group_size + 1) * group_size)
+    for k in range(R):
+      if np.isnan(rewards[i, k]):
+        have = [rewards[j, k] for j in group if not np.isnan(rewards[j, k])]
+        value = np.mean(have) if have else 0.0
+      else:
+        value = rewards[i, k]
+      out[i] += weights[k] * value
+  return out
+
+
 def np_advantages(rewards, group_size, weights, scale, aggregation, eps):
   """Loops over groups; NaN = missing; std with ddof=1 over present entries (0 if < 2)."""
   B, R = rewards.shape
@@ -46,8 +63,8 @@ def np_advantages(rewards, group_size, weights, scale, aggregation, eps):
 
   present = [not np.all(np.isnan(rewards[i])) for i in range(B)]
   if aggregation == "sum_then_normalize":
-    r = np.array([np.nansum(rewards[i] * weights) for i in range(B)])
-    return normalise(r, present), r
+    return normalise(filled_totals(rewards, group_size, weights), present), filled_totals(
+        rewards, group_size, weights)
   per_k = [normalise(rewards[:, k], ~np.isnan(rewards[:, k])) for k in range(R)]
   s = sum(weights[k] * per_k[k] for k in range(R))
   vals = [s[i] for i in range(B) if present[i]]
@@ -262,7 +279,7 @@ def test_informative_groups_are_those_with_a_signal(R, aggregation):
     block = rewards[g * G:(g + 1) * G]
     present = ~np.all(np.isnan(block), -1)
     if aggregation == "sum_then_normalize":
-      signals = [np.nansum(block * weights, -1)[present]]
+      signals = [filled_totals(block, G, weights)[present]]
     else:
       signals = [col[~np.isnan(col)] for col in block.T]
     expected.append(any(len(x) > 1 and np.ptp(x) > 1e-6 for x in signals))
@@ -271,6 +288,23 @@ def test_informative_groups_are_those_with_a_signal(R, aggregation):
   if aggregation == "sum_then_normalize":
     adv, _ = grpo.group_advantages(rewards, G, weights_R=weights, aggregation=aggregation)
     assert [bool(np.any(np.asarray(adv)[g * G:(g + 1) * G] != 0)) for g in range(5)] == expected
+
+
+def test_a_missing_component_is_neutral_within_its_group():
+  """Rewards (math, judge), weights (1, 2), the judge missing for the one right answer. By hand,
+  the missing judge filled with its group's mean (0.9): totals [2.8, 1.8, 1.8, 1.8], mean 2.05,
+  deviations [0.75, -0.25 x3], std (ddof 1) sqrt(0.75 / 3) = 0.5: advantages [1.5, -0.5 x3].
+  Counted as 0 (TRL's nansum) the totals were [1.0, 1.8, 1.8, 1.8]: the right answer got -1.5."""
+  rewards = np.array([[1.0, np.nan], [0.0, 0.9], [0.0, 0.9], [0.0, 0.9]])
+  adv, stats = grpo.group_advantages(rewards, 4, weights_R=np.array([1.0, 2.0]), eps=0.0)
+  np.testing.assert_allclose(np.asarray(adv), [1.5, -0.5, -0.5, -0.5], rtol=1e-5)
+  assert float(stats["frac_reward_missing"]) == 0.0
+  # Two right answers, one judged 0.8 and one missing (filled with the group's 0.6667): ranked
+  # above the wrong ones and near the other right one, not level with the wrong answers.
+  adv, _ = grpo.group_advantages(np.array([[1, .8], [1, np.nan], [0, .6], [0, .6]]), 4, eps=0.0)
+  totals = np.array([1.8, 1 + 2 / 3, 0.6, 0.6])
+  np.testing.assert_allclose(np.asarray(adv), (totals - totals.mean()) / totals.std(ddof=1),
+                             rtol=1e-5)
 
 
 def test_group_advantages_worked_example():
