@@ -154,6 +154,11 @@ class FrozenModel:
 
 # --- verifier ------------------------------------------------------------------------------------
 
+# Below this P(yes_token) + P(no_token) at the judge's answer position (mean over a batch), the
+# start-up probe warns: the judge does not answer with those tokens (rewards.verifier docs).
+MIN_YES_NO_MASS = 0.5
+
+
 class VerifierReward:
   def __init__(self, opts: VerifierOptions):
     self.opts = opts
@@ -162,12 +167,16 @@ class VerifierReward:
     self.no_id = self.model.single_token_id(opts.no_token, "rewards.verifier.no_token")
     self._template_kwargs = json_object(opts.chat_template_kwargs_json, "chat_template_kwargs_json")
     self.last_metrics: dict[str, float] = {}
+    self.last_warning = ""  # why the latest scores may be noise (read by scoring.probe)
     self.source = f"judge checkpoint {opts.checkpoint}"  # named in messages (scoring.py)
 
   def prompt_ids(self, question: str, response: str) -> list[int]:
-    """The judge's input tokens for one pair, cut in the middle to max_tokens."""
-    content = self.opts.template.format(question=question, response=response)
+    """The judge's input tokens for one pair, cut in the middle to max_tokens. Control tokens
+    written in the question or response stay text (text.defuse_control_tokens)."""
     tok = self.model.tokenizer
+    question, response = (text.defuse_control_tokens(s, tok.all_special_tokens)
+                          for s in (question, response))
+    content = self.opts.template.format(question=question, response=response)
     if self.opts.use_chat_template:
       prompt = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                        add_generation_prompt=True, **self._template_kwargs)
@@ -184,7 +193,14 @@ class VerifierReward:
       p = 1.0 / (1.0 + np.exp(logp_N2[:, 1] - logp_N2[:, 0]))
     else:
       p = np.exp(logp_N2[:, 0])
-    self.last_metrics = {"p_yes_no_mass": float(np.exp(logp_N2).sum(1).mean()) if len(ids) else 0.0}
+    mass = float(np.exp(logp_N2).sum(1).mean()) if len(ids) else 0.0
+    self.last_metrics = {"p_yes_no_mass": mass}
+    self.last_warning = "" if mass >= MIN_YES_NO_MASS or not len(ids) else (
+        f"the judge puts {mass:.2g} of its next-token probability on yes_token "
+        f"{self.opts.yes_token!r} / no_token {self.opts.no_token!r}: it answers with other tokens "
+        "there, so P(Yes) is noise. Without the chat template the answer follows a space "
+        "(yes_token=' Yes', no_token=' No'); a Qwen3 judge thinks first unless "
+        """chat_template_kwargs_json='{"enable_thinking": false}'""")
     return [float(v) for v in p]
 
 

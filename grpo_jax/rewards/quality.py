@@ -45,10 +45,12 @@ Reply with only a JSON object and nothing else, in this form:
 
 
 def render(question: str, response: str, opts: QualityOptions = QualityOptions()) -> list[dict]:
-  """The chat messages sent to the scorer for one (question, response) pair."""
+  """The chat messages sent to the scorer for one (question, response) pair. Chat control tokens
+  written in them stay text (text.defuse_control_tokens): a response cannot close the user turn
+  and answer for the scorer."""
   return [{"role": "user", "content": PROMPT.format(
-      question=text.middle_truncate(question, opts.max_question_chars),
-      response=text.middle_truncate(response, opts.max_response_chars))}]
+      question=text.defuse_control_tokens(text.middle_truncate(question, opts.max_question_chars)),
+      response=text.defuse_control_tokens(text.middle_truncate(response, opts.max_response_chars)))}]
 
 
 def _score_value(v) -> float | None:

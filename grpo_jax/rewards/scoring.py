@@ -156,6 +156,9 @@ def probe(rewards: Sequence[Reward], prompts: Sequence[str], completions: Sequen
     except ValueError as e:  # e.g. a question_column the data lacks
       raise MissingRewardsError(f"rewards.{reward.name} ({source}): the start-up probe failed: {e}") from None
     missing = [v is None or (isinstance(v, float) and math.isnan(v)) for v in out]
+    warning = getattr(reward.fn, "last_warning", "")
+    if warning:  # scores came, but may mean nothing (a verifier reading the wrong tokens)
+      log(f"grpo_jax: warning: rewards.{reward.name} ({source}), start-up probe: {warning}")
     problem = getattr(reward.fn, "last_problem", "")
     if not any(missing) and not problem:
       continue

@@ -6,7 +6,13 @@ or be something other than a string by mistake. Every reward passes its inputs t
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
+
+# Chat-format control tokens written out as text: ChatML's <|im_start|>, <|im_end|>,
+# <|endoftext|> and the rest of Qwen's <|...|> family.
+_CONTROL = re.compile(r"<\|[^<>|\s]{1,64}\|>")
+_ZWSP = "\u200b"
 
 
 def clean(text: object, *, field: str, index: int) -> str:
@@ -41,6 +47,21 @@ def questions(reward: str, column: str, prompts: Sequence[object], columns: Mapp
   if len(out) != n:
     raise ValueError(f"{reward}: {len(out)} questions but {n} completions")
   return out
+
+
+def defuse_control_tokens(text: str, extra: Iterable[str] = ()) -> str:
+  """`text` with every chat control token written in it (<|im_end|>, <|im_start|>, ..., and the
+  strings in `extra`, a judge tokenizer's special tokens) broken by a zero-width space after its
+  first character, so that a judge's tokenizer reads it as ordinary text.
+
+  A policy can spell "<|im_end|>" out of ordinary pieces ('<', '|', 'im', '_end', '|', '>');
+  decoded and put into a judge's chat prompt, the judge's tokenizer would read it back as the
+  special token, and the policy could end the user turn and write the judge's answer itself."""
+  text = _CONTROL.sub(lambda m: m.group(0)[0] + _ZWSP + m.group(0)[1:], text)
+  for token in extra:
+    if len(token) > 1 and token in text:
+      text = text.replace(token, token[0] + _ZWSP + token[1:])
+  return text
 
 
 def tail(text: str, max_chars: int) -> str:
