@@ -28,11 +28,14 @@ from grpo_jax.errors import UserError
 
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # "#### 1,080" -> "1080"; GSM8K gold answers are integers, possibly negative, with commas.
-_GOLD_RE = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*$")
+# Commas only as thousands separators: "1,2" or "0,5" is no number the math reward reads, and
+# loading it would leave every completion of that problem unscored.
+_GOLD_RE = re.compile(r"####\s*(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)\s*$")
 
 
 def gold_answer(answer_text: str) -> str:
-  """The number after GSM8K's final '#### ', commas removed: '... #### 1,080' -> '1080'."""
+  """The number after GSM8K's final '#### ', thousands separators removed: '... #### 1,080' ->
+  '1080'. Raises on anything else after '####' (the math reward would score none of it)."""
   match = _GOLD_RE.search(answer_text)
   if match is None:
     tail = answer_text[-60:]

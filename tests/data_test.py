@@ -1,6 +1,7 @@
 """GSM8K loading, prompts, bucketing and resumable order, on the real ../shared/gsm8k files."""
 import json
 import pathlib
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -43,6 +44,27 @@ def test_gold_answer_examples_and_error():
   assert data.gold_answer("#### 2.5\n") == "2.5"
   with pytest.raises(ValueError, match="####"):
     data.gold_answer("The answer is 7.")
+
+
+@pytest.mark.parametrize("answer", ["#### 72", "#### 1,080", "#### -3", "#### 2.5", "#### 1,234,567",
+                                    "#### 1,2", "#### 0,5", "#### 1,00", "#### 12,34", "#### 5.",
+                                    "#### $5", "#### 1/2"])
+def test_a_gold_answer_loads_exactly_when_the_math_reward_reads_it_alike(answer):
+  """One rule for a gold answer: data loads it if and only if math_accuracy parses it, to the
+  same value ('0,5' once loaded as 5, and every completion of it went unscored)."""
+  from grpo_jax.rewards import math_accuracy
+  value = math_accuracy.gold_value(answer)
+  if answer in ("#### $5", "#### 1/2", "#### 5."):  # the reward reads these; data keeps to numbers
+    assert value is not None
+    with pytest.raises(ValueError):
+      data.gold_answer(answer)
+    return
+  try:
+    loaded = data.gold_answer(answer)
+  except ValueError:
+    assert value is None, answer
+  else:
+    assert value is not None and Fraction(loaded) == value, answer
 
 
 def test_file_path_custom_fields_and_parquet(tmp_path, cache_dir):
