@@ -53,6 +53,24 @@ def test_local_replies_equal_transformers_greedy_generate(scorer):
   assert reward.last_metrics["parse_failures"] == 3
 
 
+def test_sampled_replies_depend_on_the_seed_and_the_prompt_only(scorer):
+  """At temperature > 0 a reply is a function of (seed, prompt): a fresh backend (a resumed
+  process) gives the same reply to a prompt whatever it scored before and wherever the prompt
+  sits in its batch; another seed gives other replies."""
+  import dataclasses
+  _, _, opts = scorer
+  hot = dataclasses.replace(opts, temperature=1.0)
+  convs = [[{"role": "user", "content": c}] for c in ("Grade: 4", "Grade: 5", "x", "y z")]
+  first = model_rewards.LocalChatBackend(hot)
+  replies, _ = first.complete(convs)
+  again, _ = first.complete(convs)  # the same process, later: same draws
+  resumed = model_rewards.LocalChatBackend(hot)
+  late, _ = resumed.complete(convs[2:] + convs[:2])  # other order, other batches
+  assert again == replies and late[2:] + late[:2] == replies
+  other, _ = model_rewards.LocalChatBackend(dataclasses.replace(hot, seed=1)).complete(convs)
+  assert other != replies
+
+
 def test_local_backend_needs_a_checkpoint():
   with pytest.raises(ValueError, match="rewards.quality.local.checkpoint"):
     quality.QualityReward(QualityOptions(backend="local"))

@@ -40,6 +40,7 @@ compiles once per prompt bucket. Time is bounded by `max_new_tokens` per batch.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -288,6 +289,12 @@ class DiversityReward:
 
 # --- quality's local backend ---------------------------------------------------------------------
 
+def prompt_hash(ids: Sequence[int]) -> int:
+  """A stable 31-bit id of a token sequence (the same in every process, unlike hash())."""
+  digest = hashlib.blake2b(np.asarray(ids, np.int64).tobytes(), digest_size=4).digest()
+  return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
 class LocalChatBackend:
   def __init__(self, opts: LocalOptions):
     self.opts = opts
@@ -303,7 +310,6 @@ class LocalChatBackend:
         pad_id=0 if pad is None else pad)
     self._template_kwargs = json_object(opts.chat_template_kwargs_json, "chat_template_kwargs_json")
     self._key = jax.random.key(opts.seed)
-    self._calls = 0
 
   def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
     prompt = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
@@ -319,9 +325,10 @@ class LocalChatBackend:
       chunk = ids[start:start + bs]
       n = len(chunk)
       chunk = chunk + [chunk[-1]] * (bs - n)
-      key = jax.random.fold_in(self._key, self._calls)
-      self._calls += 1
-      out = self.sampler.generate(self.params, chunk, num_samples=1, key=key)
+      # Each reply's randomness is a function of (seed, its prompt) alone: the same in a resumed
+      # process, whatever was scored before, and wherever the prompt falls in the batch.
+      out = self.sampler.generate(self.params, chunk, num_samples=1, key=self._key,
+                                  prompt_ids=[prompt_hash(c) for c in chunk])
       tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
       truncated += int(np.asarray(out.truncated)[:n].sum())
       replies += self.tokenizer.batch_decode([t[:k] for t, k in zip(tokens[:n], lengths[:n])],

@@ -157,7 +157,7 @@ class LocalOptions:
   max_prompt_tokens: int = 2048  # longer prompts lose the middle of the response
   max_new_tokens: int = 256
   temperature: float = 0.0  # 0 = greedy
-  seed: int = 0
+  seed: int = 0  # with temperature > 0: a reply's draw is a function of (seed, its prompt)
   # JSON passed to apply_chat_template, e.g. '{"enable_thinking": false}' for a Qwen3 scorer.
   chat_template_kwargs_json: str = ""
 
