@@ -48,6 +48,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from grpo_jax import errors
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "flow_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IS_LEVELS = ("token", "sequence")
@@ -82,6 +84,10 @@ def validate_loss_config(cfg) -> None:
                      f"= {1 + cfg.epsilon_high}")
   if not (isinstance(cfg.num_iterations, int) and cfg.num_iterations >= 1):
     raise ValueError(f"loss.num_iterations={cfg.num_iterations!r} must be an int >= 1")
+  if cfg.kl_estimator == "k1" and cfg.beta > 0:
+    errors.warn(f"loss.kl_estimator='k1' with beta={cfg.beta}: as a loss term its gradient is 0 "
+                "in expectation (docs/loss.md, 'The KL term'), so it holds nothing near the "
+                "reference; use 'k3' (the default) or 'k2'")
 
 
 def needs_reference(cfg) -> bool:
@@ -232,7 +238,8 @@ def kl_estimate(logp, ref_logp, estimator="k3"):
   """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ (Schulman 2020).
 
   With log r = ref_logp − logp: k1 = −log r, k2 = ½ (log r)², k3 = r − 1 − log r (unbiased and
-  non-negative; DeepSeekMath's choice).
+  non-negative; DeepSeekMath's choice). As loss terms, differentiated through logp at tokens
+  sampled from π_θ, their expected gradients are: k1 0, k2 ∇KL(π_θ ‖ π_ref), k3 ∇KL(π_ref ‖ π_θ).
   """
   log_r = ref_logp - logp
   if estimator == "k1":

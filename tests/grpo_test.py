@@ -361,6 +361,34 @@ def test_kl_estimators_value_and_grad(estimator):
   np.testing.assert_allclose(np.asarray(g), fd, rtol=1e-4, atol=1e-6)
 
 
+def test_kl_estimators_expected_gradients_by_enumeration(capsys):
+  """What each KL term's gradient pulls on, exactly: a 6-way policy softmax(θ), every token y
+  weighted by π(y) (the samples are not differentiated), the term differentiated through log π(y).
+  Against jax.grad of the exact divergences: k1 → 0, k2 → ∇KL(π‖ref), k3 → ∇KL(ref‖π)."""
+  rng = np.random.default_rng(5)
+  theta = jnp.asarray(rng.normal(size=6))
+  ref = jax.nn.log_softmax(jnp.asarray(rng.normal(size=6)))
+
+  def expected_grad(estimator):
+    weights = jax.nn.softmax(theta)  # π(y), held fixed: the sampling distribution
+    return jax.grad(lambda t: jnp.sum(weights * grpo.kl_estimate(jax.nn.log_softmax(t), ref,
+                                                                estimator)))(theta)
+  kl_pi_ref = lambda t: jnp.sum(jax.nn.softmax(t) * (jax.nn.log_softmax(t) - ref))
+  kl_ref_pi = lambda t: jnp.sum(jnp.exp(ref) * (ref - jax.nn.log_softmax(t)))
+  np.testing.assert_allclose(expected_grad("k1"), 0.0, atol=1e-7)
+  np.testing.assert_allclose(expected_grad("k2"), jax.grad(kl_pi_ref)(theta), atol=1e-6)
+  np.testing.assert_allclose(expected_grad("k3"), jax.grad(kl_ref_pi)(theta), atol=1e-6)
+  assert np.abs(np.asarray(jax.grad(kl_pi_ref)(theta) - jax.grad(kl_ref_pi)(theta))).max() > 1e-2
+  # k1 with a KL weight regularises nothing: the config check says so.
+  cfg = config_lib.loss()
+  cfg.update(kl_estimator="k1", beta=0.04)
+  grpo.validate_loss_config(cfg)
+  assert "kl_estimator='k1'" in capsys.readouterr().err
+  cfg.beta = 0.0
+  grpo.validate_loss_config(cfg)
+  assert capsys.readouterr().err == ""
+
+
 def _loss_case(seed=3, B=6, C=5):
   rng = np.random.default_rng(seed)
   logp = rng.normal(size=(B, C)) - 2.0
