@@ -88,6 +88,21 @@ def test_batch_deadline_bounds_the_call():
   assert elapsed < 2.0  # the deadline, not the 3 s replies nor the 10 s timeout
 
 
+def test_requests_in_flight_at_the_deadline_are_ended():
+  """The deadline ends the requests still waiting (a server that trickles bytes, or one that
+  answers late, would otherwise hold a thread and a socket per request past the batch)."""
+  import threading
+  with FakeChatServer(max_requests=20, lifetime_s=30) as server:
+    r = _reward(server.url, timeout_s=10.0, deadline_s=1.0)
+    got = r(["q"] * 2, ["a [slow=4]", "b [slow=4]"], group_size=2)
+    t0 = time.monotonic()
+    while any(t.name == "chat_http" for t in threading.enumerate()) and time.monotonic() - t0 < 2:
+      time.sleep(0.05)
+    lingering = [t for t in threading.enumerate() if t.name == "chat_http"]
+  assert got == [FALLBACK, FALLBACK] and r.last_metrics["missing/deadline"] == 2
+  assert not lingering and time.monotonic() - t0 < 1.0  # not at the 4 s replies
+
+
 def test_cache_and_in_batch_deduplication():
   completions = ["x [score=4,4,4,4]", "y [score=2,2,2,2]", "x [score=4,4,4,4]"]
   with FakeChatServer(max_requests=20, lifetime_s=30) as server:

@@ -29,6 +29,7 @@ import json
 import os
 import random
 import selectors
+import socket
 import ssl
 import threading
 import time
@@ -85,6 +86,17 @@ def _failure(e: BaseException) -> _Failure:
   # Resets, drops, DNS and TLS errors, and http.client's protocol errors (RemoteDisconnected,
   # BadStatusLine, ...).
   return _Failure("connection", True, detail)
+
+
+def _abort(conn: http.client.HTTPConnection) -> None:
+  """Ends a request another thread is waiting on: shutdown wakes its blocked read (close alone
+  does not), which then fails and closes the connection."""
+  sock = conn.sock
+  if sock is not None:
+    try:
+      sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+      pass
 
 
 def _dropped(conn: http.client.HTTPConnection) -> bool:
@@ -165,8 +177,10 @@ class ChatClient:
         return
     conn.close()
 
-  def _attempt(self, body: bytes, timeout: float) -> str:
+  def _attempt(self, body: bytes, timeout: float, inflight: set, lock: threading.Lock) -> str:
     conn = self._connection(timeout)
+    with lock:
+      inflight.add(conn)  # complete() cuts it at the batch deadline
     try:
       conn.request("POST", self._path, body, self._headers)
       resp = conn.getresponse()
@@ -174,6 +188,9 @@ class ChatClient:
     except Exception as e:  # socket and protocol errors: the connection is in an unknown state
       conn.close()
       raise _failure(e) from None
+    finally:
+      with lock:
+        inflight.discard(conn)
     # Reusable only when the whole body was read and the server keeps the connection open.
     if resp.isclosed() and not resp.will_close:
       self._keep(conn)
@@ -194,8 +211,9 @@ class ChatClient:
     return content
 
   def _one(self, messages: Messages, deadline: float, stop: threading.Event, counts: collections.Counter,
-           lock: threading.Lock, failed_as: list) -> str | None:
-    """One item's answer, or None; `failed_as[0]` gets the kind of its latest failed attempt."""
+           lock: threading.Lock, failed_as: list, errors: list, inflight: set) -> str | None:
+    """One item's answer, or None; `failed_as[0]` gets the kind of its latest failed attempt,
+    `errors` (the batch's) its detail."""
     body = json.dumps({
         **self._extra, "model": self.opts.model, "messages": list(messages),
         "max_tokens": self.opts.max_tokens, "temperature": self.opts.temperature,
@@ -210,12 +228,12 @@ class ChatClient:
       try:
         # Up to a second past the deadline, so that an attempt the deadline cuts short is
         # counted by complete() as deadline_exceeded, never as the server's timeout.
-        return self._attempt(body, min(self.opts.timeout_s, remaining + 1.0))
+        return self._attempt(body, min(self.opts.timeout_s, remaining + 1.0), inflight, lock)
       except _Failure as f:
         with lock:
           counts[f"http_error/{f.kind}"] += 1
           failed_as[0] = f.kind
-          self.last_error = f.detail
+          errors.append(f.detail)
         if not f.retry:
           return None
       wait = min(self.opts.backoff_max_s, self.opts.backoff_s * 2 ** attempt) * random.uniform(0.5, 1.0)
@@ -246,7 +264,8 @@ class ChatClient:
         counts["cache_hits"] += 1
       else:
         todo.setdefault(key, []).append(i)  # identical prompts in a batch are asked once
-    self.last_error = ""
+    errors: list[str] = []  # this batch's failed attempts (a late thread of an earlier batch
+    inflight: set = set()   # writes its own list, never this one); its open requests
     deadline = time.monotonic() + self.opts.deadline_s
     queue = collections.deque(todo)
     answers: dict[tuple, str | None] = {}
@@ -259,7 +278,8 @@ class ChatClient:
             return
           key = queue.popleft()
         try:
-          answer = self._one(batch[todo[key][0]], deadline, stop, counts, lock, failed_as[key])
+          answer = self._one(batch[todo[key][0]], deadline, stop, counts, lock, failed_as[key],
+                             errors, inflight)
         except Exception:  # a bug in this client must not stop training: count it, fall back
           answer = None
           with lock:
@@ -279,11 +299,14 @@ class ChatClient:
         if time.monotonic() >= deadline:
           break
     finally:
-      stop.set()  # no new attempts; requests still in flight end at their socket timeout
-    with lock:
-      answers = dict(answers)
-      counts = collections.Counter(counts)
-      kinds = {key: failed_as[key][0] for key in todo}
+      stop.set()  # no new attempts
+      with lock:  # what the batch got by now; then no request stays in flight (a server
+        answers = dict(answers)  # trickling bytes would hold its thread and socket for good)
+        counts = collections.Counter(counts)
+        kinds = {key: failed_as[key][0] for key in todo}
+        self.last_error = errors[-1] if errors else ""
+        for conn in inflight:
+          _abort(conn)
     for key, idx in todo.items():
       answer = answers.get(key)
       if key not in answers:
