@@ -77,6 +77,15 @@ def test_random_soups_match_reference(think, trailing):
   assert 0.1 < sum(want) / len(want) < 0.9
 
 
+def test_a_think_block_the_prompt_opened_must_be_closed():
+  """think_in_prompt: the prompt ends with <think>, so an answer before </think> is still
+  inside the reasoning, with require_think or without."""
+  for require in (True, False):
+    opts = FormatOptions(think_in_prompt=True, require_think=require)
+    assert not fr.follows_format("<answer>7</answer>", opts)
+    assert fr.follows_format("3+4=7</think>\n<answer>7</answer>", opts)
+
+
 def test_custom_tags_and_scores():
   opts = FormatOptions(think_open="<reasoning>", think_close="</reasoning>", correct=1.0, incorrect=0.0)
   out = fr.format_reward(["", ""], ["<reasoning>r</reasoning><answer>5</answer>", "<think>r</think><answer>5</answer>"],

@@ -21,7 +21,9 @@ from grpo_jax.rewards.options import FormatOptions
 
 def follows_format(response: str, opts: FormatOptions = FormatOptions()) -> bool:
   # With require_think=False the think block is optional, but if present it must be well formed.
-  think = opts.require_think or opts.think_close in response or opts.think_open in response
+  # A prompt that opened it (think_in_prompt) leaves the response to close it, required or not.
+  think = (opts.require_think or opts.think_in_prompt or opts.think_close in response
+           or opts.think_open in response)
   expected = {opts.answer_open: 1, opts.answer_close: 1}
   if think:
     expected[opts.think_open] = 0 if opts.think_in_prompt else 1
