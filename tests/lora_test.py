@@ -348,6 +348,62 @@ def test_load_peft_refuses_what_the_model_does_not_compute(checkpoints, tmp_path
     lora.load_peft(out, cfg)
 
 
+@pytest.mark.parametrize("field,value,extra_tensor", [
+    ("lora_bias", True, "q_proj.lora_B.bias"),
+    ("trainable_token_indices", [3, 5], "token_adapter.trainable_tokens_delta"),
+    ("alora_invocation_tokens", [7], None),
+    ("layer_replication", [[0, 2], [1, 2]], None),
+    ("exclude_modules", ["model.layers.1.self_attn.q_proj"], None),
+    ("init_lora_weights", "olora", None),
+])
+def test_load_peft_refuses_peft_variants_it_does_not_compute(checkpoints, tmp_path, field, value,
+                                                             extra_tensor):
+  """Adapters PEFT builds with a variant of plain LoRA (a B bias, token deltas, invocation-gated,
+  replicated layers, modules left out, a rewritten base) compute something else: load_peft
+  refuses the field, and with the field reset, names the variant's own tensors."""
+  import json
+  import peft
+  from safetensors.numpy import load_file
+
+  path = checkpoints["qwen3"]
+  torch.manual_seed(0)
+  model = peft.get_peft_model(fixtures.hf_model(path), peft.LoraConfig(
+      r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], **{field: value}))
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "lora_B" in name or "trainable_tokens" in name:
+        p.normal_(0, 0.3)
+  model.save_pretrained(tmp_path / "peft")
+  config_file = tmp_path / "peft" / lora.CONFIG_FILE
+  config = json.loads(config_file.read_text())
+  assert config[field] == value  # PEFT wrote the variant where load_peft looks for it
+  params, cfg = weights.load_checkpoint(path)
+  with pytest.raises(weights.CheckpointError,
+                     match=rf"peft/adapter_config\.json: {field}=.*not supported"):
+    lora.load_peft(tmp_path / "peft", cfg)
+  if extra_tensor is None:
+    return
+  saved = load_file(tmp_path / "peft" / lora.WEIGHTS_FILE)
+  assert any(name.endswith(extra_tensor) for name in saved)
+  config_file.write_text(json.dumps({**config, field: None}))
+  with pytest.raises(weights.CheckpointError, match=rf"peft/adapter_model\.safetensors: tensor "
+                     rf"'[^']*{extra_tensor}' \(\d+ such\) is not a lora_A/lora_B"):
+    lora.load_peft(tmp_path / "peft", cfg)
+
+
+def test_load_peft_refuses_tensors_of_targets_it_was_not_told(checkpoints, tmp_path):
+  import json
+
+  _, cfg = weights.load_checkpoint(checkpoints["qwen2_untied"])
+  lcfg = lora.LoraConfig(rank=2, alpha=4, targets=("q_proj", "v_proj"))
+  out = lora.save_peft(lora.init(jax.random.key(0), cfg, lcfg), cfg, lcfg, tmp_path / "a")
+  config = json.loads((out / lora.CONFIG_FILE).read_text())
+  (out / lora.CONFIG_FILE).write_text(json.dumps({**config, "target_modules": ["q_proj"]}))
+  with pytest.raises(weights.CheckpointError, match=r"tensor 'base_model\.model\.model\.layers"
+                     r"\.0\.self_attn\.v_proj\.lora_A\.weight' \(4 such\)"):
+    lora.load_peft(out, cfg)
+
+
 @pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (1, 2, 4), (2, 2, 2)])
 def test_sharded_adapters_give_the_one_device_forward_and_gradients(checkpoints, mesh_shape):
   path = checkpoints["qwen2_untied"]

@@ -167,7 +167,7 @@ def test_unknown_architecture(broken):
     weights.load_checkpoint(broken)
 
 
-def test_wrong_shape_and_missing_tensor(broken):
+def test_wrong_shape_and_missing_tensor(broken, ckpts, tmp_path):
   tensors = load_file(broken / "model.safetensors")
   name = "model.layers.1.mlp.up_proj.weight"
   wrong = dict(tensors, **{name: tensors[name][:-1]})
@@ -176,8 +176,140 @@ def test_wrong_shape_and_missing_tensor(broken):
     weights.load_checkpoint(broken)
   del wrong[name]
   save_file(wrong, broken / "model.safetensors")
-  with pytest.raises(weights.CheckpointError, match=rf"tensor '{name}' is missing"):
+  # The message names the checkpoint: a run loads a policy and a reward model.
+  with pytest.raises(weights.CheckpointError,
+                     match=rf"broken/model\.safetensors: tensor '{name}' is missing"):
     weights.load_checkpoint(broken)
+  sharded = tmp_path / "sharded"
+  shutil.copytree(ckpts["qwen2_sharded"], sharded)
+  index = json.loads((sharded / weights.INDEX_FILE).read_text())
+  del index["weight_map"]["model.norm.weight"]
+  (sharded / weights.INDEX_FILE).write_text(json.dumps(index))
+  with pytest.raises(weights.CheckpointError, match=r"sharded/model\.safetensors\.index\.json: "
+                     "tensor 'model.norm.weight' is missing"):
+    weights.load_checkpoint(sharded)
+
+
+def _edit_config(path, **fields):
+  config = json.loads((path / "config.json").read_text())
+  (path / "config.json").write_text(json.dumps(config | fields))
+
+
+def test_config_errors_name_the_file(broken):
+  """QwenConfig's own checks and non-numeric fields come out with config.json's path."""
+  original = json.loads((broken / "config.json").read_text())
+  for fields, match in (({"num_attention_heads": 3}, "num_heads=3 is not a multiple of"),
+                        ({"hidden_size": "64"}, "hidden_size='64' must be a positive integer"),
+                        ({"num_key_value_heads": 1.5}, "num_key_value_heads=1.5 must be"),
+                        ({"rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6' must be a number"),
+                        ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}},
+                         "rope_parameters.rope_theta='1e4' must be a number")):
+    (broken / "config.json").write_text(json.dumps(original | fields))
+    with pytest.raises(weights.CheckpointError, match=rf"broken/config\.json: {match}"):
+      weights.read_config(broken)
+
+
+def test_truncated_generation_config_names_the_file(broken):
+  (broken / "generation_config.json").write_text("{")
+  with pytest.raises(weights.CheckpointError,
+                     match=r"broken/generation_config\.json: not valid JSON"):
+    weights.read_generation_config(broken)
+  (broken / "generation_config.json").write_text("[1]")
+  with pytest.raises(weights.CheckpointError, match="generation_config.json: expected a JSON obj"):
+    weights.read_generation_config(broken)
+
+
+def _logits(params, cfg, tokens):
+  model, mask = qwen.Qwen(cfg), jnp.ones_like(tokens)
+  hidden, _ = model.apply({"params": params}, tokens, qwen.positions_from_mask(mask), mask)
+  return np.asarray(model.apply({"params": params}, hidden, method=qwen.Qwen.logits))
+
+
+def test_rope_scaling_is_read_before_rope_parameters(broken):
+  """A config.json with both keys (transformers 5 and our export write rope_parameters; Qwen's
+  README adds rope_scaling for long context): transformers reads rope_scaling, and so do we."""
+  config = json.loads((broken / "config.json").read_text())
+  assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+  _edit_config(broken, rope_scaling={"rope_type": "default", "rope_theta": 500000.0})
+  params, cfg = weights.load_checkpoint(broken)
+  hf_model = fixtures.hf_model(broken)
+  assert cfg.rope_theta == hf_model.config.rope_parameters["rope_theta"] == 500000.0
+  tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
+  with torch.no_grad():
+    theirs = hf_model(input_ids=torch.tensor(tokens)).logits.numpy()
+  assert np.abs(_logits(params, cfg, tokens) - theirs).max() <= 1e-4
+  # YaRN there: transformers runs it, we cannot, so the file is refused, naming the field.
+  _edit_config(broken, rope_scaling={"type": "yarn", "factor": 4.0,
+                                     "original_max_position_embeddings": 32768})
+  assert fixtures.hf_model(broken).config.rope_parameters["rope_type"] == "yarn"
+  with pytest.raises(weights.CheckpointError,
+                     match=r"broken/config\.json: rope_scaling: rope type 'yarn' is not supported"):
+    weights.load_checkpoint(broken)
+
+
+@pytest.mark.parametrize("dtype,stored", [(torch.float8_e4m3fn, "F8_E4M3"), (torch.int8, "I8")])
+def test_quantized_checkpoints_are_refused(broken, dtype, stored):
+  """Quantized weights (Qwen's -FP8 releases, compressed-tensors W8A8) need scales this loader
+  does not apply: refused by config.json's quantization_config, and tensor by tensor."""
+  from safetensors.torch import load_file as torch_load, save_file as torch_save
+
+  tensors = torch_load(broken / "model.safetensors")
+  name = "model.layers.0.self_attn.q_proj.weight"
+  w = tensors[name]
+  scale = w.abs().max() / 100
+  tensors[name] = (w / scale).round().to(dtype)
+  tensors[name.replace(".weight", ".weight_scale")] = scale.reshape(1, 1)
+  torch_save(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+  with pytest.raises(weights.CheckpointError, match=rf"broken/model\.safetensors: tensor "
+                     rf"'{name}' is stored as {stored}; only F32/BF16/F16 load"):
+    weights.load_checkpoint(broken)
+  _edit_config(broken, quantization_config={"quant_method": "fp8", "fmt": "e4m3"})
+  with pytest.raises(weights.CheckpointError, match=r"broken/config\.json: quantization_config "
+                     r"\(quant_method='fp8'\) is not supported"):
+    weights.load_checkpoint(broken)
+
+
+def test_tied_config_with_a_different_stored_head_is_refused(ckpts, tmp_path):
+  """tie_word_embeddings=true beside a stored lm_head.weight: transformers 5 uses the stored
+  head, 4.x and vLLM the embedding. Equal values load; different ones are refused."""
+  untied = tmp_path / "untied"
+  shutil.copytree(ckpts["qwen2_untied"], untied)
+  stored = load_file(untied / "model.safetensors")
+  assert not np.array_equal(stored["lm_head.weight"], stored["model.embed_tokens.weight"])
+  _edit_config(untied, tie_word_embeddings=True)
+  with pytest.raises(weights.CheckpointError, match=r"untied/model\.safetensors: tensor "
+                     r"'lm_head\.weight' differs.*untied/config\.json sets tie_word_embeddings"):
+    weights.load_checkpoint(untied)
+
+  tied = tmp_path / "tied"
+  shutil.copytree(ckpts["qwen2_tied"], tied)
+  stored = load_file(tied / "model.safetensors")
+  assert "lm_head.weight" not in stored
+  save_file(stored | {"lm_head.weight": stored["model.embed_tokens.weight"].copy()},
+            tied / "model.safetensors", metadata={"format": "pt"})
+  params, cfg = weights.load_checkpoint(tied)
+  assert cfg.tie_word_embeddings and "lm_head" not in params
+  tokens = np.arange(12).reshape(2, 6)
+  np.testing.assert_allclose(_logits(params, cfg, tokens), _hf_logits(tied, tokens), atol=1e-4)
+
+
+def test_to_hf_refuses_switches_config_json_cannot_say():
+  """config.json carries model_type (and qwen3's attention_bias); transformers derives qk-norm
+  and the biases from them, so any other combination would load as a different model."""
+  base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+              num_kv_heads=2, head_dim=8)
+  for kw, match in ((dict(model_type="qwen2", qk_norm=True), "qwen2 config must have qk_norm=F"),
+                    (dict(model_type="qwen3", qk_norm=False, qkv_bias=False),
+                     "qwen3 config must have qk_norm=True"),
+                    (dict(model_type="qwen3", qk_norm=True, qkv_bias=True, o_bias=False),
+                     "qkv_bias == o_bias"),
+                    (dict(model_type="qwen2", qkv_bias=False), "qkv_bias=True and o_bias=False")):
+    with pytest.raises(ValueError, match=match):
+      qwen.QwenConfig(**base, **kw).to_hf()
+  for kw in (dict(), dict(model_type="qwen3", qk_norm=True, qkv_bias=False),
+             dict(model_type="qwen3", qk_norm=True, qkv_bias=True, o_bias=True)):
+    cfg = qwen.QwenConfig(**base, **kw)
+    assert qwen.QwenConfig.from_hf(cfg.to_hf()) == cfg
 
 
 def test_corrupt_safetensors_header(broken):

@@ -309,10 +309,26 @@ def save_peft(adapters, cfg: qwen.QwenConfig, lcfg: LoraConfig, out_dir,
   return out_dir
 
 
+# adapter_config.json fields that do not change what the adapter computes (metadata, training
+# settings, and r / lora_alpha / target_modules, which load_peft reads). Every other field must
+# hold its default (null, false, {}, [] or the value in _PEFT_DEFAULTS): PEFT adds variants as
+# new fields (lora_bias, trainable_token_indices, alora_invocation_tokens, layer_replication...),
+# and one this loader does not know would otherwise load as plain LoRA, silently wrong.
+_PEFT_IGNORED = frozenset({
+    "peft_type", "task_type", "auto_mapping", "peft_version", "base_model_name_or_path",
+    "revision", "inference_mode", "r", "lora_alpha", "lora_dropout", "target_modules",
+    "runtime_config", "megatron_core", "qalora_group_size"})
+_PEFT_DEFAULTS = {"bias": "none"}
+# init_lora_weights that only chose the starting A and B. pissa, olora, corda, loftq and lora_ga
+# also rewrite the base weights, so their adapters do not apply to the original base.
+_PEFT_INITS = (True, False, "gaussian", "orthogonal", "eva")
+
+
 def load_peft(adapter_dir, cfg: qwen.QwenConfig, dtype=jnp.float32):
   """Reads a PEFT LoRA adapter directory (save_peft's or PEFT's own save_pretrained) into
   (adapters, LoraConfig). Only what this model computes is accepted: plain LoRA on the seven
-  projections of every layer, scale alpha / r; anything else stops with a line naming it."""
+  projections of every layer, scale alpha / r; any other adapter_config.json field that is not
+  at its default, and any tensor this does not read, stops with a line naming it."""
   adapter_dir = Path(adapter_dir)
   cfg_file, w_file = adapter_dir / CONFIG_FILE, adapter_dir / WEIGHTS_FILE
   for f in (cfg_file, w_file):
@@ -326,13 +342,21 @@ def load_peft(adapter_dir, cfg: qwen.QwenConfig, dtype=jnp.float32):
 
   def bad(field, why):
     return weights.CheckpointError(f"{cfg_file}: {field}={pc.get(field)!r}: {why}")
+  if not isinstance(pc, dict):
+    raise weights.CheckpointError(f"{cfg_file}: expected a JSON object")
   if pc.get("peft_type") != "LORA":
     raise bad("peft_type", "only LORA adapters load")
-  for field, ok in (("use_rslora", False), ("use_dora", False), ("fan_in_fan_out", False),
-                    ("bias", "none"), ("modules_to_save", None), ("layers_to_transform", None),
-                    ("rank_pattern", {}), ("alpha_pattern", {})):
-    if pc.get(field) not in (None, ok):
-      raise bad(field, f"not supported (only {ok!r})")
+  for field, value in pc.items():
+    if field in _PEFT_IGNORED:
+      continue
+    if field == "init_lora_weights":
+      if not any(value is ok or (isinstance(ok, str) and value == ok) for ok in _PEFT_INITS):
+        raise bad(field, f"not supported (only {_PEFT_INITS}; the others change the base "
+                  "weights)")
+    elif value not in (None, False, {}, [], _PEFT_DEFAULTS.get(field)):
+      default = (repr(_PEFT_DEFAULTS[field]) if field in _PEFT_DEFAULTS
+                 else "its default: null, false, {} or []")
+      raise bad(field, f"not supported (load_peft computes plain LoRA; only {default})")
   targets = pc.get("target_modules")
   if isinstance(targets, str):
     targets = [targets]
@@ -346,6 +370,7 @@ def load_peft(adapter_dir, cfg: qwen.QwenConfig, dtype=jnp.float32):
   try:
     with safe_open(w_file, framework="numpy") as f:
       names = set(f.keys())
+      unread = set(names)
       for t in lcfg.targets:
         a_shape, b_shape = shapes[t]
         want = {"lora_A": (lcfg.rank, math.prod(a_shape[1:-1])),   # [r, in]
@@ -356,6 +381,7 @@ def load_peft(adapter_dir, cfg: qwen.QwenConfig, dtype=jnp.float32):
             key = f"base_model.model.model.layers.{i}.{TARGETS[t][0]}.{t}.{factor}.weight"
             if key not in names:
               raise weights.CheckpointError(f"{w_file}: tensor {key!r} is missing")
+            unread.discard(key)
             x = f.get_tensor(key)
             if x.shape != shape:
               raise weights.CheckpointError(
@@ -365,6 +391,10 @@ def load_peft(adapter_dir, cfg: qwen.QwenConfig, dtype=jnp.float32):
         _set(adapters, _kernel_path(t), {
             "lora_a": jnp.asarray(np.stack(layers["lora_A"]).reshape(a_shape), dtype),
             "lora_b": jnp.asarray(np.stack(layers["lora_B"]).reshape(b_shape), dtype)})
+      if unread:
+        raise weights.CheckpointError(
+            f"{w_file}: tensor {sorted(unread)[0]!r} ({len(unread)} such) is not a lora_A/lora_B "
+            f"of target_modules {list(lcfg.targets)}; load_peft computes plain LoRA only")
   except (SafetensorError, OSError) as e:
     raise weights.CheckpointError(f"{w_file}: unreadable safetensors file ({e})") from e
   return adapters, lcfg

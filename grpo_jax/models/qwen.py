@@ -110,21 +110,48 @@ class QwenConfig:
 
   @classmethod
   def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "QwenConfig":
-    """Builds the config from a Hugging Face config.json dict (transformers 4.x or 5.x)."""
+    """Builds the config from a Hugging Face config.json dict (transformers 4.x or 5.x).
+
+    Every error names `source`. What transformers would compute differently (quantized
+    weights, RoPE scaling, sliding windows) is refused rather than loaded as something else.
+    """
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
       raise ValueError(
           f"{source}: unsupported model_type {model_type!r} (architectures="
           f"{hf.get('architectures')}); grpo_jax supports {sorted(ARCHITECTURES)}")
+    quantization = hf.get("quantization_config")
+    if quantization:
+      method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+      raise ValueError(f"{source}: quantization_config (quant_method={method!r}) is not "
+                       "supported; use the unquantized checkpoint")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads"):
       if key not in hf:
         raise ValueError(f"{source}: missing field {key!r}")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim",
+                "max_position_embeddings"):
+      value = hf.get(key)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                or value <= 0):
+        raise ValueError(f"{source}: {key}={value!r} must be a positive integer")
+    for key in ("rope_theta", "rms_norm_eps"):
+      value = hf.get(key)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"{source}: {key}={value!r} must be a number")
+    # transformers (4.x and 5.x) reads rope_scaling first, rope_parameters only without it.
+    rope_field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope = hf.get(rope_field) or {}
+    if not isinstance(rope, dict):
+      raise ValueError(f"{source}: {rope_field}={rope!r} must be an object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-      raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only 'default')")
+      raise ValueError(f"{source}: {rope_field}: rope type {rope_type!r} is not supported "
+                       "(only 'default')")
     rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
+      raise ValueError(f"{source}: {rope_field}.rope_theta={rope_theta!r} must be a number")
     if hf.get("use_sliding_window"):
       raise ValueError(f"{source}: use_sliding_window=true is not supported")
     if hf.get("hidden_act", "silu") != "silu":
@@ -135,24 +162,27 @@ class QwenConfig:
     heads = hf["num_attention_heads"]
     qwen3 = model_type == "qwen3"
     attention_bias = bool(hf.get("attention_bias", False))
-    return cls(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rope_theta=float(rope_theta),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=attention_bias if qwen3 else True,
-        o_bias=attention_bias if qwen3 else False,
-        qk_norm=qwen3,
-        max_position_embeddings=hf.get("max_position_embeddings", 32768),
-        model_type=model_type,
-        is_causal=is_causal,
-    )
+    try:
+      return cls(
+          vocab_size=hf["vocab_size"],
+          hidden_size=hf["hidden_size"],
+          intermediate_size=hf["intermediate_size"],
+          num_layers=hf["num_hidden_layers"],
+          num_heads=heads,
+          num_kv_heads=hf.get("num_key_value_heads") or heads,
+          head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+          rope_theta=float(rope_theta),
+          rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+          tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+          qkv_bias=attention_bias if qwen3 else True,
+          o_bias=attention_bias if qwen3 else False,
+          qk_norm=qwen3,
+          max_position_embeddings=hf.get("max_position_embeddings", 32768),
+          model_type=model_type,
+          is_causal=is_causal,
+      )
+    except ValueError as e:  # __post_init__'s checks, e.g. heads not a multiple of kv heads
+      raise ValueError(f"{source}: {e}") from e
 
   def to_hf(self) -> dict[str, Any]:
     """The config.json fields transformers needs to rebuild this model."""
@@ -176,7 +206,15 @@ class QwenConfig:
     }
     if not self.is_causal:  # absent means causal, so causal exports stay as they were
       hf["is_causal"] = False
+    # config.json says only model_type (and attention_bias for qwen3); transformers derives
+    # the switches from it, so a config it cannot express would be read back as another model.
+    if self.qk_norm != (self.model_type == "qwen3"):
+      raise ValueError(f"a {self.model_type} config must have qk_norm="
+                       f"{self.model_type == 'qwen3'} (got {self.qk_norm})")
     if self.model_type == "qwen3":
+      if self.qkv_bias != self.o_bias:
+        raise ValueError("a qwen3 config must have qkv_bias == o_bias (config.json "
+                         f"attention_bias covers both; got {self.qkv_bias}, {self.o_bias})")
       hf["attention_bias"] = self.qkv_bias
     elif self.o_bias or not self.qkv_bias:
       raise ValueError("a qwen2 config must have qkv_bias=True and o_bias=False")

@@ -134,14 +134,16 @@ def read_hf_config(ckpt: Path) -> dict:
 
 
 def read_config(ckpt: Path) -> qwen.QwenConfig:
+  source = str(Path(ckpt) / "config.json")
   try:
-    return qwen.QwenConfig.from_hf(read_hf_config(ckpt), source=str(Path(ckpt) / "config.json"))
-  except ValueError as e:
-    raise CheckpointError(str(e)) from e
+    return qwen.QwenConfig.from_hf(read_hf_config(ckpt), source=source)
+  except (ValueError, TypeError, AttributeError) as e:
+    message = str(e)
+    raise CheckpointError(message if message.startswith(source) else f"{source}: {message}") from e
 
 
 def _weight_files(ckpt: Path) -> dict[str, Path]:
-  """HF tensor name -> the safetensors file that holds it."""
+  """HF tensor name -> the safetensors file that holds it (from the index, or the one file)."""
   index = ckpt / INDEX_FILE
   if index.is_file():
     try:
@@ -163,21 +165,35 @@ def _weight_files(ckpt: Path) -> dict[str, Path]:
     raise CheckpointError(f"{single}: unreadable safetensors file ({e})") from e
 
 
-class _Reader:
-  """Keeps shard files open while loading; names the file in every error."""
+# Stored dtypes that load_checkpoint casts to the param dtype. Anything else (int8, fp8, ...)
+# is a quantized checkpoint whose scales this loader does not apply.
+_FLOAT_DTYPES = ("F32", "BF16", "F16")
 
-  def __init__(self, files: dict[str, Path]):
-    self.files, self.handles = files, {}
+
+class _Reader:
+  """Keeps shard files open while loading; names the file in every error. `listing` is where
+  the tensor names come from (the index, or the single safetensors file)."""
+
+  def __init__(self, files: dict[str, Path], listing: Path):
+    self.files, self.listing, self.handles = files, listing, {}
 
   def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     if name not in self.files:
-      raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
+      raise CheckpointError(f"{self.listing}: tensor {name!r} is missing from the checkpoint")
     path = self.files[name]
     try:
       if path not in self.handles:
         self.handles[path] = safe_open(path, framework="numpy").__enter__()
+      dtype = self.handles[path].get_slice(name).get_dtype()
+    except Exception as e:  # whatever safetensors raises, say which file and tensor
+      raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from e
+    if dtype not in _FLOAT_DTYPES:
+      raise CheckpointError(
+          f"{path}: tensor {name!r} is stored as {dtype}; only {'/'.join(_FLOAT_DTYPES)} load "
+          "(a quantized checkpoint? use the unquantized one)")
+    try:
       arr = self.handles[path].get_tensor(name)
-    except (SafetensorError, OSError) as e:
+    except Exception as e:
       raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from e
     if tuple(arr.shape) != tuple(shape):
       raise CheckpointError(
@@ -197,14 +213,37 @@ def _hf_shape(to_hf: Callable, shape, cfg) -> tuple[int, ...]:
 def read_generation_config(ckpt: Path) -> dict | None:
   """generation_config.json as a dict (stop ids live here), or None if the checkpoint has none."""
   f = Path(ckpt) / "generation_config.json"
-  return json.loads(f.read_text()) if f.is_file() else None
+  if not f.is_file():
+    return None
+  try:
+    config = json.loads(f.read_text())
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{f}: not valid JSON ({e})") from e
+  if not isinstance(config, dict):
+    raise CheckpointError(f"{f}: expected a JSON object, got {type(config).__name__}")
+  return config
+
+
+def _check_tied_head(read: _Reader, embedding: np.ndarray, ckpt: Path) -> None:
+  """A tied config whose file also stores lm_head.weight: the two must be the same values,
+  since libraries disagree on which one a tied model uses."""
+  if "lm_head.weight" not in read.files:
+    return
+  head = read("lm_head.weight", embedding.shape)
+  if not np.array_equal(head, embedding):
+    raise CheckpointError(
+        f"{read.files['lm_head.weight']}: tensor 'lm_head.weight' differs from "
+        f"'model.embed_tokens.weight' although {ckpt / 'config.json'} sets "
+        "tie_word_embeddings=true; fix one of the two (set it false to use the stored head)")
 
 
 def load_checkpoint(path_or_id, param_dtype=jnp.float32, mesh=None):
   """Loads (params, QwenConfig). With a mesh, each param lands in its logical sharding.
 
-  Tensors stored in bf16/fp16/fp32 are cast to `param_dtype`. A tied checkpoint (no
-  lm_head.weight) uses the embedding as the head. Extra rows of the embedding beyond the
+  Tensors stored in bf16/fp16/fp32 are cast to `param_dtype`; quantized checkpoints (config.json
+  quantization_config, or int8/fp8 tensors) are refused. A tied checkpoint uses the embedding
+  as the head; one that also stores an lm_head.weight must store the embedding's values there
+  (transformers 5 would use the stored head, 4.x and vLLM the embedding). Extra rows of the embedding beyond the
   tokenizer's vocabulary are kept (the sampler masks them, see grpo_jax.tokenizer).
   """
   ckpt = resolve(path_or_id)
@@ -215,7 +254,8 @@ def load_checkpoint(path_or_id, param_dtype=jnp.float32, mesh=None):
   else:
     shardings = jax.tree.map(lambda _: None, abstract)
   files = _weight_files(ckpt)
-  read = _Reader(files)
+  listing = ckpt / INDEX_FILE if (ckpt / INDEX_FILE).is_file() else ckpt / SINGLE_FILE
+  read = _Reader(files, listing)
   params: dict = {}
 
   def place(path, host_array):
@@ -232,7 +272,10 @@ def load_checkpoint(path_or_id, param_dtype=jnp.float32, mesh=None):
   try:
     for path, hf_name, (to_ours, to_hf) in _top_map(cfg):
       shape = _get(abstract, path).shape
-      place(path, to_ours(read(hf_name, _hf_shape(to_hf, shape, cfg)), cfg))
+      host = read(hf_name, _hf_shape(to_hf, shape, cfg))
+      if path == ("embed_tokens", "embedding") and cfg.tie_word_embeddings:
+        _check_tied_head(read, host, ckpt)
+      place(path, to_ours(host, cfg))
     for path, hf_name, (to_ours, to_hf) in _layer_map(cfg):
       shape = _get(abstract["layers"], path).shape[1:]
       hf_shape = _hf_shape(to_hf, shape, cfg)
@@ -273,6 +316,10 @@ def save_checkpoint(params, cfg: qwen.QwenConfig, out_dir, max_shard_bytes: int 
   crash never leaves half a checkpoint.
   """
   out_dir = Path(out_dir)
+  if "kernel_q" in params["layers"]["self_attn"]["q_proj"]:
+    raise ValueError("save_checkpoint: the params are int8 (grpo_jax.models.quant); pass "
+                     "quant.dequantize(params) to export them")
+  hf = cfg.to_hf()  # before any work: refuses a config config.json cannot express
   tensors: list[tuple[str, np.ndarray]] = []
   for path, hf_name, (_, to_hf) in _top_map(cfg):
     tensors.append((hf_name, to_hf(np.asarray(jax.device_get(_get(params, path))), cfg)))
@@ -307,7 +354,6 @@ def save_checkpoint(params, cfg: qwen.QwenConfig, out_dir, max_shard_bytes: int 
       total = sum(t.nbytes for _, t in tensors)
       (tmp / INDEX_FILE).write_text(json.dumps(
           {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    hf = cfg.to_hf()
     hf["torch_dtype"] = hf["dtype"] = _DTYPE_NAMES.get(tensors[0][1].dtype, "float32")
     (tmp / "config.json").write_text(json.dumps(hf, indent=2))
     if generation_config is not None:
