@@ -50,7 +50,8 @@ Randomness: each row has its own key, fold_in(fold_in(key, prompt_id), g) with p
 defaulting to the prompt's index in the batch (pass `prompt_ids` for stable ids), and every
 step folds in the step number, so a row's tokens do not depend on the other rows of its batch.
 metrics['sampler/cut_extra_rounds'] counts the steps' extra rounds of the cuts (top-p redraws,
-top-k ties; see grpo_jax.sampling).
+top-k ties; see grpo_jax.sampling), and metrics['sampler/cut_fallback_rows'] the draws whose
+top-p redraws ran out and took the row's top token instead (0 unless top_p is tiny).
 """
 
 from __future__ import annotations
@@ -279,7 +280,7 @@ class Sampler:
                 tokens=jnp.full((r, c), self.pad_id, jnp.int32),
                 logp=jnp.zeros((r, c), jnp.float32), done=~active_R,
                 stopped=jnp.zeros((r,), bool), lengths=jnp.zeros((r,), jnp.int32),
-                extra_rounds=jnp.int32(0))
+                extra_rounds=jnp.int32(0), fallback_rows=jnp.int32(0))
 
   def _decode_step(self, params, head, keys_R, state, sp, cache, s, i=None):
     """One step of the loop: sample from the carried hidden state, then run the forward for the
@@ -289,8 +290,8 @@ class Sampler:
     # The forward after a row's last step is wasted work, one model step per call.
     i = s["step"] if i is None else i
     step_keys_R = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys_R)
-    tok, logp, fb = sampling.next_token(sp, head, s["hidden"], step_keys_R, self.valid,
-                                        self.top_p_draws)
+    tok, logp, extra, fell_back = sampling.next_token(sp, head, s["hidden"], step_keys_R,
+                                                      self.valid, self.top_p_draws)
     live = ~s["done"]
     tok = jnp.where(live, tok, self.pad_id)
     stopped = live & jnp.isin(tok, jnp.asarray(self.stop_ids or (-1,), jnp.int32))
@@ -303,7 +304,9 @@ class Sampler:
     return cache, dict(step=s["step"] + 1, hidden=hidden, tokens=put(s["tokens"], tok),
                        logp=put(s["logp"], jnp.where(live, logp, 0.0)),
                        done=s["done"] | stopped, stopped=s["stopped"] | stopped,
-                       lengths=s["lengths"] + live, extra_rounds=s["extra_rounds"] + fb)
+                       lengths=s["lengths"] + live, extra_rounds=s["extra_rounds"] + extra,
+                       fallback_rows=s["fallback_rows"] + jnp.sum(live & fell_back,
+                                                                  dtype=jnp.int32))
 
   def _decode_results(self, state, out):
     p = state["slot"]
@@ -317,6 +320,7 @@ class Sampler:
         "lengths": out["lengths"], "truncated": ~out["stopped"],
         "logprobs": self._constrain(out["logp"], ("batch", None)),
         "steps": out["step"], "extra_rounds": out["extra_rounds"],
+        "fallback_rows": out["fallback_rows"],
     }
     return results, new_state
 
@@ -362,8 +366,8 @@ class Sampler:
       running = ~jnp.all(s["done"])
       cache, new = self._decode_step(params, head, keys_R, state, sp, cache, s, i)
       return cache, dict(new, step=s["step"] + running,
-                         extra_rounds=jnp.where(running, new["extra_rounds"],
-                                                s["extra_rounds"]))
+                         **{k: jnp.where(running, new[k], s[k])
+                            for k in ("extra_rounds", "fallback_rows")})
 
     step_K = jax.vmap(step_member, in_axes=(p_axes, None if shared_base else 0, 0, s_axes, 0,
                                             0, None))
@@ -490,7 +494,8 @@ class Sampler:
              **settings) -> tuple[dict, Conversation]:
     """Samples up to max_tokens more tokens for every active row (default: all), from where
     each conversation stands. Returns ({'tokens' [R, max_tokens], 'lengths', 'truncated',
-    'logprobs', 'steps', 'extra_rounds'} as in SampleOutput, the conversation continued)."""
+    'logprobs', 'steps', 'extra_rounds', 'fallback_rows'} as in SampleOutput, the conversation
+    continued)."""
     sp = self._settings(settings)
     if key is None:
       if not sp.greedy:
@@ -564,6 +569,7 @@ class Sampler:
         "sampler/prefill_seconds": prefill_s,
         "sampler/decode_steps": int(results["steps"]),
         "sampler/cut_extra_rounds": int(results["extra_rounds"]),
+        "sampler/cut_fallback_rows": int(results["fallback_rows"]),
         "sampler/prompt_bucket": conv.prompt_tokens.shape[1],
     }
     return SampleOutput(results["tokens"], results["lengths"], results["truncated"],
@@ -646,6 +652,7 @@ class Sampler:
           "sampler/prefill_seconds": prefill_s,
           "sampler/decode_steps": int(out["steps"][k]),
           "sampler/cut_extra_rounds": int(out["extra_rounds"][k]),
+          "sampler/cut_fallback_rows": int(out["fallback_rows"][k]),
           "sampler/prompt_bucket": own_buckets[k],  # what the member's own run pads to
       }))
     return [None if out_k else r for r, out_k in zip(results, sits_out)]
