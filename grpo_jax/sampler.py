@@ -100,6 +100,9 @@ class Conversation(NamedTuple):
   rows: int  # R = B*G real rows; the rest pad the batch to the mesh
   prompt_tokens: np.ndarray  # [B, P] left-padded
   prompt_mask: np.ndarray  # [B, P]
+  # On the host, at least state['slot']: P + every max_tokens and width so far. Checked before
+  # each write, so no call writes past the cache (JAX would clamp it onto the last slot).
+  slots_used: int = 0
 
 
 def variables(params) -> dict:
@@ -230,7 +233,7 @@ class Sampler:
     cond = lambda cs: (cs[1]["step"] < c) & ~jnp.all(cs[1]["done"])
     cache, out = jax.lax.while_loop(cond, lambda cs: step(*cs),
                                     (cache, self._decode_carry(state, active_R, c)))
-    results, new_state = self._decode_results(state, out)
+    results, new_state = self._decode_results(state, out, active_R)
     # Returning the cache aliases it with the donated input, so no copy is made on entry.
     return results, cache, new_state
 
@@ -308,7 +311,7 @@ class Sampler:
                        fallback_rows=s["fallback_rows"] + jnp.sum(live & fell_back,
                                                                   dtype=jnp.int32))
 
-  def _decode_results(self, state, out):
+  def _decode_results(self, state, out, active_R):
     p = state["slot"]
     # Slots [p + length, p + steps) of a row hold what it was fed after stopping: holes.
     j_S = jnp.arange(state["mask"].shape[1]) - p
@@ -317,7 +320,7 @@ class Sampler:
                  "pos": state["pos"] + out["lengths"], "slot": p + out["step"]}
     results = {
         "tokens": self._constrain(out["tokens"], ("batch", None)),
-        "lengths": out["lengths"], "truncated": ~out["stopped"],
+        "lengths": out["lengths"], "truncated": ~out["stopped"] & active_R,  # inactive: False
         "logprobs": self._constrain(out["logp"], ("batch", None)),
         "steps": out["step"], "extra_rounds": out["extra_rounds"],
         "fallback_rows": out["fallback_rows"],
@@ -379,7 +382,8 @@ class Sampler:
 
     cond = lambda x: (x[0] < c) & ~jnp.all(x[2]["done"])
     _, cache_K, out_K = jax.lax.while_loop(cond, body, (jnp.int32(0), cache_K, carry_K))
-    results, new_state = jax.vmap(self._decode_results, in_axes=(s_axes, 0))(state_K, out_K)
+    results, new_state = jax.vmap(self._decode_results, in_axes=(s_axes, 0, None))(
+        state_K, out_K, active_R)
     return results, cache_K, new_state
 
   def _append_impl(self, params, cache, state, tokens_RO, mask_RO):
@@ -466,7 +470,9 @@ class Sampler:
   def begin(self, params, prompts, mask=None, *, num_samples: int = 1, room: int,
             prompt_ids=None) -> Conversation:
     """Prefills the prompts into a cache with `room` free slots after the prompt bucket, tiled
-    ×G: the start of G conversations per prompt, continued by `extend` and `append`."""
+    ×G: the start of G conversations per prompt, continued by `extend` and `append`. An extend
+    takes up to max_tokens slots, an append or peek `width`: a call that might not fit in
+    what is left raises a ValueError."""
     if not (isinstance(num_samples, (int, np.integer)) and num_samples >= 1):
       raise ValueError(f"num_samples={num_samples!r} (G) must be an int >= 1")
     rows = self._as_token_lists(prompts, mask)
@@ -488,19 +494,35 @@ class Sampler:
     cache, state = self._prefill(params, self._put(tokens), self._put(mask_BP), g,
                                  tokens.shape[1] + int(room))
     return Conversation(cache, state, self._put(row_ids.astype(np.int32)), b * g,
-                        tokens[:b], mask_BP[:b])
+                        tokens[:b], mask_BP[:b], tokens.shape[1])
+
+  def _reserve(self, conv: Conversation, n: int, what: str) -> Conversation:
+    """conv with n more slots counted as used; raises if they might not fit in its cache.
+
+    The host's count assumes every extend ran its max_tokens steps; only when that would not
+    fit is the device's slot read (one sync), as rows that stop early leave room."""
+    capacity = conv.state["mask"].shape[1]
+    if conv.slots_used + n > capacity:
+      conv = conv._replace(slots_used=int(conv.state["slot"]))
+      if conv.slots_used + n > capacity:
+        raise ValueError(
+            f"{what} needs {n} cache slots but the conversation has {capacity - conv.slots_used}"
+            f" left (capacity {capacity} = the prompt bucket + begin's room): pass a larger "
+            f"room to begin")
+    return conv._replace(slots_used=conv.slots_used + n)
 
   def extend(self, params, conv: Conversation, key, *, max_tokens: int, active=None,
              **settings) -> tuple[dict, Conversation]:
     """Samples up to max_tokens more tokens for every active row (default: all), from where
     each conversation stands. Returns ({'tokens' [R, max_tokens], 'lengths', 'truncated',
     'logprobs', 'steps', 'extra_rounds', 'fallback_rows'} as in SampleOutput, the conversation
-    continued)."""
+    continued). A row not active gets no tokens: lengths 0, truncated False."""
     sp = self._settings(settings)
     if key is None:
       if not sp.greedy:
         raise ValueError("key is required unless sampling greedily")
       key = jax.random.key(0)
+    conv = self._reserve(conv, int(max_tokens), f"extend(max_tokens={max_tokens})")
     r_pad = conv.row_ids.shape[0] // hosts.count()  # this process's rows
     act = np.zeros((r_pad,), bool)
     act[:conv.rows] = True if active is None else np.asarray(active, bool)
@@ -519,6 +541,7 @@ class Sampler:
     longest = max((len(t) for t in token_lists), default=0)
     if longest > width:
       raise ValueError(f"an appended token list has {longest} tokens, more than width={width}")
+    conv = self._reserve(conv, int(width), f"append(width={width})")
     r_pad = conv.row_ids.shape[0] // hosts.count()  # this process's rows
     tokens_RO, mask_RO = data.pad_right(list(token_lists) + [[]] * (r_pad - conv.rows), width,
                                         self.pad_id)
@@ -541,7 +564,8 @@ class Sampler:
     The cache needs `width` free slots for it."""
     asked = self.append(params, conv, token_lists, width)
     logp = self.next_logprobs(params, asked, ids)
-    return logp, conv._replace(cache=asked.cache)
+    # The question's slots are free again (asked's count may be the device's, exact).
+    return logp, conv._replace(cache=asked.cache, slots_used=asked.slots_used - int(width))
 
   def generate(self, params, prompts, mask=None, *, num_samples: int = 1, key=None,
                prompt_ids=None, **settings) -> SampleOutput:
