@@ -24,7 +24,8 @@ kept whole, where transformers' TopPLogitsWarper (a cumulative sum in its sort o
 the members its sort puts last. Ties at the top-k and min-p cuts are kept by both.
 
 `next_token` returns log_softmax(logits / temperature) over the valid vocabulary at the sampled
-token, BEFORE the cuts (the policy's own distribution, which the GRPO ratio needs).
+token, BEFORE the cuts (the policy's own distribution: what train_step.completion_logprobs
+computes for the loss, which recomputes its old log-probs itself rather than reading these).
 
 Performance notes (why the code looks the way it does):
   * The [B, V] logits are never materialised: `_vocab_scan` walks the head in chunks of
