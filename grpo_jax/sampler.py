@@ -42,15 +42,19 @@ compiles once): `greedy` (or temperature=0), `temperature`, `top_k`, `top_p`, `m
 in grpo_jax.sampling (the cuts, their order and how they are drawn from exactly).
 
 `logprobs` are log_softmax(logits / temperature) over the valid vocabulary at the sampled token,
-BEFORE the top-k/top-p/min-p cut: the policy's own distribution, which the GRPO ratio needs
-(grpo.token_logprobs gives the same numbers from head[:, :valid_vocab_size] at the same
-temperature). Greedy decoding reports them at `temperature` too (1 for temperature=0).
+BEFORE the top-k/top-p/min-p cut: the policy's own distribution, the quantity the loss uses
+(train_step.completion_logprobs, through logprobs.token_logprobs over head[:, :valid_vocab_size]
+at the same temperature, gives the same numbers). The train step does not read them: it
+recomputes the old policy's log-probs in its own forward; these are reported for diagnostics
+(agent records) and tests. Greedy decoding reports them at `temperature` too (1 for
+temperature=0).
 
 Randomness: each row has its own key, fold_in(fold_in(key, prompt_id), g) with prompt_id
 defaulting to the prompt's index in the batch (pass `prompt_ids` for stable ids), and every
 step folds in the step number, so a row's tokens do not depend on the other rows of its batch.
 metrics['sampler/cut_extra_rounds'] counts the steps' extra rounds of the cuts (top-p redraws,
-top-k ties; see grpo_jax.sampling).
+top-k ties; see grpo_jax.sampling), and metrics['sampler/cut_fallback_rows'] the draws whose
+top-p redraws ran out and took the row's top token instead (0 unless top_p is tiny).
 """
 
 from __future__ import annotations
@@ -99,6 +103,9 @@ class Conversation(NamedTuple):
   rows: int  # R = B*G real rows; the rest pad the batch to the mesh
   prompt_tokens: np.ndarray  # [B, P] left-padded
   prompt_mask: np.ndarray  # [B, P]
+  # On the host, at least state['slot']: P + every max_tokens and width so far. Checked before
+  # each write, so no call writes past the cache (JAX would clamp it onto the last slot).
+  slots_used: int = 0
 
 
 def variables(params) -> dict:
@@ -229,7 +236,7 @@ class Sampler:
     cond = lambda cs: (cs[1]["step"] < c) & ~jnp.all(cs[1]["done"])
     cache, out = jax.lax.while_loop(cond, lambda cs: step(*cs),
                                     (cache, self._decode_carry(state, active_R, c)))
-    results, new_state = self._decode_results(state, out)
+    results, new_state = self._decode_results(state, out, active_R)
     # Returning the cache aliases it with the donated input, so no copy is made on entry.
     return results, cache, new_state
 
@@ -279,7 +286,7 @@ class Sampler:
                 tokens=jnp.full((r, c), self.pad_id, jnp.int32),
                 logp=jnp.zeros((r, c), jnp.float32), done=~active_R,
                 stopped=jnp.zeros((r,), bool), lengths=jnp.zeros((r,), jnp.int32),
-                extra_rounds=jnp.int32(0))
+                extra_rounds=jnp.int32(0), fallback_rows=jnp.int32(0))
 
   def _decode_step(self, params, head, keys_R, state, sp, cache, s, i=None):
     """One step of the loop: sample from the carried hidden state, then run the forward for the
@@ -289,8 +296,8 @@ class Sampler:
     # The forward after a row's last step is wasted work, one model step per call.
     i = s["step"] if i is None else i
     step_keys_R = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys_R)
-    tok, logp, fb = sampling.next_token(sp, head, s["hidden"], step_keys_R, self.valid,
-                                        self.top_p_draws)
+    tok, logp, extra, fell_back = sampling.next_token(sp, head, s["hidden"], step_keys_R,
+                                                      self.valid, self.top_p_draws)
     live = ~s["done"]
     tok = jnp.where(live, tok, self.pad_id)
     stopped = live & jnp.isin(tok, jnp.asarray(self.stop_ids or (-1,), jnp.int32))
@@ -303,9 +310,11 @@ class Sampler:
     return cache, dict(step=s["step"] + 1, hidden=hidden, tokens=put(s["tokens"], tok),
                        logp=put(s["logp"], jnp.where(live, logp, 0.0)),
                        done=s["done"] | stopped, stopped=s["stopped"] | stopped,
-                       lengths=s["lengths"] + live, extra_rounds=s["extra_rounds"] + fb)
+                       lengths=s["lengths"] + live, extra_rounds=s["extra_rounds"] + extra,
+                       fallback_rows=s["fallback_rows"] + jnp.sum(live & fell_back,
+                                                                  dtype=jnp.int32))
 
-  def _decode_results(self, state, out):
+  def _decode_results(self, state, out, active_R):
     p = state["slot"]
     # Slots [p + length, p + steps) of a row hold what it was fed after stopping: holes.
     j_S = jnp.arange(state["mask"].shape[1]) - p
@@ -314,9 +323,10 @@ class Sampler:
                  "pos": state["pos"] + out["lengths"], "slot": p + out["step"]}
     results = {
         "tokens": self._constrain(out["tokens"], ("batch", None)),
-        "lengths": out["lengths"], "truncated": ~out["stopped"],
+        "lengths": out["lengths"], "truncated": ~out["stopped"] & active_R,  # inactive: False
         "logprobs": self._constrain(out["logp"], ("batch", None)),
         "steps": out["step"], "extra_rounds": out["extra_rounds"],
+        "fallback_rows": out["fallback_rows"],
     }
     return results, new_state
 
@@ -362,8 +372,8 @@ class Sampler:
       running = ~jnp.all(s["done"])
       cache, new = self._decode_step(params, head, keys_R, state, sp, cache, s, i)
       return cache, dict(new, step=s["step"] + running,
-                         extra_rounds=jnp.where(running, new["extra_rounds"],
-                                                s["extra_rounds"]))
+                         **{k: jnp.where(running, new[k], s[k])
+                            for k in ("extra_rounds", "fallback_rows")})
 
     step_K = jax.vmap(step_member, in_axes=(p_axes, None if shared_base else 0, 0, s_axes, 0,
                                             0, None))
@@ -375,7 +385,8 @@ class Sampler:
 
     cond = lambda x: (x[0] < c) & ~jnp.all(x[2]["done"])
     _, cache_K, out_K = jax.lax.while_loop(cond, body, (jnp.int32(0), cache_K, carry_K))
-    results, new_state = jax.vmap(self._decode_results, in_axes=(s_axes, 0))(state_K, out_K)
+    results, new_state = jax.vmap(self._decode_results, in_axes=(s_axes, 0, None))(
+        state_K, out_K, active_R)
     return results, cache_K, new_state
 
   def _append_impl(self, params, cache, state, tokens_RO, mask_RO):
@@ -462,7 +473,9 @@ class Sampler:
   def begin(self, params, prompts, mask=None, *, num_samples: int = 1, room: int,
             prompt_ids=None) -> Conversation:
     """Prefills the prompts into a cache with `room` free slots after the prompt bucket, tiled
-    ×G: the start of G conversations per prompt, continued by `extend` and `append`."""
+    ×G: the start of G conversations per prompt, continued by `extend` and `append`. An extend
+    takes up to max_tokens slots, an append or peek `width`: a call that might not fit in
+    what is left raises a ValueError."""
     if not (isinstance(num_samples, (int, np.integer)) and num_samples >= 1):
       raise ValueError(f"num_samples={num_samples!r} (G) must be an int >= 1")
     rows = self._as_token_lists(prompts, mask)
@@ -484,18 +497,35 @@ class Sampler:
     cache, state = self._prefill(params, self._put(tokens), self._put(mask_BP), g,
                                  tokens.shape[1] + int(room))
     return Conversation(cache, state, self._put(row_ids.astype(np.int32)), b * g,
-                        tokens[:b], mask_BP[:b])
+                        tokens[:b], mask_BP[:b], tokens.shape[1])
+
+  def _reserve(self, conv: Conversation, n: int, what: str) -> Conversation:
+    """conv with n more slots counted as used; raises if they might not fit in its cache.
+
+    The host's count assumes every extend ran its max_tokens steps; only when that would not
+    fit is the device's slot read (one sync), as rows that stop early leave room."""
+    capacity = conv.state["mask"].shape[1]
+    if conv.slots_used + n > capacity:
+      conv = conv._replace(slots_used=int(conv.state["slot"]))
+      if conv.slots_used + n > capacity:
+        raise ValueError(
+            f"{what} needs {n} cache slots but the conversation has {capacity - conv.slots_used}"
+            f" left (capacity {capacity} = the prompt bucket + begin's room): pass a larger "
+            f"room to begin")
+    return conv._replace(slots_used=conv.slots_used + n)
 
   def extend(self, params, conv: Conversation, key, *, max_tokens: int, active=None,
              **settings) -> tuple[dict, Conversation]:
     """Samples up to max_tokens more tokens for every active row (default: all), from where
     each conversation stands. Returns ({'tokens' [R, max_tokens], 'lengths', 'truncated',
-    'logprobs', 'steps', 'extra_rounds'} as in SampleOutput, the conversation continued)."""
+    'logprobs', 'steps', 'extra_rounds', 'fallback_rows'} as in SampleOutput, the conversation
+    continued). A row not active gets no tokens: lengths 0, truncated False."""
     sp = self._settings(settings)
     if key is None:
       if not sp.greedy:
         raise ValueError("key is required unless sampling greedily")
       key = jax.random.key(0)
+    conv = self._reserve(conv, int(max_tokens), f"extend(max_tokens={max_tokens})")
     r_pad = conv.row_ids.shape[0] // hosts.count()  # this process's rows
     act = np.zeros((r_pad,), bool)
     act[:conv.rows] = True if active is None else np.asarray(active, bool)
@@ -514,6 +544,7 @@ class Sampler:
     longest = max((len(t) for t in token_lists), default=0)
     if longest > width:
       raise ValueError(f"an appended token list has {longest} tokens, more than width={width}")
+    conv = self._reserve(conv, int(width), f"append(width={width})")
     r_pad = conv.row_ids.shape[0] // hosts.count()  # this process's rows
     tokens_RO, mask_RO = data.pad_right(list(token_lists) + [[]] * (r_pad - conv.rows), width,
                                         self.pad_id)
@@ -536,7 +567,8 @@ class Sampler:
     The cache needs `width` free slots for it."""
     asked = self.append(params, conv, token_lists, width)
     logp = self.next_logprobs(params, asked, ids)
-    return logp, conv._replace(cache=asked.cache)
+    # The question's slots are free again (asked's count may be the device's, exact).
+    return logp, conv._replace(cache=asked.cache, slots_used=asked.slots_used - int(width))
 
   def generate(self, params, prompts, mask=None, *, num_samples: int = 1, key=None,
                prompt_ids=None, **settings) -> SampleOutput:
@@ -564,6 +596,7 @@ class Sampler:
         "sampler/prefill_seconds": prefill_s,
         "sampler/decode_steps": int(results["steps"]),
         "sampler/cut_extra_rounds": int(results["extra_rounds"]),
+        "sampler/cut_fallback_rows": int(results["fallback_rows"]),
         "sampler/prompt_bucket": conv.prompt_tokens.shape[1],
     }
     return SampleOutput(results["tokens"], results["lengths"], results["truncated"],
@@ -646,6 +679,7 @@ class Sampler:
           "sampler/prefill_seconds": prefill_s,
           "sampler/decode_steps": int(out["steps"][k]),
           "sampler/cut_extra_rounds": int(out["extra_rounds"][k]),
+          "sampler/cut_fallback_rows": int(out["fallback_rows"][k]),
           "sampler/prompt_bucket": own_buckets[k],  # what the member's own run pads to
       }))
     return [None if out_k else r for r, out_k in zip(results, sits_out)]

@@ -3,8 +3,8 @@
 
     sp = sampling.parse_settings(temperature=0.7, top_p=0.95)  # a static SamplingParams
     head = sampling.prepare_head(head_VD, valid_vocab_size, vocab_chunk)
-    tok_B, logp_B, extra_rounds = sampling.next_token(sp, head, h_BD, step_keys_B,
-                                                      valid_vocab_size, top_p_draws)
+    tok_B, logp_B, extra_rounds, fell_back_B = sampling.next_token(sp, head, h_BD, step_keys_B,
+                                                                   valid_vocab_size, top_p_draws)
 
 Settings: `greedy` (or temperature=0: the first argmax), `temperature`, `top_k`, `top_p`,
 `min_p`, applied as transformers' generate applies its warpers (Temperature-, TopK-, TopP- and
@@ -24,7 +24,8 @@ kept whole, where transformers' TopPLogitsWarper (a cumulative sum in its sort o
 the members its sort puts last. Ties at the top-k and min-p cuts are kept by both.
 
 `next_token` returns log_softmax(logits / temperature) over the valid vocabulary at the sampled
-token, BEFORE the cuts (the policy's own distribution, which the GRPO ratio needs).
+token, BEFORE the cuts (the policy's own distribution: what train_step.completion_logprobs
+computes for the loss, which recomputes its old log-probs itself rather than reading these).
 
 Performance notes (why the code looks the way it does):
   * The [B, V] logits are never materialised: `_vocab_scan` walks the head in chunks of
@@ -36,10 +37,14 @@ Performance notes (why the code looks the way it does):
     of blocks, and across chunks by weighted reservoir sampling (replace the running pick by the
     chunk's with probability chunk mass / mass so far). Both are exact.
   * top-k takes the top k + 1 candidates (lax.top_k merged chunk by chunk), which decide the cut
-    exactly unless the k-th value is tied beyond them. top-p is exact by rejection: draw
+    exactly unless the k-th value is tied beyond them. top-p is by rejection: draw
     `top_p_draws` candidates from the (top-k and min-p cut) distribution and keep the first whose
     higher-ranked mass is < top_p of the top-k set's (or the vocabulary's) mass; a row with
     none accepted (probability < (1 - top_p)^draws) is redrawn (counted in the extra rounds).
+    After MAX_EXTRA_ROUNDS redraws a row takes its top token, which every cut keeps (counted
+    as a fallback row); this binds only at a tiny top_p over a flat distribution (top_p = 0.01
+    over 500 near-equal logits, 8 draws: 0.7% of rows; top_p = 0.05: none), and the draw is
+    exact unless it does.
     A top-p step costs about two head passes, with no sort of the vocabulary (one more on the
     top-k tie path with min-p, to measure the top-k set).
 """
@@ -256,45 +261,66 @@ def _greedy_pass(head, h_BD, inv_temp, valid, argmax=True):
   entries (a plain max reduction, much cheaper on CPU than a value-and-index reduction over
   every entry), then that block's logits are recomputed per row and searched.
   """
-  r = ARGMAX_BLOCK
-
   def body(c, l_cB, off, _):
     m, s, blk = c
     if not argmax:
       return _online_lse(m, s, l_cB)[:2] + (blk,)
-    w, b = l_cB.shape
-    blocks_KB = jnp.pad(l_cB, ((0, -w % r), (0, 0)), constant_values=-jnp.inf).reshape(
-        -1, r, b).max(1)
-    cb = jnp.argmax(blocks_KB, 0).astype(jnp.int32)
+    blocks_KB = _block_maxima(l_cB)
     nm, s, cm = _online_lse(m, s, l_cB, jnp.max(blocks_KB, 0))
-    # Strict '>' keeps the earliest block on ties, as argmax over the whole row would.
-    return nm, s, jnp.where(cm > m, off // r + cb, blk)
+    return nm, s, _best_block(blk, m, cm, blocks_KB, off)
   b = h_BD.shape[0]
   init = (jnp.full((b,), -jnp.inf), jnp.zeros((b,)), jnp.zeros((b,), jnp.int32))
   m, s, blk = _vocab_scan(head, h_BD, inv_temp, body, init)
   if not argmax:
     return None, m, m + jnp.log(s)
-  rows_BR = blk[:, None] * r + jnp.arange(r)
+  return _argmax_in_block(head, h_BD, inv_temp, valid, blk)[0], m, m + jnp.log(s)
+
+
+def _block_maxima(l_cB: Array) -> Array:
+  """[c / ARGMAX_BLOCK, B]: the max of each block of ARGMAX_BLOCK entries."""
+  w, b = l_cB.shape
+  r = ARGMAX_BLOCK
+  return jnp.pad(l_cB, ((0, -w % r), (0, 0)), constant_values=-jnp.inf).reshape(-1, r, b).max(1)
+
+
+def _best_block(blk_B, m_B, cm_B, blocks_KB, off):
+  """The running best block, given the max so far m and this chunk's max cm."""
+  cb = jnp.argmax(blocks_KB, 0).astype(jnp.int32)
+  # Strict '>' keeps the earliest block on ties, as argmax over the whole row would.
+  return jnp.where(cm_B > m_B, off // ARGMAX_BLOCK + cb, blk_B)
+
+
+def _argmax_in_block(head, h_BD, inv_temp, valid, blk_B):
+  """(first argmax, its logit) per row within its block blk of ARGMAX_BLOCK entries, whose
+  logits are recomputed."""
+  r = ARGMAX_BLOCK
+  rows_BR = blk_B[:, None] * r + jnp.arange(r)
   w_BRD = head.source_VD[jnp.minimum(rows_BR, valid - 1)]
   l_BR = jnp.einsum("BRD,BD->BR", w_BRD.astype(h_BD.dtype), h_BD,
                     preferred_element_type=jnp.float32) * inv_temp
   l_BR = jnp.where(rows_BR < valid, l_BR, -jnp.inf)
-  return blk * r + jnp.argmax(l_BR, -1).astype(jnp.int32), m, m + jnp.log(s)
+  j = jnp.argmax(l_BR, -1)
+  return blk_B * r + j.astype(jnp.int32), jnp.take_along_axis(l_BR, j[:, None], 1)[:, 0]
 
 
-def _reservoir_pass(head, h_BD, inv_temp, u_NBS3, tau_B=None):
+def _reservoir_pass(head, h_BD, inv_temp, u_NBS3, tau_B=None, top_block=False):
   """S independent draws per row ∝ exp(logits) over {logits >= tau} (all when tau is None).
 
   Within a chunk `_draw` picks a candidate; across chunks the running pick is replaced by the
   chunk's with probability (chunk mass) / (mass so far), so chunk c wins with probability
   mass_c / total: exact. Returns (tokens [B, S], their logits, max and sum exp(l - max) of the
-  kept set).
+  kept set, the block of ARGMAX_BLOCK entries holding the max if `top_block`, else 0).
   """
   def body(c, l_cB, off, u_BS3):
-    m, s, tok, tok_logit = c
+    m, s, tok, tok_logit, blk = c
     if tau_B is not None:
       l_cB = jnp.where(l_cB >= tau_B[None, :], l_cB, -jnp.inf)
-    cm = jnp.max(l_cB, 0)
+    if top_block:  # the max through the blocks' maxima: the same number, and their argmax
+      blocks_KB = _block_maxima(l_cB)
+      cm = jnp.max(blocks_KB, 0)
+      blk = _best_block(blk, m, cm, blocks_KB, off)
+    else:
+      cm = jnp.max(l_cB, 0)
     cm_safe = jnp.where(jnp.isfinite(cm), cm, 0.0)  # a chunk may be entirely cut
     e_cB = jnp.exp(l_cB - cm_safe[None, :])
     nm = jnp.maximum(m, cm)
@@ -304,12 +330,13 @@ def _reservoir_pass(head, h_BD, inv_temp, u_NBS3, tau_B=None):
     take_BS = (w > 0)[:, None] & (u_BS3[..., 0] * s[:, None] < w[:, None])
     idx_BS = _draw(e_cB, u_BS3[..., 1:])
     picked_BS = jnp.take_along_axis(l_cB, idx_BS.T, 0).T
-    return (nm, s, jnp.where(take_BS, off + idx_BS, tok), jnp.where(take_BS, picked_BS, tok_logit))
+    return (nm, s, jnp.where(take_BS, off + idx_BS, tok), jnp.where(take_BS, picked_BS, tok_logit),
+            blk)
   b, n_draws = h_BD.shape[0], u_NBS3.shape[2]
   init = (jnp.full((b,), -jnp.inf), jnp.zeros((b,)), jnp.zeros((b, n_draws), jnp.int32),
-          jnp.zeros((b, n_draws)))
-  m, s, tok, tok_logit = _vocab_scan(head, h_BD, inv_temp, body, init, u_NBS3)
-  return tok, tok_logit, m, s
+          jnp.zeros((b, n_draws)), jnp.zeros((b,), jnp.int32))
+  m, s, tok, tok_logit, blk = _vocab_scan(head, h_BD, inv_temp, body, init, u_NBS3)
+  return tok, tok_logit, m, s, blk
 
 
 def _candidates_pass(head, h_BD, inv_temp, k):
@@ -328,11 +355,20 @@ def _candidates_pass(head, h_BD, inv_temp, k):
   return m, m + jnp.log(s), vals, ids
 
 
-def _mass_above_pass(head, h_BD, inv_temp, v_BS, tau_B, ref_B):
-  """[B, S]: sum of exp(l - ref) over logits l > v[:, s] with l >= tau (the mass ranked above)."""
+def _mass_above_pass(head, h_BD, inv_temp, v_BS, tau_B, ref_B, tok_BS=None):
+  """[B, S]: sum of exp(l - ref) over logits l > v[:, s] with l >= tau (the mass ranked above),
+  leaving out token tok[:, s] itself.
+
+  v was recorded by another pass over the head; where this pass rounds a token's logit
+  differently (a GPU may compile the two matmuls differently), the token's own logit could count
+  as above its recorded value. Leaving its id out changes nothing in exact arithmetic.
+  """
   def body(acc, l_cB, off, _):
     e_cB = jnp.where(l_cB >= tau_B[None, :], jnp.exp(l_cB - ref_B[None, :]), 0.0)
     above_cBS = l_cB[:, :, None] > v_BS[None, :, :]
+    if tok_BS is not None:
+      ids_c = off + jnp.arange(l_cB.shape[0], dtype=jnp.int32)
+      above_cBS &= ids_c[:, None, None] != tok_BS[None, :, :]
     return acc + jnp.sum(jnp.where(above_cBS, e_cB[:, :, None], 0.0), 0)
   return _vocab_scan(head, h_BD, inv_temp, body, jnp.zeros(v_BS.shape))
 
@@ -361,9 +397,12 @@ def _cut_threshold(sp: SamplingParams, m_B, lse_B, vals_BK, valid: int):
   return tau, tau_k, covered
 
 
-def _nucleus_draw(sp: SamplingParams, head, h_BD, inv_temp, uniforms, num_draws, tau_B=None,
-                  nucleus_lse_B=None):
-  """A draw ∝ exp(logit) over {logit >= tau} (None: every token) and the top-p nucleus, exactly.
+MAX_EXTRA_ROUNDS = 64  # top-p redraws per step before a row falls back to its top token
+
+
+def _nucleus_draw(sp: SamplingParams, head, h_BD, inv_temp, uniforms, num_draws, valid,
+                  tau_B=None, nucleus_lse_B=None):
+  """A draw ∝ exp(logit) over {logit >= tau} (None: every token) and the top-p nucleus.
 
   The nucleus is measured on a set holding the cut set, of log-mass `nucleus_lse` (None: the cut
   set itself): the top-k set, or the vocabulary, as min-p comes after top-p and must not shrink
@@ -373,25 +412,29 @@ def _nucleus_draw(sp: SamplingParams, head, h_BD, inv_temp, uniforms, num_draws,
   acceptance a draw follows the cut distribution restricted to the nucleus exactly. Both sets
   are top-ranked prefixes, so a candidate is accepted with probability 1 or (nucleus mass) /
   (cut-set mass) >= top_p: one round (two head passes) almost always settles every row; rows
-  that do not are redrawn. Returns (token, logit, logsumexp of the cut set, extra rounds).
+  that do not are redrawn, up to MAX_EXTRA_ROUNDS times. A row still without an accepted
+  candidate then takes its top token (found through its block of the first pass, as greedy
+  does), which is always kept: exact unless that happens. Returns (token, logit, logsumexp of the cut set, extra rounds, whether each row
+  fell back to its top token).
   """
   n = uniforms.num_chunks
   s = num_draws if sp.top_p < 1.0 else 1
 
-  def draw(round_):
+  def draw(round_, top_block=False):
     u_NBS3 = uniforms(round_, (n, s, 3)).transpose(1, 0, 2, 3)
-    return _reservoir_pass(head, h_BD, inv_temp, u_NBS3, tau_B)
+    return _reservoir_pass(head, h_BD, inv_temp, u_NBS3, tau_B, top_block)
 
-  tok_BS, logit_BS, m, z = draw(1)
+  # The first pass also finds the block holding the top token: the fallback below.
+  tok_BS, logit_BS, m, z, top_blk = draw(1, top_block=sp.top_p < 1.0)
   lse = m + jnp.log(z)
   if sp.top_p == 1.0:
-    return tok_BS[:, 0], logit_BS[:, 0], lse, jnp.int32(0)
+    return tok_BS[:, 0], logit_BS[:, 0], lse, jnp.int32(0), jnp.zeros(m.shape, bool)
   floor = jnp.full(m.shape, -jnp.inf) if tau_B is None else tau_B
   # The nucleus set's mass in the units of the mass above, exp(l - m).
   total = z if nucleus_lse_B is None else jnp.exp(nucleus_lse_B - m)
 
   def judge(tok_BS, logit_BS):
-    above_BS = _mass_above_pass(head, h_BD, inv_temp, logit_BS, floor, m)
+    above_BS = _mass_above_pass(head, h_BD, inv_temp, logit_BS, floor, m, tok_BS)
     ok_BS = above_BS < sp.top_p * total[:, None]
     j = _first_true(ok_BS, ok_BS)[:, None]
     return (jnp.take_along_axis(tok_BS, j, 1)[:, 0], jnp.take_along_axis(logit_BS, j, 1)[:, 0],
@@ -404,10 +447,16 @@ def _nucleus_draw(sp: SamplingParams, head, h_BD, inv_temp, uniforms, num_draws,
     t, l, o = judge(*draw(round_ + 2)[:2])
     new = ~ok & o  # rows settled earlier keep their token
     return round_ + 1, jnp.where(new, t, tok), jnp.where(new, l, logit), ok | o
-  # The cap is never reached in practice: a row fails a round with probability < (1-top_p)^S.
-  rounds, tok, logit, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[3]) & (c[0] < 64), redraw,
-                                             (jnp.int32(0), tok, logit, ok))
-  return tok, logit, lse, rounds
+  # A row fails a round with probability < (1 - top_p)^S: the cap binds only at a tiny top_p
+  # over a flat distribution.
+  rounds, tok, logit, ok = jax.lax.while_loop(
+      lambda c: ~jnp.all(c[3]) & (c[0] < MAX_EXTRA_ROUNDS), redraw, (jnp.int32(0), tok, logit, ok))
+
+  def top(_):  # the top token survives every cut
+    t, l = _argmax_in_block(head, h_BD, inv_temp, valid, top_blk)
+    return jnp.where(ok, tok, t), jnp.where(ok, logit, l)
+  tok, logit = jax.lax.cond(jnp.all(ok), lambda _: (tok, logit), top, None)
+  return tok, logit, lse, rounds, ~ok
 
 
 class _Uniforms:
@@ -429,16 +478,18 @@ def next_token(sp: SamplingParams, head: _Head, h_BD, keys_B, valid: int, num_dr
   """One token per row from hidden states h_BD and per-row step keys.
 
   Returns (token, log-prob before the cuts, extra rounds: top-p redraws, or 1 where a tie at
-  the k-th value sent top-k down the streaming path).
+  the k-th value sent top-k down the streaming path, and per row whether its top-p redraws ran
+  out and it took its top token instead: False unless top_p is tiny and the distribution flat).
   """
   inv_temp = 1.0 / sp.temperature
+  none_B = jnp.zeros(h_BD.shape[:1], bool)
   if sp.greedy:
     tok, logit, lse = _greedy_pass(head, h_BD, inv_temp, valid)
-    return tok, logit - lse, jnp.int32(0)
+    return tok, logit - lse, jnp.int32(0), none_B
   uniforms = _Uniforms(keys_B, _num_chunks(valid, _head_chunk(head)))
   if not sp.cuts:
-    tok, logit, lse, _ = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms, 1)
-    return tok, logit - lse, jnp.int32(0)
+    tok, logit, lse, _, _ = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms, 1, valid)
+    return tok, logit - lse, jnp.int32(0), none_B
   min_p_cut = (lambda m: m + math.log(sp.min_p)) if sp.min_p > 0.0 else (lambda m: -jnp.inf)
 
   if not 0 < sp.top_k < valid:  # top-p and/or min-p only
@@ -446,9 +497,9 @@ def next_token(sp: SamplingParams, head: _Head, h_BD, keys_B, valid: int, num_dr
     if sp.min_p > 0.0:  # lse: also the mass top-p is measured on, the whole vocabulary's
       _, m, lse = _greedy_pass(head, h_BD, inv_temp, valid, argmax=False)
       tau = min_p_cut(m)
-    tok, logit, kept_lse, rounds = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms, num_draws,
-                                                 tau, lse)
-    return tok, logit - (kept_lse if lse is None else lse), rounds
+    tok, logit, kept_lse, rounds, fell_back = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms,
+                                                            num_draws, valid, tau, lse)
+    return tok, logit - (kept_lse if lse is None else lse), rounds, fell_back
 
   # top-k: the k + 1 best candidates decide everything unless the k-th value is tied beyond them.
   m, lse, vals, ids = _candidates_pass(head, h_BD, inv_temp, sp.top_k + 1)
@@ -463,10 +514,11 @@ def next_token(sp: SamplingParams, head: _Head, h_BD, keys_B, valid: int, num_dr
     if sp.min_p > 0.0 and sp.top_p < 1.0:  # top-p is measured on the top-k set, before min-p
       every_B1 = jnp.full((m.shape[0], 1), -jnp.inf)
       top_k_lse = m + jnp.log(_mass_above_pass(head, h_BD, inv_temp, every_B1, tau_k, m)[:, 0])
-    t, l, _, rounds = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms, num_draws, floor,
-                                    top_k_lse)
-    return t, l, rounds + 1
-  f_tok, f_logit, extra = jax.lax.cond(jnp.all(covered), lambda _: (tok, logit, jnp.int32(0)),
-                                       exact, None)
+    t, l, _, rounds, fell_back = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms, num_draws,
+                                               valid, floor, top_k_lse)
+    return t, l, rounds + 1, fell_back
+  f_tok, f_logit, extra, fell_back = jax.lax.cond(
+      jnp.all(covered), lambda _: (tok, logit, jnp.int32(0), none_B), exact, None)
   # Per-row choice: a covered row's draw never depends on whether another row was tied.
-  return jnp.where(covered, tok, f_tok), jnp.where(covered, logit, f_logit) - lse, extra
+  return (jnp.where(covered, tok, f_tok), jnp.where(covered, logit, f_logit) - lse, extra,
+          ~covered & fell_back)

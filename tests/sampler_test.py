@@ -496,3 +496,78 @@ def test_bad_input_gets_a_clear_error(greedy_cases):
     sampler_lib.Sampler(cfg, max_new_tokens=2, temperature=-1.0)
   with pytest.raises(ValueError, match="valid_vocab_size=129"):
     sampler_lib.Sampler(cfg, max_new_tokens=2, valid_vocab_size=VOCAB + 1)
+
+
+@pytest.fixture(scope="module")
+def multiturn():
+  """A tiny random Qwen (weights ×3, so tokens vary) and two prompts in a bucket of 8."""
+  cfg = qwen.QwenConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                        tie_word_embeddings=True, max_position_embeddings=512)
+  params = qwen.init_params(cfg, jax.random.key(3), jnp.float32)
+  params = jax.tree.map(lambda x: x * 3.0 if x.ndim == 2 else x, params)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, 96, n).tolist() for n in (5, 3)]
+  return dict(cfg=cfg, params=params, prompts=prompts)
+
+
+def _turns(s, params, prompts, room):
+  """extend 4, append 3, peek 4, extend 5 (sampled): needs room 12, of which the peek's 4 only
+  after the append."""
+  conv = s.begin(params, prompts, num_samples=2, room=room)
+  first, conv = s.extend(params, conv, jax.random.key(1), max_tokens=4)
+  conv = s.append(params, conv, [[5, 6], [], [7], [8, 9, 10]], width=3)
+  asked, conv = s.peek(params, conv, [[11, 12, 13], [14], [], [15, 16]], 4, [1, 2])
+  second, conv = s.extend(params, conv, jax.random.key(2), max_tokens=5)
+  return [np.asarray(x) for x in (first["tokens"], first["logprobs"], asked, second["tokens"],
+                                  second["logprobs"])]
+
+
+def test_calls_past_the_caches_room_raise_and_calls_within_it_do_not(multiturn):
+  """begin(room) sizes the cache to P + room slots; a call that could write past them must say
+  so (JAX clamps such writes onto the last slot, corrupting earlier keys and values). Calls that
+  fit, to the last slot, give the numbers of a roomier cache."""
+  params, prompts = multiturn["params"], multiturn["prompts"]
+  s = sampler_lib.Sampler(multiturn["cfg"], max_new_tokens=6, buckets=(8,), pad_id=PAD)
+  conv = s.begin(params, prompts, room=3)
+  with pytest.raises(ValueError, match=r"extend\(max_tokens=6\) needs 6 cache slots but the "
+                                       r"conversation has 3 left \(capacity 11 "):
+    s.extend(params, conv, jax.random.key(1), max_tokens=6)
+  with pytest.raises(ValueError, match=r"append\(width=4\) needs 4 cache slots .* has 3 left"):
+    s.append(params, conv, [[1], [2]], width=4)
+  with pytest.raises(ValueError, match=r"append\(width=4\) needs 4 .* has 3 left"):
+    s.peek(params, conv, [[1], [2]], 4, [1])
+  _, conv = s.extend(params, conv, jax.random.key(1), max_tokens=3)  # exactly the room
+  with pytest.raises(ValueError, match=r"extend\(max_tokens=1\) needs 1 .* has 0 left"):
+    s.extend(params, conv, jax.random.key(1), max_tokens=1)
+
+  exact, roomy = _turns(s, params, prompts, 12), _turns(s, params, prompts, 30)
+  for a, b in zip(exact, roomy):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  with pytest.raises(ValueError, match=r"extend\(max_tokens=5\) needs 5 .* has 4 left"):
+    _turns(s, params, prompts, 11)
+
+
+def test_rows_that_stop_early_leave_their_room_to_later_calls(multiturn):
+  """The host counts max_tokens per extend; where rows stopped early the device's slot decides."""
+  params, prompts = multiturn["params"], multiturn["prompts"]
+  s = sampler_lib.Sampler(multiturn["cfg"], max_new_tokens=6, buckets=(8,), pad_id=PAD,
+                          stop_ids=range(96))  # every row stops at its first token
+  conv = s.begin(params, prompts, room=4)
+  out, conv = s.extend(params, conv, None, max_tokens=3, greedy=True)
+  assert int(out["steps"]) == 1
+  out, conv = s.extend(params, conv, None, max_tokens=3, greedy=True)  # slots 9..11 of 12
+  assert int(out["steps"]) == 1
+  with pytest.raises(ValueError, match=r"extend\(max_tokens=3\) needs 3 .* has 2 left"):
+    s.extend(params, conv, None, max_tokens=3, greedy=True)
+
+
+def test_inactive_rows_are_not_truncated(multiturn):
+  """truncated means max_tokens reached without a stop id: a row passed active=False produced
+  nothing, so it is not truncated."""
+  params, prompts = multiturn["params"], multiturn["prompts"]
+  s = sampler_lib.Sampler(multiturn["cfg"], max_new_tokens=3, buckets=(8,), pad_id=PAD)
+  conv = s.begin(params, prompts, room=3)
+  out, _ = s.extend(params, conv, None, max_tokens=3, active=[True, False], greedy=True)
+  np.testing.assert_array_equal(np.asarray(out["lengths"]), [3, 0])
+  np.testing.assert_array_equal(np.asarray(out["truncated"]), [True, False])

@@ -103,8 +103,8 @@ def _draw(logits_RV, draws=DRAWS, seed=0, top_p_draws=4, chunk=CHUNK, **settings
   head = sampling.prepare_head(jnp.eye(V), V, chunk)  # logits = the hidden state
   h_BD = jnp.repeat(jnp.asarray(logits_RV), draws, 0)
   keys_B = jax.random.split(jax.random.key(seed), r * draws)
-  tok, logp, _ = _next_token(sampling.parse_settings(**settings), head, h_BD, keys_B, V,
-                             top_p_draws)
+  tok, logp, _, _ = _next_token(sampling.parse_settings(**settings), head, h_BD, keys_B, V,
+                                top_p_draws)
   return np.asarray(tok).reshape(r, draws), np.asarray(logp).reshape(r, draws)
 
 
@@ -165,6 +165,73 @@ def test_top_p_is_measured_before_min_p():
   np.testing.assert_allclose(probs[0, :2], [0.45 / 0.72, 0.27 / 0.72], atol=1e-3)
   tokens, _ = _draw(row, **settings)
   _check_draws(tokens, probs)
+
+
+@pytest.mark.parametrize("top_p", [1e-4, 0.01])
+def test_rows_whose_top_p_redraws_run_out_take_a_kept_token(top_p):
+  """Near-equal logits at a tiny top_p: a candidate is accepted with probability about
+  |nucleus| / V, so some rows fail every round. They must still draw from the nucleus (the one
+  TopPLogitsWarper keeps), never from the rest of the vocabulary, and be counted."""
+  v, n = 500, 256
+  row = (np.random.default_rng(4).normal(size=v) * 0.1).astype(np.float32)
+  kept = np.flatnonzero(_transformers_probs(row[None], top_p=top_p)[0])
+  assert 1 <= len(kept) <= 8
+  head = sampling.prepare_head(jnp.eye(v), v, 128)
+  sp = sampling.parse_settings(top_p=top_p)
+  next_token = jax.jit(lambda h, k: sampling.next_token(sp, head, h, k, v, 4))
+  tok, _, rounds, fell_back = next_token(jnp.repeat(jnp.asarray(row)[None], n, 0),
+                                         jax.random.split(jax.random.key(0), n))
+  tok, fell_back = np.asarray(tok), np.asarray(fell_back)
+  assert np.isin(tok, kept).all(), np.setdiff1d(tok, kept)
+  assert int(rounds) == sampling.MAX_EXTRA_ROUNDS
+  assert fell_back.any()
+  assert (tok[fell_back] == row.argmax()).all()  # the top token
+
+
+def _one_ulp_up_in_the_judging_pass(monkeypatch):
+  """Makes the pass that measures the mass above each candidate round every logit one ulp up from
+  the value the draw pass recorded, as two differently compiled matmuls may."""
+  scan = sampling._vocab_scan
+
+  def vocab_scan(head, h_BD, inv_temp, body, carry, per_chunk=None):
+    if body.__qualname__.startswith("_mass_above_pass"):
+      inner = body
+      body = lambda c, l_cB, off, x: inner(c, jnp.nextafter(l_cB, jnp.inf), off, x)
+    return scan(head, h_BD, inv_temp, body, carry, per_chunk)
+  monkeypatch.setattr(sampling, "_vocab_scan", vocab_scan)
+
+
+@pytest.mark.parametrize("settings", [dict(top_p=0.5), dict(top_p=P), dict(top_p=P, min_p=M)],
+                         ids=["p0.5", "p", "p-m"])
+def test_a_candidate_never_counts_its_own_mass_as_above_it(settings, monkeypatch):
+  """A candidate is kept iff the mass strictly above it is < top_p: where the judging pass rounds
+  its logit above the value it was drawn with, it must not count itself (the two leaders of
+  0.45 and 0.27 at top_p = 0.5: the second would be rejected, 0.72 >= 0.5)."""
+  _one_ulp_up_in_the_judging_pass(monkeypatch)
+  rows = ROWS if settings["top_p"] == P else _two_leaders(np.random.default_rng(1))[None]
+  rows = rows.astype(np.float32)
+  head = sampling.prepare_head(jnp.eye(V), V, CHUNK)
+  sp = sampling.parse_settings(**settings)
+  r, n = rows.shape[0], DRAWS
+  next_token = jax.jit(lambda h, k: sampling.next_token(sp, head, h, k, V, 4))
+  tok, _, rounds, _ = next_token(jnp.repeat(jnp.asarray(rows), n, 0),
+                                 jax.random.split(jax.random.key(0), r * n))
+  assert int(rounds) < 4  # without the exclusion: every round rejects the top token
+  _check_draws(np.asarray(tok).reshape(r, n), _cut_probs(rows, **settings))
+
+
+def test_top_k_tie_path_never_counts_a_candidates_own_mass(monkeypatch):
+  """The same on the exact path a tie at the k-th value takes (its floor is top-k's)."""
+  _one_ulp_up_in_the_judging_pass(monkeypatch)
+  row = _tied_at_k(5)
+  settings = dict(top_k=5, top_p=0.7, min_p=0.1)
+  head = sampling.prepare_head(jnp.eye(V), V, CHUNK)
+  sp = sampling.parse_settings(**settings)
+  next_token = jax.jit(lambda h, k: sampling.next_token(sp, head, h, k, V, 4))
+  tok, _, rounds, _ = next_token(jnp.repeat(jnp.asarray(row), DRAWS, 0),
+                                 jax.random.split(jax.random.key(0), DRAWS))
+  assert int(rounds) < 4
+  _check_draws(np.asarray(tok)[None], _cut_probs(row, **settings))
 
 
 def _tied_at_k(k):
