@@ -239,6 +239,10 @@ def test_baseline_step_is_sane(baseline, data):
   assert metrics["loss/kl"] > 0
   np.testing.assert_allclose(metrics["loss"], metrics["loss/policy"] + 0.05 * metrics["loss/kl"],
                              rtol=1e-6)
+  # `kl`: k3 averaged over the loss tokens of all four micro-batches.
+  x = batch["ref_logp_BC"] - data[1]
+  on = np.asarray(mask) > 0
+  np.testing.assert_allclose(metrics["kl"], (np.exp(x) - 1 - x)[on].mean(), rtol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
