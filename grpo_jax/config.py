@@ -286,10 +286,13 @@ def rows_per_step(config) -> int:
 
 
 def cosine_total_steps(optim_cfg, updates: int) -> int:
-  """What optim.total_steps = 0 means for the cosine schedule: the run's optimizer updates, so
-  the rate reaches 0 at the last one. A run no longer than the warm-up (a preset shortened for
-  a smoke test) ends on the warm-up's ramp: the cosine then starts right after it, where the run
-  never goes. A run with no updates (train.steps = 0) never reads the schedule."""
+  """What optim.total_steps = 0 means for the cosine schedule: the run's optimizer updates T, so
+  the rate reaches 0 at update count T, one after the last. The last update (count T − 1) runs
+  at lr·(1 − cos(π / (T − W))) / 2 with W = optim.warmup_steps, near 0; with W > 0 the first
+  (count 0) runs at 0, the warm-up's start. optax's schedules and Hugging Face's
+  get_cosine_schedule_with_warmup do the same. A run no longer than the warm-up (a preset
+  shortened for a smoke test) ends on the warm-up's ramp: the cosine then starts right after it,
+  where the run never goes. A run with no updates (train.steps = 0) never reads the schedule."""
   return max(int(updates), optim_cfg.warmup_steps + 1)
 
 

@@ -339,7 +339,7 @@ def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights
   old_logp_BC None → on-policy: stop_gradient(logp), so the ratio is exactly 1 (μ = 1).
   ref_logp_BC is read only when cfg.beta > 0.
   Returns (loss scalar, sums) where `sums` holds token-summed quantities the caller divides by
-  the step's loss-token count (clip counts, ratio sum, loss-masked token count) and the
+  the step's loss-token count (clip counts, ratio sum, per-token KL sum 'kl/sum') and the
   already-normalised 'loss/policy', 'loss/kl'; plus 'ratio/min', 'ratio/max'.
   The β·KL term is the per-token KL estimate under the same weights_BC as the policy term, so
   it is aggregated like it (flow_grpo: KL per action token, averaged per turn, over the row's
@@ -362,9 +362,10 @@ def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights
   if needs_reference(cfg):
     if ref_logp_BC is None:
       raise ValueError(f"loss.beta={cfg.beta} > 0 needs batch['ref_logp_BC']")
-    kl = jnp.sum(weights_BC * kl_estimate(logp_BC, ref_logp_BC, cfg.kl_estimator))
+    kl_BC = kl_estimate(logp_BC, ref_logp_BC, cfg.kl_estimator)
+    kl = jnp.sum(weights_BC * kl_BC)
   else:
-    kl = jnp.zeros((), jnp.float32)
+    kl_BC = kl = jnp.zeros((), jnp.float32)
   loss = policy_loss + beta * kl
 
   # DAPO's clip metrics: a token is clipped when the clipped branch is the active one.
@@ -375,6 +376,7 @@ def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights
   sums = {
       "loss/policy": jax.lax.stop_gradient(policy_loss),
       "loss/kl": jax.lax.stop_gradient(kl),
+      "kl/sum": jax.lax.stop_gradient(jnp.sum(jnp.where(on_BC, kl_BC, 0.0))),
       "clip/low_count": jnp.sum(low_BC & on_BC),
       "clip/high_count": jnp.sum(high_BC & on_BC),
       "ratio/sum": jnp.sum(jnp.where(on_BC, ratio_BC, 0.0)),
@@ -393,6 +395,7 @@ def finalize_metrics(sums, num_tokens):
   return {
       "loss/policy": sums["loss/policy"],
       "loss/kl": sums["loss/kl"],
+      "kl": sums["kl/sum"] / n,  # per loss token, whatever the loss type (TRL's `kl`)
       "clip/low_frac": low,
       "clip/high_frac": high,
       "clip/region_frac": low + high,  # disjoint: low needs A < 0, high needs A > 0

@@ -9,8 +9,9 @@ Panels, in this order, each drawn only when its key has at least one finite valu
     Reward: total            reward/total/mean
     Reward: <name>           reward/<name>/mean, one panel per reward component, in logged order
     Held-out accuracy        eval/accuracy (every train.eval_every steps: points joined by a line)
-    KL to reference          loss/kl; left out when loss.beta is 0 in WORKDIR/config.json or
-                             every value is 0 (no reference model, nothing to show)
+    KL to reference          kl (per token, whatever the loss type; loss/kl is the loss's term);
+                             left out when loss.beta is 0 in WORKDIR/config.json or every value
+                             is 0 (no reference model, nothing to show)
     Policy loss              loss/policy
     Entropy                  entropy
     Gradient norm            grad_norm
@@ -49,7 +50,7 @@ _REWARD = re.compile(r"^reward/([^/]+)/mean$")
 # (title, key, left out when all zero) after the reward panels; the eval panel comes first.
 _METRIC_PANELS = (
     ("Held-out accuracy (greedy)", EVAL_ACCURACY, False),
-    ("KL to reference", "loss/kl", True),
+    ("KL to reference", "kl", True),
     ("Policy loss", "loss/policy", False),
     ("Entropy (nats/token)", "entropy", False),
     ("Gradient norm", "grad_norm", False),
@@ -106,7 +107,7 @@ def _series(records: Sequence[dict]) -> dict[str, tuple[list[int], list[float]]]
 def panels(records: Sequence[dict], beta: float | None = None) -> list[Panel]:
   """The panels to draw, in order; `beta` is the run's loss.beta if known (0: no KL panel).
 
-    panels([{"step": 1, "reward/total/mean": 0.5, "loss/kl": 0.0}])
+    panels([{"step": 1, "reward/total/mean": 0.5, "kl": 0.0}])
     -> [Panel("Reward: total", "reward/total/mean", [1], [0.5])]
   """
   series = _series(records)
@@ -121,7 +122,7 @@ def panels(records: Sequence[dict], beta: float | None = None) -> list[Panel]:
     if key not in series:
       continue
     steps, values = series[key]
-    if off_when_zero and (all(v == 0 for v in values) or key == "loss/kl" and beta == 0):
+    if off_when_zero and (all(v == 0 for v in values) or key == "kl" and beta == 0):
       continue
     out.append(Panel(title, key, steps, values, sparse=key == EVAL_ACCURACY))
   return out

@@ -11,8 +11,9 @@ are. Columns of the first table, each mean ± sample std (ddof 1) over those run
 
     start, final          held-out greedy accuracy (%) at GRPO step 0 and at the end (summary.json)
     gain                  eval_accuracy_gain_points (summary.json)
-    reward, KL, length    reward/total/mean, loss/kl, completion/mean_length: the mean over each
-                          run's last TAIL_STEPS GRPO steps (metrics.jsonl)
+    reward, KL, length    reward/total/mean, kl (per token; not loss/kl, whose scale depends on
+                          loss_type), completion/mean_length: the mean over each run's last
+                          TAIL_STEPS GRPO steps (metrics.jsonl)
     wall                  minutes the run's processes ran, over all attempts (sweep_run.json);
                           a run started from a shared warm start does not count that warm start
 
@@ -50,7 +51,7 @@ from grpo_jax import logging_io, plots, stats, sweep as sweep_lib, sweep_runner
 REPORT_FILE = "report.md"
 PLOTS_DIR = "plots"
 TAIL_STEPS = 50
-TAIL_KEYS = (("reward", "reward/total/mean"), ("KL", "loss/kl"),
+TAIL_KEYS = (("reward", "reward/total/mean"), ("KL", "kl"),
              ("length", "completion/mean_length"))
 EFFECT_POINTS = 5.0     # --effect: the difference in points the seed counts are for
 INTERVAL_KEYS = ("start", "final", "gain")

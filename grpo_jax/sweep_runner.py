@@ -95,12 +95,19 @@ def failure(run_dir: str) -> str | None:
   return f"{f.get('error')} at step {f.get('step')}: {f.get('message')}"
 
 
-def has_checkpoint(run_dir: str) -> bool:
-  """A finished checkpoint step: its dir is named by the step and holds SHA256SUMS, written
-  last (checkpoint.py); restore checks the checksums."""
+def latest_checkpoint(run_dir: str) -> int | None:
+  """The latest finished checkpoint step, or None: its dir is named by the step and holds
+  SHA256SUMS, written last (checkpoint.py); restore checks the checksums."""
   d = os.path.join(run_dir, CHECKPOINTS)
-  return os.path.isdir(d) and any(
-      n.isdigit() and os.path.exists(os.path.join(d, n, "SHA256SUMS")) for n in os.listdir(d))
+  if not os.path.isdir(d):
+    return None
+  steps = [int(n) for n in os.listdir(d)
+           if n.isdigit() and os.path.exists(os.path.join(d, n, "SHA256SUMS"))]
+  return max(steps, default=None)
+
+
+def has_checkpoint(run_dir: str) -> bool:
+  return latest_checkpoint(run_dir) is not None
 
 
 def _link_or_copy(src, dst):
@@ -243,15 +250,22 @@ class Runner:
               f"{shlex.join(self.command(x))}")
 
   def _units(self, todo):
-    """What to launch: runs, and with --vmap each group of 2+ unfinished runs as one Group
-    (finished members are left out, so a rerun of a finished group skips it)."""
+    """What to launch: runs, and with --vmap each group of 2+ unfinished runs that resume from
+    the same step as one Group. Finished members are left out (a rerun of a finished group
+    skips it); the others are split by their latest checkpoint's step (none: 0), because a
+    group resumes all its members from one step, which a member's later checkpoints may have
+    pruned from another's (one that failed alone and one that went on)."""
     if not self.vmap_groups:
       return list(todo)
     pending = {r.dir for r in todo}
     units = [r for r in todo if r.kind == "prefix"]
     for members in self.vmap_groups:
-      members = [r for r in members if r.dir in pending]
-      units += [Group(members)] if len(members) > 1 else members
+      by_step = {}
+      for r in members:
+        if r.dir in pending:
+          by_step.setdefault(latest_checkpoint(self.run_dir(r)) or 0, []).append(r)
+      for same in by_step.values():
+        units += [Group(same)] if len(same) > 1 else same
     return units
 
   def _members(self, x):

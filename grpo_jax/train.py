@@ -231,7 +231,7 @@ class Member:
   ckpt: Any = None
   health: Any = None
   fresh: bool = False  # warm-started in this process (no checkpoint to resume from)
-  bad: int = 0  # consecutive skipped (non-finite) steps
+  bad: int = 0  # consecutive steps with a skipped (non-finite) update
 
   @property
   def workdir(self):
@@ -400,7 +400,10 @@ def run_group(configs, workdirs) -> list[dict]:
         if m not in live:
           continue
         m_k["time/step_s"] = time.perf_counter() - t_step  # rollouts and update, for all K
-        if m_k["step/skipped"]:  # the train step left the state unchanged
+        # step/skipped is the fraction of the step's loss.num_iterations updates skipped as not
+        # finite: the state is unchanged only at 1. Any skipped update makes a bad step, whether
+        # or not an earlier one moved the params.
+        if m_k["step/skipped"] > 0:
           m.bad += 1
           if m.bad >= c.max_bad_steps:
             where = "" if len(members) == 1 else f"{m.workdir}: "

@@ -68,7 +68,9 @@ The state is a plain dict {'step': int32 scalar, 'params': ..., 'opt_state': ...
 checkpoint.py saves it as is. Each update runs grad_accum_steps micro-batches in a scan,
 summing gradients of losses that are already normalised over the whole batch (grpo.py), so
 the result does not depend on the micro-batching. An update whose loss or gradient is not
-finite leaves the state unchanged and reports `step/skipped`=1.
+finite leaves the state unchanged and is skipped. With loss.num_iterations = μ > 1 the step's
+metrics are the mean over its μ updates (the ratio's min and max over all of them), so
+`step/skipped` is the fraction of the updates skipped: 1 only when the state is unchanged.
 
 Compiled programs are cached by the batch's layout (keys, shapes, dtypes): a new shape
 compiles once and never evicts another. `precompile` compiles a layout's program in a
@@ -814,6 +816,13 @@ def _update(spec, hp, state, ref_params, batch, norm):
   return new_state, metrics, logp, ref
 
 
+def _over_updates(ms):
+  """The step's metrics from the μ updates' (stacked on axis 0): the ratio's min and max over
+  all of them, every other metric their mean, so `step/skipped` is the fraction skipped."""
+  return {k: v.min(0) if k == "ratio/min" else v.max(0) if k == "ratio/max" else v.mean(0)
+          for k, v in ms.items()}
+
+
 def train_step(state, batch, hparams, ref_params=None, *, spec: StepSpec):
   """One whole GRPO update, pure: (state, batch, hparams, ref_params) → (state, metrics,
   advantages_B). `spec` is static; `hparams` (see `hparams`) are arrays, so `jax.vmap` of this
@@ -845,7 +854,7 @@ def train_step(state, batch, hparams, ref_params=None, *, spec: StepSpec):
       st, m_it, _, _ = _update(spec, hp, st, ref_params if spec.lora else None, later, norm)
       return st, m_it
     state, ms = jax.lax.scan(body, state, None, length=lc.num_iterations - 1)
-    m = jax.tree.map(lambda x: x[-1], ms)
+    m = _over_updates(jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), m, ms))
   metrics.update(m)
   tokens = norm["tokens"]
   metrics.update({"tokens/completion": tokens, "tokens/completion_per_seq": tokens / B,

@@ -144,6 +144,8 @@ def test_flow_grpo_value_and_gradient_match_numpy(case):
   np.testing.assert_allclose(loss, want, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(metrics["loss/policy"], want_policy, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(metrics["loss/kl"], want_kl, rtol=1e-5, atol=1e-6)
+  x = ref - logp  # `kl`: k3 per action token, not weighted per turn
+  np.testing.assert_allclose(metrics["kl"], (np.exp(x) - 1 - x)[mask > 0].mean(), rtol=1e-5)
   fd = finite_diff_grad(lambda lp: np_flow_loss(lp, old, ref, REWARDS, ROWS, G)[0], logp)
   np.testing.assert_allclose(g, fd, rtol=1e-4, atol=1e-6)
   # The case means something: both clip edges bind, the KL is on, observations carry nothing.

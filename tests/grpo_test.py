@@ -117,7 +117,9 @@ def np_loss(logp, old, ref, adv, mask, cfg, gen_tokens=None):
     return total / (gen_tokens if gen_tokens is not None else max(n_tok, 1))
 
   pol, kl = aggregate(0), aggregate(1)
-  metrics = {"loss/policy": pol, "loss/kl": kl, "clip/low_frac": low / n_tok,
+  # TRL's `kl`: the per-token mean over the loss tokens, whatever the loss type.
+  kl_tok = np.mean([x[1] for x in per_tok])
+  metrics = {"loss/policy": pol, "loss/kl": kl, "kl": kl_tok, "clip/low_frac": low / n_tok,
              "clip/high_frac": high / n_tok, "clip/region_frac": (low + high) / n_tok,
              "ratio/min": min(ratios), "ratio/mean": np.mean(ratios), "ratio/max": max(ratios)}
   return pol + cfg.beta * kl, metrics

@@ -22,7 +22,8 @@ def _record(rng, i, steps):
           "reward/math_accuracy/missing_frac": 0.0,
           "reward/format/mean": fmt, "reward/format/std": 0.0, "reward/format/missing_frac": 0.0,
           "reward/total/mean": accuracy + fmt, "reward/total/std": 0.4,
-          "loss": 0.3, "loss/policy": 0.3, "loss/kl": 0.001 * i, "clip/region_frac": 0.0,
+          "loss": 0.3, "loss/policy": 0.3, "loss/kl": 0.0003 * i, "kl": 0.001 * i,
+          "clip/region_frac": 0.0,
           "clip/low_frac": 0.0, "ratio/mean": 1.0, "entropy": 0.3 - 0.001 * i,
           "grad_norm": 1.0 + rng.normal(0, 0.1), "completion/mean_length": 200.0 - i,
           "completion/max_length": 256, "time/sample_s": 1.5, "sampler/tokens_per_s": 300.0,
@@ -59,6 +60,8 @@ def test_a_panel_per_metric_and_per_reward_component(tmp_path):
   by_key = {p.key: p for p in drawn}
   assert set(by_key) == set(plots.PLOTTED_KEYS) - {"clip/region_frac"} | {
       f"reward/{name}/mean" for name in REWARDS}
+  # The per-token `kl`, not the loss's term `loss/kl`.
+  assert by_key["kl"].values == [r["kl"] for r in records[1:]]
   math_acc = by_key["reward/math_accuracy/mean"]
   assert math_acc.steps == list(range(1, 61))
   assert math_acc.values == [r["reward/math_accuracy/mean"] for r in records[1:]]
@@ -70,9 +73,9 @@ def test_a_panel_per_metric_and_per_reward_component(tmp_path):
 
 def test_no_kl_panel_at_beta_0(tmp_path):
   records = _write_run(tmp_path)
-  zero_kl = [{**r, "loss/kl": 0.0} if "loss/kl" in r else r for r in records]
+  zero_kl = [{**r, "kl": 0.0} if "kl" in r else r for r in records]
   assert "KL to reference" not in _titles(plots.panels(zero_kl))  # all 0: beta was 0
-  no_kl = [{k: v for k, v in r.items() if k != "loss/kl"} for r in records]
+  no_kl = [{k: v for k, v in r.items() if k != "kl"} for r in records]
   assert "KL to reference" not in _titles(plots.panels(no_kl))
   assert "KL to reference" not in _titles(plots.panels(records, beta=0.0))
   assert "KL to reference" in _titles(plots.panels(records, beta=0.04))
@@ -81,7 +84,7 @@ def test_no_kl_panel_at_beta_0(tmp_path):
   # plot_metrics reads loss.beta from WORKDIR/config.json: 9 panels are 3 rows, 8 (no KL) too,
   # so keep only rewards and KL: 4 panels (2 rows) with KL, 3 (1 row) without.
   keep = ("step", "reward/total/mean", "reward/format/mean", "reward/math_accuracy/mean",
-          "loss/kl")
+          "kl")
   for beta, rows in ((0.04, 2), (0.0, 1)):
     workdir = tmp_path / f"beta_{beta}"
     workdir.mkdir()

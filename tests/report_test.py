@@ -23,7 +23,8 @@ def _write_run(sweep_dir, overrides, *, start, end, reward, wall_s, finished=Tru
   d = sweep_dir / ",".join(f"{k}={v!r}" for k, v in sorted(overrides.items()))
   d.mkdir(parents=True)
   records = [{"step": 0, "eval/accuracy": start}]
-  records += [{"step": s, "reward/total/mean": reward + s / 1000, "loss/kl": 0.0,
+  records += [{"step": s, "reward/total/mean": reward + s / 1000, "kl": 0.0,
+               "loss/kl": 1.0,  # the loss's term, not the KL column's
                "completion/mean_length": 20.0 + s, "entropy": 1.0}
               for s in range(1, STEPS + 1)]
   records[-1]["eval/accuracy"] = end
@@ -93,7 +94,7 @@ def test_report_md_and_plots(sweep_dir):
     assert f"(plots/{key}.png)" in text
     image = mpimg.imread(sweep_dir / "plots" / f"{key}.png")
     assert image.shape[0] > 100 and image.std() > 0  # a real picture, not blank
-  assert not (sweep_dir / "plots" / "loss_kl.png").exists()  # all zero: plots.panels drops it
+  assert not (sweep_dir / "plots" / "kl.png").exists()  # all zero: plots.panels drops it
 
 
 def test_plot_band_is_mean_pm_std_of_the_smoothed_seeds(sweep_dir, monkeypatch):

@@ -239,6 +239,10 @@ def test_baseline_step_is_sane(baseline, data):
   assert metrics["loss/kl"] > 0
   np.testing.assert_allclose(metrics["loss"], metrics["loss/policy"] + 0.05 * metrics["loss/kl"],
                              rtol=1e-6)
+  # `kl`: k3 averaged over the loss tokens of all four micro-batches.
+  x = batch["ref_logp_BC"] - data[1]
+  on = np.asarray(mask) > 0
+  np.testing.assert_allclose(metrics["kl"], (np.exp(x) - 1 - x)[on].mean(), rtol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
@@ -392,7 +396,8 @@ def _on_one_device(params, optim):
 
 def test_mu_updates_in_one_call_equal_separate_updates_with_old_logprobs(params, data):
   """μ = 2 without old log-probs == two single updates whose old log-probs are the params'
-  before the first update (what the first update's forward gives the second)."""
+  before the first update (what the first update's forward gives the second); its metrics are
+  the two updates' mean (the ratio's range over both)."""
   batch, _ = data
   optim = optim_config(grad_accum_steps=2)
   mesh, p = _on_one_device(params, optim)
@@ -403,14 +408,41 @@ def test_mu_updates_in_one_call_equal_separate_updates_with_old_logprobs(params,
                                                          batch["attn_mask_BS"], C)
   step1 = train_step.make_train_step(MODEL, loss_config(), optim, mesh)
   want = train_step.create_train_state(p, MODEL, optim, mesh)
+  want_ms = []
   for _ in range(2):
     want, want_m, _ = step1(want, dict(plain, old_logp_BC=np.asarray(old)))
+    want_ms.append({k: float(v) for k, v in want_m.items()})
   assert int(got["step"]) == int(want["step"]) == 2
   for x, y in zip(jax.tree.leaves(host(got)), jax.tree.leaves(host(want))):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
-  for k in ("loss", "grad_norm", "ratio/mean", "loss/kl", "lr"):
-    np.testing.assert_allclose(float(got_m[k]), float(want_m[k]), rtol=1e-5, err_msg=k)
+  for k in ("loss", "grad_norm", "ratio/mean", "loss/kl", "kl", "entropy", "clip/high_frac",
+            "lr"):
+    np.testing.assert_allclose(float(got_m[k]), (want_ms[0][k] + want_ms[1][k]) / 2, rtol=1e-5,
+                               err_msg=k)
+  assert float(got_m["ratio/min"]) == pytest.approx(min(m["ratio/min"] for m in want_ms), 1e-5)
+  assert float(got_m["ratio/max"]) == pytest.approx(max(m["ratio/max"] for m in want_ms), 1e-5)
   assert float(got_m["ratio/max"]) != 1.0  # the second update is off-policy
+  assert float(got_m["step/skipped"]) == 0.0
+
+
+def test_mu_updates_report_the_fraction_skipped(params, data):
+  """μ = 2 at lr 1e36: the first update is finite and throws the params to ~1e36, the second is
+  not finite and is skipped, so half the step's updates were skipped (and the state moved); with
+  NaN advantages both are skipped and the state is unchanged."""
+  batch, _ = data
+  optim = optim_config(lr=1e36, weight_decay=0.0, grad_accum_steps=1)
+  mesh, p = _on_one_device(params, optim)
+  plain = {k: v for k, v in batch.items() if k not in ("old_logp_BC", "ref_logp_BC")}
+  step = train_step.make_train_step(MODEL, loss_config(beta=0.0, num_iterations=2), optim, mesh)
+  state, m, _ = step(train_step.create_train_state(p, MODEL, optim, mesh), plain)
+  assert float(m["step/skipped"]) == 0.5 and int(state["step"]) == 1
+  assert max(np.abs(x).max() for x in jax.tree.leaves(host(state["params"]))) > 1e30
+  state = train_step.create_train_state(p, MODEL, optim, mesh)
+  before = host(state)
+  state, m, _ = step(state, dict(plain, advantages_B=np.full(B, np.nan, np.float32)))
+  assert float(m["step/skipped"]) == 1.0 and int(state["step"]) == 0
+  for x, y in zip(jax.tree.leaves(host(state)), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(x, y)
 
 
 def test_reference_pass_inside_the_step_equals_given_reference_logprobs(params, data):
@@ -581,8 +613,9 @@ def test_a_precompiled_layout_runs_its_batches_with_the_same_numbers(params, dat
 
 
 def test_cosine_schedule_counts_every_update_of_mu(params, data):
-  """With μ = 2 the schedule runs over train.steps × μ updates: the lr of the last update is
-  the schedule's at update 2·steps − 1 (> 0), not 0 from halfway on."""
+  """With μ = 2 the schedule runs over train.steps × μ updates: step i's lr is the mean of its
+  updates' rates, the schedule's at updates 2i and 2i + 1 (> 0 to the end), not 0 from halfway
+  on."""
   batch, _ = data
   steps, mu = 2, 2
   optim = optim_config(grad_accum_steps=1, schedule="cosine", total_steps=steps * mu, lr=1e-3)
@@ -593,7 +626,8 @@ def test_cosine_schedule_counts_every_update_of_mu(params, data):
   schedule = train_step.learning_rate_schedule(optim)
   for i in range(steps):
     state, m, _ = step(state, plain)
-    np.testing.assert_allclose(float(m["lr"]), float(schedule(mu * i + mu - 1)), rtol=1e-6)
+    want = np.mean([float(schedule(mu * i + j)) for j in range(mu)])
+    np.testing.assert_allclose(float(m["lr"]), want, rtol=1e-6)
   assert int(state["step"]) == steps * mu and float(m["lr"]) > 0
 
 

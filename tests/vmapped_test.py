@@ -112,6 +112,49 @@ def test_the_runner_groups_what_one_program_can_run():
                    ["sampling.temperature=0.7"]]
 
 
+def test_a_rerun_groups_only_members_that_resume_from_the_same_step(tmp_path):
+  """One member failed alone at step ~60 (checkpoints 0, 50); the other two went on to 200
+  (keep_checkpoints=3 left 100, 150, 200). A rerun groups the two at 200 and runs the third
+  alone, and train._start resumes each unit: one group would have needed step 50 from all."""
+  import jax
+  import jax.numpy as jnp
+  from types import SimpleNamespace as NS
+  from grpo_jax import checkpoint
+  state = {"train": {"x": jnp.arange(4.0)}}
+  pos = {"epoch": 0, "index": 0, "num_rows": 10, "seed": 0}
+  steps = {"failed": (0, 50), "ahead": (0, 50, 100, 150, 200), "also_ahead": (0, 100, 200),
+           "fresh": ()}
+  for name, saves in steps.items():
+    os.makedirs(tmp_path / name)
+    with checkpoint.Checkpointer(str(tmp_path / name), max_to_keep=3) as c:
+      for step in saves:
+        c.save(step, {"train": {"x": state["train"]["x"] + step}}, pos)
+        c.wait()
+  s = sweep.Sweep("configs/gsm8k.py:tiny", [{}], fixed={})
+  runs = [sweep.Run(name=n, overrides={}, args={}) for n in steps]
+  runner = sweep_runner.Runner(s, runs, str(tmp_path), vmap_groups=[runs])
+  units = runner._units(runs)
+  assert sorted(sorted(r.name for r in runner._members(u)) for u in units) == [
+      ["ahead", "also_ahead"], ["failed"], ["fresh"]]
+  assert [isinstance(u, sweep_runner.Group) for u in units] == [False, True, False]
+
+  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = {"train": {"x": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sh)}}
+  trainer = NS(abstract_checkpoint=lambda: abstract, lora=None)
+  config = NS(train=NS(prompts_per_step=2), seed=0, loss=None)
+  for u, want in zip(units[:2], (50, 200)):
+    members = [NS(workdir=runner.run_dir(r), config=config, setup=NS(train_rows=[0] * 10))
+               for r in runner._members(u)]
+    start, states, _ = train._start(members, [trainer] * len(members))
+    assert start == want
+    for st in states:
+      np.testing.assert_array_equal(np.asarray(st["x"]), np.arange(4.0) + want)
+  # Grouped as before (all four), the group cannot start.
+  members = [NS(workdir=runner.run_dir(r)) for r in runs[:2]]
+  with pytest.raises(train.VmapError, match="no checkpoint at step 50"):
+    train._start(members, [trainer] * 2)
+
+
 def test_each_member_samples_and_scores_with_its_own_tokenizer(tmp_path):
   """Members of a group have their own tokenizers (the tiny preset learns its BPE from each
   run's problems): sample_members encodes each member's prompts and decodes its completions with
