@@ -47,6 +47,14 @@ def finite(values: Sequence[float | None]) -> np.ndarray:
                   dtype=np.float64)
 
 
+def _sample(values: Sequence[float], confidence: float) -> np.ndarray | None:
+  """The finite values (float64) an interval is computed from; None for fewer than two."""
+  if not 0 < confidence < 1:
+    raise ValueError(f"confidence {confidence!r} must be in (0, 1)")
+  x = finite(values)
+  return x if len(x) >= 2 else None
+
+
 def _resample_means(x: np.ndarray, resamples: int, seed: int) -> np.ndarray:
   """Means of `resamples` bootstrap resamples of x (rows drawn with replacement)."""
   idx = np.random.default_rng(seed).integers(0, len(x), size=(resamples, len(x)))
@@ -61,13 +69,10 @@ def bootstrap_mean_ci(values: Sequence[float], confidence: float = CONFIDENCE,
   (nan, nan) for fewer than two values; (m, m) when all values are equal (nothing varies)."""
   if method not in ("bca", "percentile"):
     raise ValueError(f"bootstrap method {method!r}: use 'bca' or 'percentile'")
-  if not 0 < confidence < 1:
-    raise ValueError(f"confidence {confidence!r} must be in (0, 1)")
-  x = finite(values)
-  n = len(x)
-  if n < 2:
+  x = _sample(values, confidence)
+  if x is None:
     return math.nan, math.nan
-  mean = float(x.mean())
+  n, mean = len(x), float(x.mean())
   if np.all(x == x[0]):
     return mean, mean
   means = _resample_means(x, resamples, seed)
@@ -80,7 +85,7 @@ def bootstrap_mean_ci(values: Sequence[float], confidence: float = CONFIDENCE,
   # resamples are a permutation of the sample, whose mean differs from the sample's only by
   # rounding; counted as above, they pulled the interval down (2 seeds: [min, mean]).
   tie = np.isclose(means, mean, rtol=1e-12, atol=0.0)
-  below = float(np.mean(means < mean) - np.mean(tie & (means < mean)) + 0.5 * np.mean(tie))
+  below = float(np.mean((means < mean) & ~tie) + 0.5 * np.mean(tie))
   if below in (0.0, 1.0):
     return float(means.min()), float(means.max())
   z0 = _N.inv_cdf(below)
@@ -99,13 +104,10 @@ def t_mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[
   """Student's t interval of the mean of the finite values: mean ± t(1 − α/2, n − 1) · s / √n.
 
   (nan, nan) for fewer than two values; (m, m) when all values are equal."""
-  if not 0 < confidence < 1:
-    raise ValueError(f"confidence {confidence!r} must be in (0, 1)")
-  x = finite(values)
-  n = len(x)
-  if n < 2:
+  x = _sample(values, confidence)
+  if x is None:
     return math.nan, math.nan
-  mean = float(x.mean())
+  n, mean = len(x), float(x.mean())
   half = float(scipy_stats.t.ppf(1 - (1 - confidence) / 2, n - 1) * x.std(ddof=1) / math.sqrt(n))
   return mean - half, mean + half
 
