@@ -232,6 +232,10 @@ def sample_and_score(config, sampler, tokenizer, params, rows, rewards, key):
   if hosts.any_(interrupted is not None):
     raise interrupted or Interrupted("another process's reward was interrupted")
   part, reward_m = _gather(part, reward_m, rewards)
+  # The sampler counted this process's rows over the whole program's time: the rate is all
+  # processes' tokens over that time.
+  tokens = float(np.sum(part.lengths_B))
+  sampler_m = dict(sampler_m, **{"sampler/tokens_per_s": tokens / sampler_m["sampler/seconds"]})
   return part, reward_m, sampler_m, times
 
 

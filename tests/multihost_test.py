@@ -31,6 +31,7 @@ from safetensors.numpy import load_file
 
 import cli
 from grpo_jax import logging_io
+from grpo_jax.train import TIMING_METRICS
 
 SFT_STEPS, SFT_LR, STEPS, LR = 3, 1e-3, 4, 3e-5
 OVERRIDES = ["--config=configs/gsm8k.py:tiny", "--config.mesh=(1,-1,1)",
@@ -123,9 +124,14 @@ def test_two_processes_resume_and_train_as_one_process_on_8_devices(runs):
   for ra, rb in zip(ma, mb):
     assert ra.keys() == rb.keys(), (ra.keys() ^ rb.keys())
     for key in ra:
-      if key.startswith(("time/", "sampler/")):  # wall clock; process 0's own sampler timing
+      if key.startswith("time/") or key in TIMING_METRICS:  # wall clock
         continue
       np.testing.assert_allclose(rb[key], ra[key], rtol=1e-6, atol=1e-7, err_msg=key)
+    # The throughput counts every process's tokens (not process 0's share): the same tokens as
+    # the one process generated, over the run's own time.
+    tokens = lambda r: r["sampler/tokens_per_s"] * r["sampler/seconds"]
+    if "sampler/tokens_per_s" in ra:
+      assert tokens(rb) == pytest.approx(tokens(ra), rel=1e-9) and tokens(ra) > 0
   assert json.loads((multi / "summary.json").read_text()) == json.loads(
       (single / "summary.json").read_text())
 
