@@ -256,6 +256,26 @@ def latest_step(workdir: str) -> int | None:
     return ckpt.latest_step()
 
 
+def latest_usable_step(workdir: str) -> int | None:
+  """The latest finished step whose files pass their checksums (newer damaged ones are named in
+  a warning), or None when there is no finished step. Raises RestoreError when there are
+  finished steps and none passes."""
+  if not storage.path(checkpoint_dir(workdir)).is_dir():
+    return None
+  with Checkpointer(workdir, read_only=True) as ckpt:
+    steps = ckpt.all_steps()
+  for s in steps[::-1]:
+    problem = verify(os.path.join(checkpoint_dir(workdir), str(s)))
+    if problem is None:
+      return s
+    warn(f"checkpoint step {s} in {checkpoint_dir(workdir)} is unusable: {problem}")
+  if steps:
+    raise RestoreError(f"no usable checkpoint in {checkpoint_dir(workdir)}: steps "
+                       f"{', '.join(map(str, steps))} are damaged or unfinished (the warnings "
+                       "above say how). Nothing was restored")
+  return None
+
+
 def has_checkpoint(workdir: str) -> bool:
   return latest_step(workdir) is not None
 

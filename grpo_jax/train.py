@@ -516,7 +516,9 @@ def _start(members, trainers):
     restored = [checkpoint.resume(members[0].workdir, abstract)]
     start = 0 if restored[0] is None else restored[0].step
   else:
-    latest = [checkpoint.latest_step(m.workdir) for m in members]
+    # Each member's latest step that passes its checksums (a damaged newer one is skipped, as a
+    # single run skips it; the members' steps after the group's start are deleted below).
+    latest = [checkpoint.latest_usable_step(m.workdir) for m in members]
     start = min(s or 0 for s in latest)
     restored = []
     for m, s in zip(members, latest):

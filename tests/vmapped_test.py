@@ -155,6 +155,37 @@ def test_a_rerun_groups_only_members_that_resume_from_the_same_step(tmp_path):
     train._start(members, [trainer] * 2)
 
 
+def test_a_group_resumes_below_a_members_damaged_latest_step(tmp_path, capsys):
+  """Two members with checkpoints at steps 1 and 2; the second's step 2 is damaged (a file's
+  bytes changed after its checksums). The group resumes both at step 1, as a single run of the
+  damaged member would; restoring step 2 from it failed the whole group."""
+  import jax
+  import jax.numpy as jnp
+  from types import SimpleNamespace as NS
+  from grpo_jax import checkpoint
+  pos = {"epoch": 0, "index": 0, "num_rows": 10, "seed": 0}
+  for name in ("a", "b"):
+    with checkpoint.Checkpointer(str(tmp_path / name)) as c:
+      for step in (1, 2):
+        c.save(step, {"train": {"x": jnp.arange(4.0) + step}}, pos)
+        c.wait()
+  step2 = tmp_path / "b" / "checkpoints" / "2"
+  victim = max((p for p in step2.rglob("*") if p.is_file() and p.name != "SHA256SUMS"),
+               key=lambda p: p.stat().st_size)
+  victim.write_bytes(b"\0" + victim.read_bytes()[1:])
+  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = {"train": {"x": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sh)}}
+  trainer = NS(abstract_checkpoint=lambda: abstract, lora=None)
+  config = NS(train=NS(prompts_per_step=2), seed=0, loss=None)
+  members = [NS(workdir=str(tmp_path / n), config=config, setup=NS(train_rows=[0] * 10))
+             for n in ("a", "b")]
+  start, states, _ = train._start(members, [trainer] * 2)
+  assert start == 1
+  for st in states:
+    np.testing.assert_array_equal(np.asarray(st["x"]), np.arange(4.0) + 1)
+  assert f"checkpoint step 2 in {tmp_path / 'b' / 'checkpoints'} is unusable" in capsys.readouterr().err
+
+
 def test_each_member_samples_and_scores_with_its_own_tokenizer(tmp_path):
   """Members of a group have their own tokenizers (the tiny preset learns its BPE from each
   run's problems): sample_members encodes each member's prompts and decodes its completions with
