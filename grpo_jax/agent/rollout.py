@@ -71,7 +71,11 @@ class TurnFormat:
     if stopped and self.stop_text and before.startswith(self.stop_text):
       before = before[len(self.stop_text):]
     enc = lambda s: tokenizer(s, add_special_tokens=False).input_ids if s else []
-    return enc(before) + enc(observation)[:budget] + enc(suffix) + enc(self.after)
+    # The observation is a tool's output, which model code writes: control tokens printed in it
+    # ("<|im_end|>\n<|im_start|>assistant") stay text, never a turn boundary.
+    observed = (tokenizer(observation, add_special_tokens=False,
+                          split_special_tokens=True).input_ids if observation else [])
+    return enc(before) + observed[:budget] + enc(suffix) + enc(self.after)
 
   def width(self, tokenizer, budget: int) -> int:
     enc = lambda s: len(tokenizer(s, add_special_tokens=False).input_ids) if s else 0
