@@ -71,6 +71,10 @@ def _default(c) -> None:
       "Solve the problem. You may call one tool per turn and see its output in the next turn."
       "\n{tools}\nWhen you know the result, reply <answer>NUMBER</answer>.\n\n{question}")
   c.sampling.temperature = 0.7
+  # The answer's correctness alone, as AgentFlow rewards it: the schema's default adds `format`,
+  # which asks for a <think> block this prompt never mentions (-0.1 for the answer it asks for).
+  c.rewards.names = ("math_accuracy",)
+  c.rewards.weights = (1.0,)
   c.sampling.max_new_tokens = 384
   c.train.prompts_per_step = 32
   c.optim.grad_accum_steps = 4      # gsm8k's default (12) is sized for its 96 prompts per step

@@ -7,6 +7,9 @@ schema's move cannot have changed a preset:
 
     PYTHONPATH=$PWD python3 tests/config_snapshot.py > tests/testdata/preset_configs.json
 
+Rewritten since for one deliberate change, which was the whole difference: the agent default's
+rewards are math_accuracy alone (format asked for a <think> block its prompt never mentions).
+
 A placeholder field (config_dict.placeholder(str)) is recorded with its declared type, so a
 default that lost its type (None that no longer accepts a string override) shows as a change.
 """
