@@ -116,7 +116,7 @@ def data() -> ConfigDict:
 def sampling() -> ConfigDict:
   return ConfigDict(dict(
       num_generations=8,            # G completions per prompt (read it through group_size)
-      max_new_tokens=1024,          # a completion's budget (an agent's: per turn, see agent)
+      max_new_tokens=1024,          # a completion's budget (agents: agent.action_tokens a turn)
       temperature=1.0,              # > 0; log-probs are those of logits / temperature
       top_k=0,                      # 0 = off
       top_p=1.0,                    # 1 = off
