@@ -12,8 +12,10 @@ against it first, because orbax alone would restore flipped bytes in a data file
 wrong values. A step that fails (changed, missing or extra files; no SHA256SUMS because the
 process died while writing it) is skipped with a warning naming it, and the next older one is
 tried; when none is left, restore raises RestoreError naming the checkpoint directory. A step
-whose files are intact but do not fit the requested state also raises RestoreError at once: the
-config changed, and an older step would not fit either.
+whose files are intact but do not fit the requested state (another tree or shape) also raises
+RestoreError at once: the config changed, and an older step would not fit either. dtypes are not
+checked: arrays come back in the dtypes the requested state asks for, so a run resumed with
+another `optim.param_dtype` gets its saved params and moments converted (rounded) silently.
 
     with Checkpointer(workdir, max_to_keep=3) as ckpt:
       ckpt.save(step, {"params": params, "opt_state": opt_state, "rng": key}, it.position())
