@@ -189,9 +189,10 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
-  def restore(self, abstract_state, step: int | None = None) -> Restored:
+  def restore(self, abstract_state, step: int | None = None, verified: bool = False) -> Restored:
     """Restores `step`, by default the latest step whose files match their checksums, with arrays
-    placed as abstract_state's shardings say.
+    placed as abstract_state's shardings say. verified: `step` passed its checksums already
+    (usable_step said so): they are not read again.
 
     Each newer step that fails its checksums gets a warning naming it. Raises RestoreError when
     no step (or not `step`) passes, or when a step that passes does not fit abstract_state (its
@@ -203,18 +204,29 @@ class Checkpointer:
                               f"(have {steps})")
     if not steps:
       raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
+    if step is not None and verified:
+      return self._restore_verified(abstract_state, step)
     candidates = [step] if step is not None else steps[::-1]
-    for s in candidates:
-      problem = verify(os.path.join(self.directory, str(s)))
-      if problem is None:
-        return self._restore_verified(abstract_state, s)
-      warn(f"checkpoint step {s} in {self.directory} is unusable: {problem}"
-            + ("; trying the one before" if s != candidates[-1] else ""))
+    usable = self.usable_step(candidates)
+    if usable is not None:
+      return self._restore_verified(abstract_state, usable)
     raise RestoreError(
         f"no usable checkpoint in {self.directory}: tried step {', '.join(map(str, candidates))}, "
         "damaged or unfinished (the warnings above say how). Nothing was restored. To start the "
         f"run over, delete {self.directory} (or the whole workdir); move it elsewhere first if "
         "you want to keep the files")
+
+  def usable_step(self, candidates: list[int] | None = None) -> int | None:
+    """The first of `candidates` (default: every finished step, newest first) whose files match
+    their checksums, each one before it named in a warning; None when none does."""
+    candidates = self.all_steps()[::-1] if candidates is None else candidates
+    for s in candidates:
+      problem = verify(os.path.join(self.directory, str(s)))
+      if problem is None:
+        return s
+      warn(f"checkpoint step {s} in {self.directory} is unusable: {problem}"
+           + ("; trying the one before" if s != candidates[-1] else ""))
+    return None
 
   def _restore_verified(self, abstract_state, step: int) -> Restored:
     try:
@@ -265,16 +277,12 @@ def latest_usable_step(workdir: str) -> int | None:
   if not storage.path(checkpoint_dir(workdir)).is_dir():
     return None
   with Checkpointer(workdir, read_only=True) as ckpt:
-    steps = ckpt.all_steps()
-  for s in steps[::-1]:
-    problem = verify(os.path.join(checkpoint_dir(workdir), str(s)))
-    if problem is None:
-      return s
-    warn(f"checkpoint step {s} in {checkpoint_dir(workdir)} is unusable: {problem}")
-  if steps:
-    raise RestoreError(f"no usable checkpoint in {checkpoint_dir(workdir)}: steps "
-                       f"{', '.join(map(str, steps))} are damaged or unfinished (the warnings "
-                       "above say how). Nothing was restored")
+    steps, usable = ckpt.all_steps(), ckpt.usable_step()
+  if usable is not None or not steps:
+    return usable
+  raise RestoreError(f"no usable checkpoint in {checkpoint_dir(workdir)}: steps "
+                     f"{', '.join(map(str, steps))} are damaged or unfinished (the warnings "
+                     "above say how). Nothing was restored")
   return None
 
 
@@ -282,12 +290,13 @@ def has_checkpoint(workdir: str) -> bool:
   return latest_step(workdir) is not None
 
 
-def restore(workdir: str, abstract_state, step: int | None = None) -> Restored:
+def restore(workdir: str, abstract_state, step: int | None = None,
+            verified: bool = False) -> Restored:
   """Restores from workdir without keeping a Checkpointer open (see Checkpointer.restore)."""
   if not storage.path(checkpoint_dir(workdir)).is_dir():
     raise FileNotFoundError(f"no checkpoint directory {checkpoint_dir(workdir)}")
   with Checkpointer(workdir, read_only=True) as ckpt:
-    return ckpt.restore(abstract_state, step)
+    return ckpt.restore(abstract_state, step, verified)
 
 
 def resume(workdir: str, abstract_state) -> Restored | None:

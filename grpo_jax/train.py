@@ -525,8 +525,8 @@ def _start(members, trainers):
       if s is None:
         restored.append(None)
         continue
-      try:
-        restored.append(checkpoint.restore(m.workdir, abstract, step=start))
+      try:  # the step latest_usable_step checked is not checked again
+        restored.append(checkpoint.restore(m.workdir, abstract, step=start, verified=s == start))
       except Exception as e:  # the step every member has is gone from this one
         raise VmapError(f"{m.workdir}: no checkpoint at step {start}, where the group's other "
                         f"members resume ({e})") from None
