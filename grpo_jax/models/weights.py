@@ -171,11 +171,12 @@ _FLOAT_DTYPES = ("F32", "BF16", "F16")
 
 
 class _Reader:
-  """Keeps shard files open while loading; names the file in every error. `listing` is where
-  the tensor names come from (the index, or the single safetensors file)."""
+  """Keeps shard files open while loading; names the file in every error, and where the tensor
+  names come from (the index, or the single safetensors file) when one is missing."""
 
-  def __init__(self, files: dict[str, Path], listing: Path):
-    self.files, self.listing, self.handles = files, listing, {}
+  def __init__(self, ckpt: Path):
+    self.files, self.handles = _weight_files(ckpt), {}
+    self.listing = ckpt / INDEX_FILE if (ckpt / INDEX_FILE).is_file() else ckpt / SINGLE_FILE
 
   def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     if name not in self.files:
@@ -243,8 +244,9 @@ def load_checkpoint(path_or_id, param_dtype=jnp.float32, mesh=None):
   Tensors stored in bf16/fp16/fp32 are cast to `param_dtype`; quantized checkpoints (config.json
   quantization_config, or int8/fp8 tensors) are refused. A tied checkpoint uses the embedding
   as the head; one that also stores an lm_head.weight must store the embedding's values there
-  (transformers 5 would use the stored head, 4.x and vLLM the embedding). Extra rows of the embedding beyond the
-  tokenizer's vocabulary are kept (the sampler masks them, see grpo_jax.tokenizer).
+  (transformers 5 would use the stored head, 4.x and vLLM the embedding). Extra rows of the
+  embedding beyond the tokenizer's vocabulary are kept (the sampler masks them, see
+  grpo_jax.tokenizer).
   """
   ckpt = resolve(path_or_id)
   cfg = read_config(ckpt)
@@ -253,9 +255,7 @@ def load_checkpoint(path_or_id, param_dtype=jnp.float32, mesh=None):
     shardings = sharding_lib.param_shardings(qwen.logical_axes(cfg), abstract, mesh)
   else:
     shardings = jax.tree.map(lambda _: None, abstract)
-  files = _weight_files(ckpt)
-  listing = ckpt / INDEX_FILE if (ckpt / INDEX_FILE).is_file() else ckpt / SINGLE_FILE
-  read = _Reader(files, listing)
+  read = _Reader(ckpt)
   params: dict = {}
 
   def place(path, host_array):
