@@ -319,7 +319,8 @@ def render(sweep_dir, runs, plotted, effect=EFFECT_POINTS, metric="gain") -> str
   lines += ["", "## Intervals over seeds", "",
             "Mean [95% interval of the mean over seeds]: Student's t, mean ± t(0.975, n − 1) "
             "· s / √n with s the sample std; none for one seed. It assumes roughly normal seed "
-            "outcomes, and from 2-3 seeds it is wide: that is how little they say. Seeds needed: per setting, for a two-sample comparison of gain to detect "
+            "outcomes, and from 2-3 seeds it is wide: that is how little they say. Seeds "
+            "needed: per setting, for a two-sample comparison of gain to detect "
             f"{effect:g} points with {stats.POWER:.0%} power at the 5% level (two-sided), at "
             "this setting's std (normal approximation with Guenther's correction).", ""]
   header = ["setting", "n", "start acc %", "final acc %", "gain (points)",

@@ -414,8 +414,8 @@ def _nucleus_draw(sp: SamplingParams, head, h_BD, inv_temp, uniforms, num_draws,
   (cut-set mass) >= top_p: one round (two head passes) almost always settles every row; rows
   that do not are redrawn, up to MAX_EXTRA_ROUNDS times. A row still without an accepted
   candidate then takes its top token (found through its block of the first pass, as greedy
-  does), which is always kept: exact unless that happens. Returns (token, logit, logsumexp of the cut set, extra rounds, whether each row
-  fell back to its top token).
+  does), which is always kept: exact unless that happens. Returns (token, logit, logsumexp of
+  the cut set, extra rounds, whether each row fell back to its top token).
   """
   n = uniforms.num_chunks
   s = num_draws if sp.top_p < 1.0 else 1

@@ -48,9 +48,10 @@ def render(question: str, response: str, opts: QualityOptions = QualityOptions()
   """The chat messages sent to the scorer for one (question, response) pair. Chat control tokens
   written in them stay text (text.defuse_control_tokens): a response cannot close the user turn
   and answer for the scorer."""
+  shown = lambda s, n: text.defuse_control_tokens(text.middle_truncate(s, n))
   return [{"role": "user", "content": PROMPT.format(
-      question=text.defuse_control_tokens(text.middle_truncate(question, opts.max_question_chars)),
-      response=text.defuse_control_tokens(text.middle_truncate(response, opts.max_response_chars)))}]
+      question=shown(question, opts.max_question_chars),
+      response=shown(response, opts.max_response_chars))}]
 
 
 def _score_value(v) -> float | None:
