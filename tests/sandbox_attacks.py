@@ -44,9 +44,9 @@ def libc_call(name, *args):
     raise OSError(e, os.strerror(e))
   return r
 NR = {'x86_64': dict(keyctl=250, bpf=321, perf_event_open=298, mount_setattr=442,
-                     pidfd_send_signal=424),
+                     pidfd_send_signal=424, clone=56),
       'aarch64': dict(keyctl=219, bpf=280, perf_event_open=241, mount_setattr=442,
-                      pidfd_send_signal=424)}[os.uname().machine]
+                      pidfd_send_signal=424, clone=220)}[os.uname().machine]
 def daemon():
   """fork, setsid, fork: a grandchild that would outlive the call; returns in the caller."""
   if os.fork() == 0:
@@ -84,13 +84,13 @@ ATTACKS = {
     "daemon: fork, setsid, fork": ("""
         daemon()
         report(ns=os.readlink('/proc/self/ns/pid'))
-    """, dict(audit=False), "no_survivor"),
+    """, dict(audit=False, seccomp=False), "no_survivor"),
     "daemon: subprocess (_posixsubprocess)": ("""
         import subprocess
         subprocess.Popen(['/bin/sleep', '30'], start_new_session=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         report(ns=os.readlink('/proc/self/ns/pid'))
-    """, dict(audit=False), "no_survivor"),
+    """, dict(audit=False, seccomp=False), "no_survivor"),
     "daemon: libc through cffi": ("""
         import _cffi_backend as b
         lib, i = b.load_library(None), b.new_primitive_type('int')
@@ -102,7 +102,22 @@ ATTACKS = {
             time.sleep(30)
           os._exit(0)
         report(ns=os.readlink('/proc/self/ns/pid'))
-    """, dict(audit=False), "no_survivor"),
+    """, dict(audit=False, seccomp=False), "no_survivor"),
+    "a second process: fork, vfork, posix_spawn, clone": ("""
+        def once(fn):
+          pid = fn()
+          if pid == 0:
+            os._exit(0)
+          return pid
+        attempt('fork', lambda: once(os.fork))
+        attempt('posix_spawn', lambda: os.posix_spawn('/bin/true', ['true'], {}))
+        attempt('vfork (libc)', lambda: once(lambda: libc_call('vfork')))
+        attempt('clone(SIGCHLD)', lambda: once(lambda: libc_call(
+            'syscall', NR['clone'], 17, None, None, None, None)))
+        attempt('clone(CLONE_VM|SIGCHLD)', lambda: once(lambda: libc_call(
+            'syscall', NR['clone'], 0x100 | 17, None, None, None, None)))
+        report()
+    """, dict(audit=False), "none"),
     "read the caller's command line and environment": ("""
         seen = {}
         for pid in [str(TRAINER), str(os.getppid())] + [p for p in os.listdir('/proc')
@@ -221,6 +236,33 @@ ATTACKS = {
           builtins.isinstance = real
         report(ns=os.readlink('/proc/self/ns/pid'))
     """, dict(audit=True), "no_survivor"),
+    "switch off the audit hook with a subinterpreter": ("""
+        # A subinterpreter starts without the hook: ctypes and fork would then pass it.
+        import importlib
+        for name in ('_xxsubinterpreters', '_interpreters', '_xxinterpchannels'):
+          sys.modules.pop(name, None)
+          attempt(f'import {name}', lambda: __import__(name))
+          sys.modules.pop(name, None)
+          attempt(f'import_module({name})', lambda: importlib.import_module(name))
+        report()
+    """, dict(audit=True), "none"),
+    "read the trainer's keys in /proc/keys": ("""
+        def dump(path):
+          text = open(path).read()
+          print(text, flush=True)  # all of it: the trainer looks for its secret in the output
+          return len(text)
+        attempt('/proc/keys', lambda: dump('/proc/keys'))
+        attempt('/proc/key-users', lambda: dump('/proc/key-users'))
+        report()
+    """, dict(audit=False), "no_secret"),
+    "unsafe mode: leave an unremovable directory": ("""
+        # Clean-up must not raise into the trainer (as an ordinary user a 0000 directory can be
+        # neither listed nor emptied without a chmod first).
+        os.makedirs('d/e')
+        open('d/e/f', 'w').write('x')
+        os.chmod('d/e', 0), os.chmod('d', 0)
+        report(cwd=os.getcwd())
+    """, dict(mode="unsafe"), "removed"),
     "ctypes, cffi and _posixsubprocess past the import check": ("""
         import importlib
         for name in ('ctypes', '_ctypes', '_cffi_backend', '_posixsubprocess'):
@@ -281,9 +323,7 @@ def run_attack(name: str, ctx: dict) -> dict:
   if check == "no_survivor":
     if not any(step.startswith("fork") for step in steps):
       steps["fork"] = "ok"  # the daemon attacks fork outside attempt()
-    deadline = time.monotonic() + 2.0  # SIGKILL is sent when the call ends; dying takes a moment
-    while "ns" in seen and _pid_namespace_members(seen["ns"]) and time.monotonic() < deadline:
-      time.sleep(0.02)
+    # run_python returns once the namespace is empty: no waiting here.
     survivors = _pid_namespace_members(seen["ns"]) if "ns" in seen else []
     escaped = [f"processes outlived the call: {survivors}"] if survivors else []
   elif check == "no_secret":
@@ -298,6 +338,11 @@ def run_attack(name: str, ctx: dict) -> dict:
         escaped.append(f"a connection reached {server.getsockname()!r}")
       except BlockingIOError:
         pass
+  elif check == "removed":
+    escaped = []  # what it did was its own directory's business; that it is gone is checked
+    if "cwd" not in seen or os.path.exists(seen["cwd"]):
+      escaped.append(f"the directory was not removed: {seen.get('cwd')}")
+    steps["clean-up"] = "PermissionError: removed" if not escaped else "ok"
   elif check == "disk":
     escaped = []  # writing inside the cap is what the directory is for
     if seen.get("written", 0) > options["disk_bytes"]:
@@ -316,6 +361,8 @@ def run_attack(name: str, ctx: dict) -> dict:
       return "--disable-userns"  # no user namespace can be made inside the sandbox's
     if code == "EPERM" and not options.get("seccomp", True):
       return "no capability"
+    if step == "clean-up":
+      return "clean-up (unsafe mode)"
     return LAYERS.get(code, code)
   layers = sorted({layer(step, what) for step, what in steps.items() if not what.startswith("ok")})
   if check == "no_survivor" and "ns" in seen and any(
@@ -323,6 +370,18 @@ def run_attack(name: str, ctx: dict) -> dict:
     layers.append("PID namespace (killed with the call)")
   return {"attack": name, "escaped": escaped, "layers": layers, "steps": steps,
           "status": r.status, "stderr": r.stderr[-300:] if not steps else ""}
+
+
+def _add_key(description: str) -> None:
+  """A key in the trainer's session keyring, named `description` (add_key(2), through ctypes:
+  the standard library has no keyring call). Where the kernel refuses, the attack on
+  /proc/keys has nothing to find, which is said on stderr."""
+  import ctypes  # pylint: disable=import-outside-toplevel
+  nr = {"x86_64": 248, "aarch64": 217}.get(os.uname().machine)
+  libc = ctypes.CDLL(None, use_errno=True)
+  if nr is None or libc.syscall(nr, b"user", description.encode(), b"x", 1, -3) == -1:
+    print(f"add_key: {os.strerror(ctypes.get_errno())}: /proc/keys holds no key of ours",
+          file=sys.stderr)
 
 
 def main() -> None:
@@ -346,6 +405,7 @@ def main() -> None:
     server.setblocking(False)
     servers.append(server)
   os.chmod(socket_path, 0o777)
+  _add_key(f"grpo_trainer_{secret}")
   ctx = dict(trainer=os.getpid(), private=private, public=public, socket_path=socket_path,
              abstract=abstract, secret=secret, servers=servers)
   try:

@@ -16,21 +16,26 @@ seccomp filter compiled with libseccomp; the child's side is sandbox_child.py. L
   nobody inside to the trainer's uid outside, with no capabilities and no further user
   namespaces (--disable-userns); the trainer's files are then kept out by the mounts.
 - mounts: a fresh root holding only /usr (and the /bin, /lib links), ld.so's cache, the Python
-  installation, a new /proc and a minimal /dev, all read-only but a size-capped tmpfs working
-  directory (/work, disk_bytes). The child holds no capability in the namespace that owns
-  them, so it cannot remount them, and seccomp refuses the mount calls besides.
+  installation, a new /proc (/proc/keys and its like covered) and a minimal /dev, all
+  read-only but a size-capped tmpfs working directory (/sandbox/work, disk_bytes). The child
+  holds no capability in the namespace that owns them, so it cannot remount them, and seccomp
+  refuses the mount calls besides.
 - network, IPC, UTS, cgroup namespaces: no interface but a down loopback, no abstract sockets,
   no System V objects of the host.
-- seccomp (refused with EPERM): ptrace and process_vm_*, every mount and namespace call, pidfd_*,
-  kcmp, socket() (socketpair only for AF_UNIX), connect/bind/listen/accept, keyctl, bpf,
-  perf_event_open, userfaultfd, io_uring, memfd_create, System V IPC, module/kexec/reboot/clock
-  calls; clone3 answers ENOSYS so that clone's namespace flags can be checked.
-- rlimits (sandbox_child.py): CPU seconds, address space, processes, file size, open files.
+- seccomp (refused with EPERM): a second process (fork, vfork, clone without CLONE_THREAD: a
+  call is one process, so RLIMIT_AS bounds its whole memory), ptrace and process_vm_*, every
+  mount and namespace call, pidfd_*, kcmp, socket() (socketpair only for AF_UNIX),
+  connect/bind/listen/accept, keyctl, bpf, perf_event_open, userfaultfd, io_uring, AIO,
+  inotify, memfd_create, System V IPC, module/kexec/reboot/clock calls; clone3 answers ENOSYS
+  so that clone's flags can be checked.
+- rlimits (sandbox_child.py): CPU seconds, address space, processes, file size, open files; and
+  oom_score_adj 1000, so that the OOM killer takes the call before the trainer.
 - wall clock and output: every call has `timeout_s` and `max_output_bytes`; past either, bwrap's
   process group gets SIGKILL, and the namespace with it.
 - environment: only PATH, HOME, TMPDIR and the locale; nothing of the parent's (no tokens).
 - audit hook: a tripwire, not the boundary. It turns the common attempts (fork, subprocess,
-  sockets, ctypes, writes outside /work) into a clear PermissionError for the model.
+  sockets, ctypes, subinterpreters, writes outside the working directory) into a clear
+  PermissionError for the model.
 
 Where the kernel or the machine refuses a layer, `check('strict')` raises SandboxUnavailable
 naming it. sandbox='unsafe' runs the code without the kernel layers (rlimits, nobody when root,
@@ -60,8 +65,13 @@ from grpo_jax.errors import UserError, warn
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
 NOBODY = 65534
 MODES = ("strict", "unsafe")
-WORKDIR = "/work"  # the working directory inside the sandbox (a tmpfs)
-CHILD_PATH = "/sandbox/child.py"  # where sandbox_child.py is mounted inside, read-only
+# Inside the sandbox: the working directory (a tmpfs) and a copy of sandbox_child.py. Under
+# /sandbox, a path no Python installation should be at (_python_dirs refuses one there).
+WORKDIR = "/sandbox/work"
+CHILD_PATH = "/sandbox/child.py"
+# Kernel files that a new /proc shows of the whole machine: /proc/keys lists the keys of the
+# trainer's session keyring (names and sizes) by possession. Each is hidden under /dev/null.
+MASKED_PROC = ("/proc/keys", "/proc/key-users", "/proc/timer_list", "/proc/sched_debug")
 # Statuses: 'ok' (exit 0), 'error' (non-zero exit, e.g. an exception), 'timeout' (wall clock),
 # 'killed' (a signal, e.g. SIGXCPU at the CPU limit), 'output_limit' (too much output).
 STATUSES = ("ok", "error", "timeout", "killed", "output_limit")
@@ -91,6 +101,7 @@ class SandboxResult:
 SCMP_ACT_ALLOW = 0x7FFF0000
 SCMP_CMP_NE, SCMP_CMP_EQ, SCMP_CMP_MASKED_EQ = 1, 4, 7
 AF_UNIX = 1
+CLONE_THREAD = 0x00010000
 TIOCSTI, TIOCLINUX = 0x5412, 0x541C
 CLONE_NAMESPACES = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
                     0x40000000, 0x00000080)  # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID,
@@ -106,7 +117,13 @@ REFUSED_SYSCALLS = (
     "fsmount", "fspick", "pivot_root", "chroot", "unshare", "setns", 467,  # open_tree_attr
     # network: a socketpair is all a program needs (see the socketpair rule)
     "socket", "connect", "bind", "listen", "accept", "accept4",
-    # kernel interfaces no tool needs
+    # a second process: a call is one process (its threads share its address space, so
+    # RLIMIT_AS bounds the whole call's memory); clone is checked for CLONE_THREAD below
+    "fork", "vfork",
+    # kernel interfaces no tool needs; the AIO contexts and inotify instances are counted
+    # machine-wide and per uid, so a call holding them all would starve the trainer
+    "io_setup", "io_destroy", "io_submit", "io_cancel", "io_getevents", "io_pgetevents",
+    "inotify_init", "inotify_init1",
     "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
     "io_uring_setup", "io_uring_enter", "io_uring_register", "memfd_create", "memfd_secret",
     "name_to_handle_at", "open_by_handle_at", "fanotify_init", "lookup_dcookie", "quotactl",
@@ -169,6 +186,7 @@ def seccomp_program() -> bytes:
       rule(eperm, "ioctl", (1, SCMP_CMP_EQ, request, 0))
     for flag in CLONE_NAMESPACES:
       rule(eperm, "clone", (0, SCMP_CMP_MASKED_EQ, flag, flag))
+    rule(eperm, "clone", (0, SCMP_CMP_MASKED_EQ, CLONE_THREAD, 0))  # a process, not a thread
     # clone3 passes its flags in memory, where seccomp cannot look: ENOSYS makes glibc fall
     # back to clone, whose flags the rules above check.
     rule(0x00050000 | errno_lib.ENOSYS, "clone3")
@@ -185,17 +203,26 @@ def seccomp_program() -> bytes:
 # --- bubblewrap ---------------------------------------------------------------------------------
 
 def _python_dirs() -> list[str]:
-  """The directories the interpreter needs, outside /usr: its prefixes (a venv and its base)."""
+  """The directories the interpreter needs, outside /usr: its prefixes (a venv and its base).
+  SandboxUnavailable for one where the sandbox mounts its own (/sandbox, /proc, /dev, /etc)."""
   dirs = []
   for p in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
             os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))):
     p = os.path.realpath(p)
     if p != "/" and not any(p == d or p.startswith(d + "/") for d in ["/usr"] + dirs):
       dirs = [d for d in dirs if not d.startswith(p + "/")] + [p]
+  for d in dirs:
+    for own in ("/sandbox", "/proc", "/dev", "/etc"):
+      if d == own or d.startswith(own + "/") or own.startswith(d + "/"):
+        raise SandboxUnavailable(
+            f"python tool: this Python ({d}) is installed where the sandbox mounts its own "
+            f"{own}; run the trainer with a Python installed elsewhere (e.g. a venv outside "
+            f"{own})")
   return dirs
 
 
-def _bwrap_args(root: bool, disk_bytes: int, main_fd: int, seccomp_fd: int | None) -> list[str]:
+def _bwrap_args(root: bool, disk_bytes: int, main_fd: int, child_fd: int, info_fd: int,
+                seccomp_fd: int | None) -> list[str]:
   if root:
     # bwrap mounts as root (it can reach a Python under a 0700 /root); the child then drops to
     # nobody itself with the only two capabilities it keeps, before any model text is read.
@@ -206,6 +233,7 @@ def _bwrap_args(root: bool, disk_bytes: int, main_fd: int, seccomp_fd: int | Non
     ns = ["--unshare-all", "--unshare-user", "--disable-userns", "--uid", str(NOBODY),
           "--gid", str(NOBODY)]
   args = ["bwrap", *ns, "--die-with-parent", "--new-session", "--hostname", "sandbox",
+          "--info-fd", str(info_fd),
           "--ro-bind", "/usr", "/usr"]
   for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
     if os.path.islink(top):
@@ -224,8 +252,14 @@ def _bwrap_args(root: bool, disk_bytes: int, main_fd: int, seccomp_fd: int | Non
         made.add(parent)
         args += ["--perms", "0755", "--dir", parent]
     args += ["--ro-bind", d, d]
-  args += ["--ro-bind", CHILD, CHILD_PATH, "--proc", "/proc", "--dev", "/dev",
-           "--perms", "0777", "--size", str(disk_bytes), "--tmpfs", WORKDIR,
+  # The child's file is copied in (no host path of the checkout in bwrap's argv, which the
+  # sandbox's pid 1 shows in /proc/1/cmdline).
+  args += ["--perms", "0755", "--dir", "/sandbox", "--perms", "0644", "--file", str(child_fd),
+           CHILD_PATH, "--proc", "/proc", "--dev", "/dev"]
+  for path in MASKED_PROC:
+    if os.path.exists(path):  # the new /proc has what the host's has (one kernel)
+      args += ["--ro-bind", "/dev/null", path]
+  args += ["--perms", "0777", "--size", str(disk_bytes), "--tmpfs", WORKDIR,
            "--perms", "0644", "--file", str(main_fd), f"{WORKDIR}/main.py",
            "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORKDIR,
            "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORKDIR,
@@ -349,10 +383,40 @@ def _collect(proc: subprocess.Popen, deadline: float, max_bytes: int) -> tuple[b
 
 
 def _remove(path: str) -> None:
-  def make_writable(func, p, _):  # the code may have chmod-ed a directory read-only
-    os.chmod(os.path.dirname(p), 0o700)
-    func(p)
-  shutil.rmtree(path, onerror=make_writable)
+  """Removes the unsafe mode's directory, whatever modes the code left on what it made (as an
+  ordinary user a 0000 directory can be neither listed nor emptied); warns rather than raises
+  (the call's result matters more than its litter)."""
+  def make_writable(func, p, _):
+    for d in (os.path.dirname(p), p):
+      if os.path.isdir(d) and not os.path.islink(d):
+        os.chmod(d, 0o700)
+    if os.path.isdir(p) and not os.path.islink(p):
+      shutil.rmtree(p, onerror=make_writable)
+    else:
+      os.remove(p)
+  try:
+    shutil.rmtree(path, onerror=make_writable)
+  except OSError as e:
+    warn(f"python tool: could not remove the unsafe mode's directory {path}: {e}")
+
+
+def _wait_for_namespace(info: bytes, deadline_s: float = 5.0) -> None:
+  """Waits (up to deadline_s) until the call's PID namespace is empty. Its init's pid comes from
+  bwrap's --info-fd; the kernel lets that init finish exiting (a zombie, or reaped) only after
+  every other process of the namespace is gone, and tears it down after bwrap returns."""
+  try:
+    pid = int(json.loads(info)["child-pid"])
+  except (ValueError, KeyError, TypeError):
+    return  # bwrap stopped before starting the namespace
+  end = time.monotonic() + deadline_s
+  while time.monotonic() < end:
+    try:
+      with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+          return
+    except (OSError, IndexError):
+      return  # reaped
+    time.sleep(0.005)
 
 
 def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
@@ -377,6 +441,7 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
   start = time.monotonic()
   root = os.geteuid() == 0
   ready_r, ready_w = os.pipe()
+  info_r, info_w = os.pipe() if mode == "strict" else (-1, -1)
   fds, workdir = [], None
   try:
     config = dict(memory_bytes=memory_bytes, max_processes=max_processes,
@@ -385,9 +450,10 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
                   max_write_opens=max_write_opens, audit=audit, ready_fd=ready_w, mode=mode)
     source = code.encode("utf-8", "surrogatepass")
     if mode == "strict":
-      fds = [_memfd("main.py", source)] + ([_memfd("seccomp", seccomp_program())] if seccomp
-                                           else [])
-      argv = _bwrap_args(root, disk_bytes, fds[0], fds[1] if seccomp else None) + [
+      fds = [_memfd("main.py", source), _memfd("child.py", _child_source())] + (
+          [_memfd("seccomp", seccomp_program())] if seccomp else [])
+      argv = _bwrap_args(root, disk_bytes, fds[0], fds[1], info_w,
+                         fds[2] if seccomp else None) + [
           "--", sys.executable, "-I", "-u", CHILD_PATH, json.dumps(config)]
       cwd, env = "/", {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     else:
@@ -404,12 +470,15 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
       proc = subprocess.Popen(
           argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
           stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
-          pass_fds=(ready_w, *fds))
+          pass_fds=(ready_w, *fds, *([info_w] if info_w >= 0 else [])))
     except FileNotFoundError as e:
       raise SandboxError(f"the sandbox's set-up failed: {e.filename} not found (bubblewrap "
                          "installed? see sandbox.check)") from None
     os.close(ready_w)
     ready_w = -1
+    if info_w >= 0:
+      os.close(info_w)
+      info_w = -1
     for fd in fds:
       os.close(fd)
     fds = []
@@ -423,8 +492,12 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
       proc.stdout.close()
       proc.stderr.close()
     ready = os.read(ready_r, 1) == b"1"  # the child has exited: this does not block
+    if info_r >= 0:
+      with os.fdopen(info_r, "rb") as f:  # bwrap has exited: its write end is closed
+        info_r = -1
+        _wait_for_namespace(f.read(1 << 16))
   finally:
-    for fd in (ready_r, ready_w, *fds):
+    for fd in (ready_r, ready_w, info_r, info_w, *fds):
       if fd >= 0:
         os.close(fd)
     if workdir is not None:
@@ -444,3 +517,9 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
 
 
 _SIGNALS = frozenset(int(s) for s in signal_lib.Signals)
+
+
+@functools.lru_cache(maxsize=1)
+def _child_source() -> bytes:
+  with open(CHILD, "rb") as f:
+    return f.read()

@@ -30,10 +30,14 @@ REFUSED = frozenset({
     "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.spawn",
     "subprocess.Popen", "os.kill", "os.killpg", "signal.pthread_kill", "os.symlink", "os.link",
     "resource.prlimit", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
-    "sys._current_frames"})
+    "sys._current_frames", "cpython.PyInterpreterState_New"})
 REFUSED_PREFIXES = ("socket.", "ctypes.")
+# A subinterpreter starts without this interpreter's audit hooks: its modules are refused, and
+# its creation (the cpython.PyInterpreterState_New event) too.
 REFUSED_IMPORTS = frozenset({"subprocess", "_posixsubprocess", "multiprocessing", "socket",
-                             "_socket", "ctypes", "_ctypes", "pty", "_cffi_backend", "cffi"})
+                             "_socket", "ctypes", "_ctypes", "pty", "_cffi_backend", "cffi",
+                             "_xxsubinterpreters", "_xxinterpchannels", "_interpreters",
+                             "_interpchannels", "_interpqueues", "concurrent.interpreters"})
 # Events that change the file system: (indices of path arguments, indices of dir_fd arguments).
 PATH_EVENTS = {
     "os.mkdir": ((0,), (2,)), "os.rmdir": ((0,), (1,)), "os.remove": ((0,), (1,)),
@@ -52,6 +56,13 @@ def set_limits(c: dict) -> None:
     resource.setrlimit(limit, (value, value))
   # SIGXCPU at the soft limit, SIGKILL one second later if it is caught.
   resource.setrlimit(resource.RLIMIT_CPU, (c["cpu_s"], c["cpu_s"] + 1))
+
+
+def prefer_for_oom_kill() -> None:
+  """oom_score_adj 1000: if the machine runs out of memory, the kernel kills this call before
+  the trainer (raising one's own score needs no privilege)."""
+  with open("/proc/self/oom_score_adj", "w", encoding="ascii") as f:
+    f.write("1000")
 
 
 def drop_root(uid: int) -> None:
@@ -138,7 +149,9 @@ def make_hook(root: str, max_write_opens: int):
 def run_main() -> None:
   """Compiles and runs ./main.py as __main__."""
   with open("main.py", "rb") as f:
-    source = f.read()
+    # The model's code is text: compiled as a str, so a `# coding:` line cannot re-decode it.
+    # (sandbox.run_python encodes it with surrogatepass; a lone surrogate fails to compile.)
+    source = f.read().decode("utf-8", "surrogatepass").removeprefix("\ufeff")
   module = types.ModuleType("__main__")
   module.__builtins__ = builtins
   sys.modules["__main__"] = module  # user code must not see this file's globals
@@ -159,6 +172,7 @@ def run_main() -> None:
 def main() -> None:
   config = json.loads(sys.argv[1])
   set_limits(config)
+  prefer_for_oom_kill()
   if config["mode"] == "unsafe":
     for name in PRELOAD:
       __import__(name)
