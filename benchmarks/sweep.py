@@ -102,7 +102,11 @@ def plan(config: str, workdir: str, k: int, steps: int, lora: bool) -> dict:
 
 
 def _entries(directory) -> int:
-  return len(os.listdir(directory)) if os.path.isdir(directory) else 0
+  """Programs in a compilation cache directory (JAX writes <name>-<key>-cache for each, beside
+  its -atime stamp)."""
+  if not os.path.isdir(directory):
+    return 0
+  return sum(name.endswith("-cache") for name in os.listdir(directory))
 
 
 def main():
