@@ -25,13 +25,19 @@ measures, after its steps, in the same process:
   roofline   bytes one decode step must move, counted analytically:
                weights  every parameter once, in the compute dtype (bf16; the tied LM head is
                         the embedding, counted once)
-               KV cache k and v of every layer over all P + C slots (the loop attends to the
-                        whole cache every step; unwritten slots are masked, not skipped)
+               KV cache k and v of every layer over the live slots only, the ones a step
+                        attends to: step i (of C) of the loop reads the P prompt-bucket slots
+                        and the i tokens generated before it and writes its own, P + i + 1
+                        slots, so P + (C + 1) / 2 on average over the C steps (not the whole
+                        P + C capacity). The same floor for both decode attentions: the XLA
+                        einsum reads all P + C slots every step (unwritten ones masked), the
+                        Pallas kernel the slots before its own in whole blocks of 64; what
+                        either reads beyond the live slots is its overhead, not the floor
                logits   R × V fp32, written once
-             over the HBM bandwidth of the device's datasheet (and a measured copy: read +
-             write of a 1 GiB array), giving the ms per step at the roofline and the fraction
-             of it reached. Also the weights as the step reads them today (fp32 master params,
-             cast per step);
+             over the HBM bandwidth of the device's datasheet (`datasheet`; "n/a" for a card
+             not in its table) and of a measured copy (read + write of a 1 GiB array), giving
+             the ms per step at the roofline and the fraction of it reached. Also the weights
+             as the step reads them today (fp32 master params, cast per step);
   kernels    kernels per decode step, counted in the decode program's optimized HLO
              (`count_loop_kernels`): every instruction of the decode loop's body and condition
              that launches work (fusions, custom calls such as cuBLAS GEMMs, copies, ...), with
@@ -44,8 +50,10 @@ measures, after its steps, in the same process:
              than twice jax.numpy's bf16 one and more than 2^-8;
   MFU        model FLOPs of the reference forward (F) and of the update (policy forward +
              backward, 3F), trl_step.step_flops' count (matmuls only, no remat recompute), over
-             the phase times and the bf16 matmul peak measured in the same process (an
-             8192³ bf16 product of random data, median of 10);
+             the phase times and two peaks: the bf16 matmul rate measured in the same process
+             (an 8192³ bf16 product of random data, median of 10; on an H100 about 2/3 of the
+             datasheet's) and the datasheet's dense bf16 peak (`datasheet`; "n/a" for a card
+             not in its table), the usual MFU denominator;
   memory     peak device memory of the process (`device.memory_stats()['peak_bytes_in_use']`);
              TRL's from torch.cuda.max_memory_allocated;
   profile    with --profile, last: one sampling call (prefill and the decode loop) and one call
@@ -94,9 +102,28 @@ SIZES = {
     "smoke": dict(layers=2, hidden=64, heads=4, kv_heads=2, mlp=256, remat=False),
 }
 SMOKE = dict(prompts=2, g=2, new_tokens=4)
-# HBM bandwidth from the datasheets, TB/s, by a substring of jax's device_kind.
-HBM_TBPS = {"GH200": 4.0, "H200": 4.8, "H100 PCIe": 2.0, "H100": 3.35, "A100-SXM4-80GB": 2.039,
-            "A100 80GB PCIe": 1.935, "A100": 1.555, "L4": 0.3}
+# Datasheet figures by jax's device_kind: (name, HBM bandwidth TB/s, dense bf16 matmul peak
+# TFLOP/s, without sparsity), None where not listed. `datasheet` takes the first entry whose name
+# is in device_kind as whole words, so the variants come before the names they contain.
+DATASHEETS = (
+    ("GH200 144G HBM3e", 4.9, None), ("GH200 480GB", 4.0, None),
+    ("H100 NVL", 3.9, None), ("H100 PCIe", 2.0, 756), ("H100 80GB HBM3", 3.35, 989),
+    ("H100 SXM", 3.35, 989), ("H200 NVL", 4.8, None), ("H200", 4.8, 989),
+    ("A100-SXM4-80GB", 2.039, 312), ("A100 80GB PCIe", 1.935, 312),
+    ("A100-SXM4-40GB", 1.555, 312), ("A100-PCIE-40GB", 1.555, 312), ("A100", None, 312),
+    ("L4", 0.3, None),
+)
+
+
+def datasheet(device_kind: str) -> tuple[float | None, float | None]:
+  """(HBM TB/s, dense bf16 TFLOP/s) of the card jax's device_kind names ('NVIDIA H100 80GB
+  HBM3'), from DATASHEETS: the first entry whose name appears in it as whole words (so 'H100'
+  is not 'GH200', and 'H100 NVL' is found before any H100); None for what is not known, rather
+  than a near match (an 'NVIDIA H800', a CPU)."""
+  for name, tbps, tflops in DATASHEETS:
+    if re.search(rf"(?<!\w){re.escape(name)}(?!\w)", device_kind, re.IGNORECASE):
+      return tbps, tflops
+  return None, None
 
 
 def configure(smoke: bool, tokenizer: str, gsm8k: str) -> None:
@@ -217,15 +244,18 @@ def count_loop_kernels(hlo_text: str, key=None) -> collections.Counter:
 
 # --- analytic decode traffic ------------------------------------------------------------------
 
-def decode_bytes(spec: dict, rows: int, slots: int, weight_bytes: int = 2,
+def decode_bytes(spec: dict, rows: int, prompt_slots: int, steps: int, weight_bytes: int = 2,
                  cache_bytes: int = 2) -> dict:
-  """Bytes one decode step moves at least: every weight once, the whole KV cache, the logits."""
+  """Bytes one decode step moves at least, on average over a loop of `steps` steps after a
+  prompt bucket of `prompt_slots`: every weight once, k and v of the live slots (step i attends
+  to prompt_slots + i + 1 of them: `live_slots` is their mean), the logits."""
   L, D, H, K, I = (spec[k] for k in ("layers", "hidden", "heads", "kv_heads", "mlp"))
   h, V = D // H, spec["vocab"]
   per_layer = D * (H + 2 * K) * h + (H + 2 * K) * h + H * h * D + 3 * D * I + 2 * D
   params = L * per_layer + V * D + D  # tied: the LM head is the embedding
-  return {"params": params, "weights": params * weight_bytes,
-          "kv_cache": 2 * L * rows * K * slots * h * cache_bytes,
+  live = prompt_slots + (steps + 1) / 2
+  return {"params": params, "weights": params * weight_bytes, "live_slots": live,
+          "kv_cache": 2 * L * rows * K * h * cache_bytes * live,
           "logits": rows * spec["valid_vocab"] * 4}
 
 
@@ -423,6 +453,7 @@ def _sampler_figures(spec, sampler, params, out, kernels):
     out["decode_steps"] = int(results["steps"])
   out["prefill_s"], out["decode_s"] = min(times["prefill"]), min(times["decode"])
   out["rows"], out["slots"] = int(conv.row_ids.shape[0]), int(conv.cache["k"].shape[3])
+  out["prompt_slots"] = int(conv.state["slot"]) - out["decode_steps"]  # the prompt bucket
   if sampler.cfg.decode_attention == "pallas":
     out["fused_attention_error"] = fused_attention_error(sampler.cfg, conv)
   if kernels:
@@ -593,20 +624,23 @@ def report(size, spec, runs, args, remat) -> float | None:
     print(f"  sampler alone: prefill {1e3 * gj['prefill_s']:.1f} ms; decode {n} steps in "
           f"{gj['decode_s']:.3f} s = {ms:.3f} ms/step, {gj['rows'] * n / gj['decode_s']:,.0f} "
           f"tokens/s ({gj['rows']} rows)")
-    b = decode_bytes(spec, gj["rows"], gj["slots"])
+    b = decode_bytes(spec, gj["rows"], gj["prompt_slots"], n)
     total = b["weights"] + b["kv_cache"] + b["logits"]
-    kind = gj.get("device", "")
-    tbps = next((v for k, v in HBM_TBPS.items() if k in kind), None)
     print(f"  bytes per decode step (analytic): weights {b['weights'] / GB:.3f} GB (bf16, "
-          f"{b['params'] / 1e6:.0f}M params) + KV cache {b['kv_cache'] / GB:.3f} GB "
-          f"({gj['slots']} slots x {gj['rows']} rows, bf16) + logits {b['logits'] / GB:.3f} GB"
-          f" = {total / GB:.3f} GB; with the fp32 master weights read each step: "
-          f"{(total + b['weights']) / GB:.3f} GB")
+          f"{b['params'] / 1e6:.0f}M params) + KV cache {b['kv_cache'] / GB:.3f} GB (the live "
+          f"slots: {gj['prompt_slots']} prompt + those generated so far, {b['live_slots']:g} "
+          f"of the {gj['slots']} on average over {n} steps, x {gj['rows']} rows, bf16) + "
+          f"logits {b['logits'] / GB:.3f} GB = {total / GB:.3f} GB; with the fp32 master "
+          f"weights read each step: {(total + b['weights']) / GB:.3f} GB")
+    tbps = datasheet(gj.get("device", ""))[0]
     for name, bw in (("datasheet", tbps), ("measured copy", gj.get("copy_tbps"))):
       if bw:
         floor = 1e3 * total / (bw * 1e12)
         print(f"  HBM roofline ({name} {bw:.2f} TB/s): {floor:.3f} ms/step; grpo_jax "
               f"{ms:.3f} ms/step = {100 * floor / ms:.0f}% of it")
+      elif name == "datasheet":
+        print(f"  HBM roofline ({name}): n/a ({gj.get('device', 'the device')} is not in the "
+              f"datasheet table)")
   if "decode_kernels" in gj:
     print(f"  kernels per decode step (optimized HLO of the decode loop): "
           f"{gj['decode_kernels']} {gj['decode_kernel_ops']}")
@@ -622,12 +656,17 @@ def report(size, spec, runs, args, remat) -> float | None:
     bad = kernel > max(2 * xla, 2 ** -8)
     print(f"  fused decode attention against float32: max |diff| {kernel:.2e} (jax.numpy in "
           f"bf16: {xla:.2e}){'  FAILED' if bad else ''}")
-  peak = gj.get("bf16_peak_tflops")
   f = trl_step.step_flops(spec, _phase(gj, "decode_steps", skip) or c)
   ref, upd = _phase(gj, "reference_s", skip), _phase(gj, "update_s", skip)
-  if peak:
-    mfu = lambda flops, s: "n/a" if not s else f"{100 * flops / (s * peak * 1e12):.0f}%"
-    print(f"  train MFU at the measured bf16 matmul peak {peak:.3g} TFLOP/s: reference forward"
+  for name, peak in (("the measured bf16 matmul peak", gj.get("bf16_peak_tflops")),
+                     ("the datasheet dense bf16 peak", datasheet(gj.get("device", ""))[1])):
+    if not peak:
+      if "datasheet" in name:
+        print(f"  train MFU at {name}: n/a ({gj.get('device', 'the device')} is not in the "
+              f"datasheet table)")
+      continue
+    mfu = lambda flops, s, peak=peak: "n/a" if not s else f"{100 * flops / (s * peak * 1e12):.0f}%"
+    print(f"  train MFU at {name} {peak:.3g} TFLOP/s: reference forward"
           f" {f['reference'] / 1e12:.2f} TFLOP in {_fmt(ref)} = {mfu(f['reference'], ref)}; "
           f"update (policy forward + backward) {f['policy'] / 1e12:.2f} TFLOP in {_fmt(upd)} = "
           f"{mfu(f['policy'], upd)}; whole step {f['total'] / 1e12:.2f} TFLOP = "

@@ -8,8 +8,16 @@ The runs are an lr sweep (8 rates, seed 0) sharing one warm start, as `python -m
 from a copy of its step-0 checkpoint. Timed: the 8 separate `python -m grpo_jax.main` processes
 one after another, then the one `python -m grpo_jax.train --spec` process running all 8; each arm
 includes its process start, compiles, sampling, rewards, updates, evals, checkpoints and the
-exported models. The separate runs pay the compiles 8 times; the vmapped one once, and batches
-the members' small matmuls.
+exported models. The vmapped process batches the members' small matmuls.
+
+Compiles: each arm has its own persistent compilation cache (`train.compilation_cache`), a
+directory under --workdir that is empty when the arm starts, so no figure depends on what the
+user's cache (~/.cache/grpo_jax/xla) or an earlier sweep already holds. The 8 separate runs share
+theirs, as runs with the default settings share the user's: the members differ only in lr, which
+reaches the programs as an hparam, so run 1 compiles the programs and runs 2..8 load them from
+the cache (each run still pays its own process start, and the loads). The vmapped group compiles
+its own programs once into its cache; the prefix (warm start) has a third. The caches used are
+printed.
 
 Prints `vmapped_sweep_speedup=<separate wall time / vmapped wall time>` (end to end),
 `vmapped_step_speedup=<sum of the separate runs' median step times / the group's median step
@@ -40,6 +48,7 @@ sys.path.insert(0, REPO)
 
 from grpo_jax import sweep, sweep_runner  # noqa: E402  (no jax: the runs are subprocesses)
 
+CACHES = ("prefix", "separate", "vmapped")  # one compilation cache each, under --workdir
 TIMING = ("time/sample_s", "time/reward_s", "time/train_s", "time/step_s",
           "sampler/tokens_per_s", "sampler/seconds",
           "sampler/prefill_seconds")  # train.TIMING_METRICS (not imported: no jax here)
@@ -67,6 +76,39 @@ def _metrics(d):
     return [json.loads(line) for line in f if line.strip()]
 
 
+def plan(config: str, workdir: str, k: int, steps: int, lora: bool) -> dict:
+  """The sweep's runs, built but not run: the prefix (warm start) command, the K separate runs'
+  (workdir, command) pairs and the vmapped group's spec, each arm with its own compilation cache
+  under workdir (CACHES; main makes them empty): the separate runs share one, the group has
+  one, the prefix one."""
+  caches = {arm: os.path.join(workdir, "compilation_cache", arm) for arm in CACHES}
+  fixed = {"sft.steps": 20, "sft.target_accuracy": 0.0, "train.steps": steps,
+           "train.eval_examples": 32, "train.tensorboard": False}
+  # Around each preset's own rate (tiny 3e-4 with its cosine, tiny_lora 3e-3).
+  lrs = [(3e-4 if lora else 1e-5) * 1.5 ** i for i in range(k)]
+  members = [{**fixed, "optim.lr": lr} for lr in lrs]
+  cached = lambda args, arm: {**args, "train.compilation_cache": caches[arm]}
+  prefix = os.path.join(workdir, "prefix")
+  separate = [os.path.join(workdir, "separate", f"lr{i}") for i in range(k)]
+  vmapped = [os.path.join(workdir, "vmapped", f"lr{i}") for i in range(k)]
+  return {
+      "caches": caches, "prefix_dir": prefix,
+      "prefix": _main_cmd(config, prefix, cached({**fixed, **sweep.PREFIX_OVERRIDES}, "prefix")),
+      "separate": [(d, _main_cmd(config, d, cached(args, "separate")))
+                   for d, args in zip(separate, members)],
+      "group": {"config": config, "members": [{"workdir": d, "args": cached(args, "vmapped")}
+                                              for d, args in zip(vmapped, members)]},
+  }
+
+
+def _entries(directory) -> int:
+  """Programs in a compilation cache directory (JAX writes <name>-<key>-cache for each, beside
+  its -atime stamp)."""
+  if not os.path.isdir(directory):
+    return 0
+  return sum(name.endswith("-cache") for name in os.listdir(directory))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,44 +119,46 @@ def main():
                       help="tiny_lora members on one shared base, and the memory ratio")
   a = parser.parse_args()
   config = "configs/gsm8k.py:tiny_lora" if a.lora else "configs/gsm8k.py:tiny"
-  shutil.rmtree(a.workdir, ignore_errors=True)
-  os.makedirs(a.workdir)
-  log = os.path.join(a.workdir, "log.txt")
-  fixed = {"sft.steps": 20, "sft.target_accuracy": 0.0, "train.steps": a.steps,
-           "train.eval_examples": 32, "train.tensorboard": False}
-  # Around each preset's own rate (tiny 3e-4 with its cosine, tiny_lora 3e-3).
-  lrs = [(3e-4 if a.lora else 1e-5) * 1.5 ** i for i in range(a.k)]
-  members = [{**fixed, "optim.lr": lr} for lr in lrs]
+  workdir = os.path.abspath(a.workdir)  # the runs start in the repository
+  shutil.rmtree(workdir, ignore_errors=True)
+  runs = plan(config, workdir, a.k, a.steps, a.lora)
+  for d in runs["caches"].values():
+    os.makedirs(d)  # empty: nothing compiled before this sweep is loaded
+  log = os.path.join(workdir, "log.txt")
   load = os.getloadavg()[0]
+  c = runs["caches"]
+  print(f"compilation caches, each empty at the start: the {a.k} separate runs share "
+        f"{c['separate']}; the vmapped group {c['vmapped']}; the prefix {c['prefix']}",
+        flush=True)
 
-  prefix = os.path.join(a.workdir, "prefix")
+  prefix = runs["prefix_dir"]
   t0 = time.perf_counter()
-  _run(_main_cmd(config, prefix, {**fixed, **sweep.PREFIX_OVERRIDES}), log)
+  _run(runs["prefix"], log)
   print(f"warm start (shared, not timed): {time.perf_counter() - t0:.1f} s", flush=True)
 
-  def dirs(arm):
-    out = [os.path.join(a.workdir, arm, f"lr{i}") for i in range(a.k)]
-    for d in out:
+  def start(dirs):
+    for d in dirs:
       os.makedirs(d)
       sweep_runner.start_from_prefix(prefix, d)  # with LoRA, the base_model/ too
-    return out
+    return dirs
 
-  sep_dirs = dirs("separate")
+  sep_dirs = start([d for d, _ in runs["separate"]])
   t0 = time.perf_counter()
-  for d, args in zip(sep_dirs, members):
-    _run(_main_cmd(config, d, args), log)
+  for _, cmd in runs["separate"]:
+    _run(cmd, log)
   t_sep = time.perf_counter() - t0
-  print(f"{a.k} separate runs: {t_sep:.1f} s", flush=True)
+  print(f"{a.k} separate runs: {t_sep:.1f} s (their cache now holds {_entries(c['separate'])} "
+        f"programs)", flush=True)
 
-  v_dirs = dirs("vmapped")
-  spec = os.path.join(a.workdir, "spec.json")
+  v_dirs = start([m["workdir"] for m in runs["group"]["members"]])
+  spec = os.path.join(workdir, "spec.json")
   with open(spec, "w") as f:
-    json.dump({"config": config,
-               "members": [{"workdir": d, "args": args} for d, args in zip(v_dirs, members)]}, f)
+    json.dump(runs["group"], f)
   t0 = time.perf_counter()
   _run([sys.executable, "-m", "grpo_jax.train", f"--spec={spec}"], log)
   t_v = time.perf_counter() - t0
-  print(f"{a.k} runs vmapped in one process: {t_v:.1f} s", flush=True)
+  print(f"{a.k} runs vmapped in one process: {t_v:.1f} s (its cache now holds "
+        f"{_entries(c['vmapped'])} programs)", flush=True)
 
   worst_abs, worst_rel, where = 0.0, 0.0, None
   for ds, dv in zip(sep_dirs, v_dirs):

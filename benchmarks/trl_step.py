@@ -34,7 +34,9 @@ gradient accumulation). Same workload on both sides:
 grpo_jax side: configs/gsm8k.py's default preset with the fields above overridden, then
 grpo_jax.train.Trainer(config, cfg, mesh, tokenizer, stop_ids) as train.run builds it, and
 trainer.grpo_step(state, ref_params, next_rows, rewards, step) per step (see run_grpo_jax),
-ref_params one ulp from the policy, so that every step runs the reference forward.
+ref_params as a run stores them (Trainer.reference, in train_step.reference_dtype), moved
+one ulp from the policy in that dtype, so that every step runs the reference forward
+(benchmark_reference).
 TRL side: GRPOTrainer(model=<checkpoint dir>, ...) with GRPOConfig (use_vllm False, bf16/fp16
 False, per_device_train_batch_size 64, max_steps warmup + steps, logging/saving off, dataset
 not shuffled) and trainer.train(); the step is timed by a TrainerCallback (on_step_begin to
@@ -293,12 +295,7 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   spies = {"step_fn": _Spy(trainer.step_fn)}
   trainer.step_fn = spies["step_fn"]
   state = jax.block_until_ready(trainer.init_state(params))
-  # The reference is the policy moved by one ulp per element: the same forward in every way
-  # that costs time, but not bitwise equal, so the step runs its reference forward as TRL does
-  # every step. (While the policy equals its reference, train_step skips that forward; a real
-  # run's policy leaves it at its first update, this random model earns no reward and never
-  # would.)
-  ref_params = jax.tree.map(lambda x: jnp.nextafter(x, jnp.inf), params)
+  ref_params = benchmark_reference(trainer, params)
   unit, group = spies["step_fn"].fn.micro_layout(NUM_PROMPTS * G)  # as the step runs it
   logprob_fn = train_step.make_logprob_fn(
       cfg, trainer.optim, mesh, temperature=c.sampling.temperature,
@@ -356,6 +353,20 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   out["matmul_gflops"] = 2 * 2048 ** 3 / np.median(times) / 1e9
 
   out["versions"] = {"jax": jax.__version__}
+
+
+def benchmark_reference(trainer, params):
+  """The reference params as a run makes them (Trainer.reference: a copy in
+  train_step.reference_dtype, bf16 with fp32 params and bf16 compute, placed as a run places
+  it), each element then moved by one ulp in that dtype: the same forward and the same memory
+  as a run's in every way that costs, but not equal to the policy as the forward uses it, so
+  the step runs its reference forward as TRL does every step. (While the policy equals its
+  reference, train_step skips that forward; a real run's policy leaves it at its first update,
+  this random model earns no reward and never would.)"""
+  import jax
+  import jax.numpy as jnp
+  return jax.tree.map(lambda x: jnp.nextafter(x, jnp.asarray(jnp.inf, x.dtype)),
+                      trainer.reference(params))
 
 
 def run_trl(spec: dict, forced: bool, out: dict) -> None:

@@ -197,6 +197,8 @@ def test_smoke_run(tmp_path):
                "bytes per decode step (analytic): weights", "HBM roofline (measured copy",
                "kernels per decode step (optimized HLO of the decode loop):",
                "train MFU at the measured bf16 matmul peak", "gpu_step_speedup_vs_trl[smoke]=",
+               "train MFU at the datasheet dense bf16 peak: n/a (cpu: cpu is not in the",
+               "HBM roofline (datasheet): n/a (cpu: cpu is not in the datasheet table)",
                "grpo_jax model: attention xla, decode layers unrolled, decode attention pallas",
                "log-prob blocks 1 MiB", "fused decode attention against float32: max |diff|",
                "profile of sampling (jax.profiler, one call)", "jit__decode_impl",
@@ -204,7 +206,7 @@ def test_smoke_run(tmp_path):
     assert line in out, (line, out[-3000:])
   assert "FAILED" not in out, out[-3000:]
   spec = json.loads((tmp_path / "smoke" / "spec.json").read_text())
-  assert gpu_step.decode_bytes(spec, 4, 100)["params"] == spec["num_params"]
+  assert gpu_step.decode_bytes(spec, 4, 96, 4)["params"] == spec["num_params"]
   # The decode program's HLO is kept, and the printed count is the count of that text.
   counted = gpu_step.count_loop_kernels((tmp_path / "smoke" / "decode_hlo.txt").read_text())
   printed = re.search(r"kernels per decode step \(optimized HLO of the decode loop\): (\d+)", out)
@@ -237,14 +239,67 @@ def test_trace_summary_counts_what_ran(tmp_path):
 
 def test_decode_bytes_at_the_qwen25_shapes():
   """Parameter counts equal the published ones (Qwen2.5-0.5B: 494,032,768; 1.5B:
-  1,543,714,304, tied heads); the KV cache and logits by hand at 128 rows × 448 slots."""
+  1,543,714,304, tied heads); the logits by hand at 128 rows; the KV cache at 128 rows over the
+  live slots of a 256-step loop after a 192-slot prompt bucket (step i attends to 192 + i + 1
+  slots), summed step by step, not the 448-slot capacity."""
   for size, params, layers, kv_h in (("0.5b", 494_032_768, 24, 64),
                                      ("1.5b", 1_543_714_304, 28, 128)):
     spec = dict(gpu_step.SIZES[size], vocab=151_936, valid_vocab=151_665)
-    b = gpu_step.decode_bytes(spec, rows=128, slots=448)
+    b = gpu_step.decode_bytes(spec, rows=128, prompt_slots=192, steps=256)
     assert b["params"] == params and b["weights"] == 2 * params
-    assert b["kv_cache"] == 2 * layers * 128 * 2 * 448 * kv_h * 2  # k and v, 2 kv heads, bf16
+    slot = 2 * layers * 128 * 2 * kv_h * 2  # k and v of one slot: 2 kv heads, bf16
+    per_step = [slot * (192 + i + 1) for i in range(256)]
+    assert b["kv_cache"] == pytest.approx(sum(per_step) / 256, rel=1e-12)
+    assert b["kv_cache"] < slot * 448
     assert b["logits"] == 128 * 151_665 * 4
+  b = gpu_step.decode_bytes(dict(gpu_step.SIZES["smoke"], vocab=100, valid_vocab=90), 1, 3, 2)
+  assert b["live_slots"] == 4.5  # steps attending to 4 and 5 slots
+
+
+def test_datasheet_lookup_matches_the_most_specific_card():
+  """device_kind strings of cards against their datasheets: the variants (H100 NVL, PCIe,
+  GH200's two memories, H200 NVL) are not taken for the plain card, and an unknown card (or a
+  CPU) gets None, not a near match."""
+  cases = {
+      "gpu: NVIDIA H100 80GB HBM3": (3.35, 989), "NVIDIA H100 PCIe": (2.0, 756),
+      "NVIDIA H100 NVL": (3.9, None), "NVIDIA H200": (4.8, 989), "NVIDIA H200 NVL": (4.8, None),
+      "NVIDIA GH200 480GB": (4.0, None), "NVIDIA GH200 144G HBM3e": (4.9, None),
+      "NVIDIA A100-SXM4-80GB": (2.039, 312), "NVIDIA A100-SXM4-40GB": (1.555, 312),
+      "NVIDIA A100 80GB PCIe": (1.935, 312), "NVIDIA A100-PCIE-40GB": (1.555, 312),
+      "NVIDIA L4": (0.3, None), "NVIDIA GH200": (None, None), "NVIDIA H800": (None, None),
+      "NVIDIA H100": (None, None), "NVIDIA GeForce RTX 4090": (None, None),
+      "cpu: cpu": (None, None), "TPU v5 lite": (None, None), "": (None, None)}
+  for kind, want in cases.items():
+    assert gpu_step.datasheet(kind) == want, kind
+
+
+def test_report_figures_by_hand(capsys):
+  """report() on the recorded H100 0.5B figures (2026-11-26): the roofline over the live slots
+  and the MFU at both peaks, each against the formula by hand."""
+  import trl_step  # pylint: disable=import-outside-toplevel
+  gpu_step.configure(False, str(trl_step.QWEN_TOKENIZER), str(trl_step.GSM8K))
+  spec = dict(gpu_step.SIZES["0.5b"], vocab=151_936, valid_vocab=151_665, bucket=192,
+              new_tokens=256, num_params=494_032_768)
+  step = {"step_s": 2.27, "sample_s": 1.27, "reward_s": 0.09, "reference_s": 0.19,
+          "update_s": 0.72, "decode_steps": 256, "mean_length": 256.0}
+  gj = {"steps": [step], "device": "gpu: NVIDIA H100 80GB HBM3", "bf16_peak_tflops": 632.0,
+        "copy_tbps": 2.33, "prefill_s": 0.011, "decode_s": 1.246, "decode_steps": 256,
+        "rows": 128, "slots": 448, "prompt_slots": 192}
+  args = type("Args", (), {"warmup": 0, "smoke": False, "grad_accum": 1})()
+  gpu_step.report("0.5b", spec, {"grpo_jax": gj}, args, False)
+  out = capsys.readouterr().out
+  ms = 1e3 * 1.246 / 256
+  total = 2 * 494_032_768 + 2 * 24 * 128 * 2 * 64 * 2 * (192 + 257 / 2) + 128 * 151_665 * 4
+  floor = 1e3 * total / 3.35e12
+  assert f"HBM roofline (datasheet 3.35 TB/s): {floor:.3f} ms/step" in out, out
+  assert f"= {100 * floor / ms:.0f}% of it" in out, out
+  f = trl_step.step_flops(spec, 256)
+  for peak in (632, 989):
+    update = f"{100 * f['policy'] / (0.72 * peak * 1e12):.0f}%"
+    whole = f"{100 * f['total'] / (2.27 * peak * 1e12):.0f}%"
+    line = next(x for x in out.splitlines() if f"peak {peak:.3g} TFLOP/s" in x)
+    assert f"in 0.72 s = {update}" in line and line.endswith(f"TFLOP = {whole}"), line
+  assert "datasheet dense bf16 peak 989 TFLOP/s" in out, out
 
 
 def test_gpu_kernels_runs_on_the_cpu_programs():

@@ -1,0 +1,110 @@
+"""Benchmarks' set-up, checked without running them: benchmarks/sweep.py's commands (each arm's
+own fresh compilation cache), benchmarks/lora_decode.py's timed step (the KV cache written in
+place) and benchmarks/trl_step.py's reference params (stored as a run stores them)."""
+import importlib.util
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax import compile_cache, sweep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def _load(name, path):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_sweep_gives_each_arm_a_fresh_compilation_cache(tmp_path):
+  """Every command sweep.py builds names its arm's compilation cache once: the K separate runs
+  one directory, the vmapped group's members another, the prefix a third, all under the
+  sweep's workdir (which main empties), none of them the user's default cache."""
+  bench = _load("sweep_benchmark", "sweep.py")
+  workdir = str(tmp_path / "bench")
+  runs = bench.plan("configs/gsm8k.py:tiny", workdir, k=3, steps=2, lora=False)
+  flag = "--config.train.compilation_cache="
+
+  def cache_of(cmd):
+    found = [x[len(flag):] for x in cmd if x.startswith(flag)]
+    assert len(found) == 1, cmd
+    return found[0]
+
+  prefix = cache_of(runs["prefix"])
+  separate = {cache_of(cmd) for _, cmd in runs["separate"]}
+  members = runs["group"]["members"]
+  vmapped = {m["args"]["train.compilation_cache"] for m in members}
+  assert len(runs["separate"]) == len(members) == 3
+  assert len(separate) == len(vmapped) == 1, (separate, vmapped)
+  dirs = {prefix, *separate, *vmapped}
+  assert len(dirs) == 3, dirs  # one per arm
+  assert dirs == set(runs["caches"].values())
+  default = compile_cache.resolve(None)
+  for d in dirs:
+    assert os.path.dirname(os.path.dirname(d)) == workdir, d
+    assert not os.path.exists(d) and d != default
+    assert compile_cache.resolve(d) == d  # as the run's config reads it back
+  # The group's members differ only where a vmapped group may.
+  keys = set().union(*(m["args"] for m in members))
+  differ = {key for key in keys if len({repr(m["args"].get(key)) for m in members}) > 1}
+  assert differ == {"optim.lr"} and differ <= set(sweep.VMAP_VARIABLE)
+
+
+def test_lora_decode_step_updates_the_cache_in_place():
+  """lora_decode.py's timed step, compiled at a tiny shape: the whole KV cache is aliased to
+  the step's output (donated, written in place), so no step copies it."""
+  lora_decode = _load("lora_decode", "lora_decode.py")
+  from grpo_jax.models import qwen
+  cfg = qwen.QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e6)
+  rows, slots = 4, 16
+  model = qwen.Qwen(cfg, dtype=jnp.float32, param_dtype=jnp.float32)
+  params = qwen.init_params(cfg, jax.random.key(0), param_dtype=jnp.float32)
+  cache = qwen.init_cache(cfg, rows, slots, jnp.float32)
+  cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+  assert cache_bytes == 2 * 2 * rows * 2 * slots * 8 * 4  # k and v, [L, R, K, S, H] fp32
+  step = lora_decode.decode_step(model, rows, slots)
+  tokens = jnp.zeros((rows, 1), jnp.int32)
+  compiled = step.lower({"params": params}, cache, tokens, slots - 1).compile()
+  assert compiled.memory_analysis().alias_size_in_bytes == cache_bytes
+  hidden, new = step({"params": params}, cache, tokens, slots - 1)
+  assert hidden.shape == (rows, 1, cfg.hidden_size)
+  assert all(x.is_deleted() for x in jax.tree.leaves(cache))  # donated
+  assert float(jnp.abs(new["k"][:, :, :, slots - 1]).max()) > 0  # the step's slot written
+
+
+def test_trl_step_reference_is_stored_as_a_run_stores_it(tmp_path):
+  """trl_step.benchmark_reference (gpu_step.py's reference too) with fp32 params and bf16
+  compute, as gpu_step.py runs: bf16 leaves of the params' shapes (a run's reference, not fp32),
+  each element one bf16 ulp above the policy's bf16 value, so the step's reference forward runs."""
+  import trl_step
+  from configs import gsm8k
+  from grpo_jax import sharding, tokenizer as tokenizer_lib, train, train_step
+  from grpo_jax.models import qwen
+  c = gsm8k.get_config("default")
+  c.optim.param_dtype, c.optim.compute_dtype = "float32", "bfloat16"
+  c.loss.beta, c.mesh = 0.04, (1, 1, 1)
+  cfg = qwen.QwenConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e6)
+  mesh = sharding.make_mesh((1, 1, 1))
+  tokenizer = tokenizer_lib.load_tokenizer(tokenizer_lib.build_tiny_tokenizer(str(tmp_path)))
+  trainer = train.Trainer(c, cfg, mesh, tokenizer, [])
+  params = qwen.init_params(cfg, jax.random.key(0), param_dtype=jnp.float32)
+  ref = trl_step.benchmark_reference(trainer, params)
+  flat_p, flat_r = jax.tree.leaves(params), jax.tree.leaves(ref)
+  assert jax.tree.structure(ref) == jax.tree.structure(params)
+  for p, r in zip(flat_p, flat_r):
+    assert r.dtype == jnp.bfloat16 and r.shape == p.shape, (r.dtype, r.shape)
+    p16 = np.asarray(p.astype(jnp.bfloat16)).astype(np.float64)
+    r16 = np.asarray(r).astype(np.float64)
+    assert np.all(r16 > p16)
+    # One ulp: nothing representable in bf16 lies strictly between the two.
+    mid = np.asarray(jnp.asarray((p16 + r16) / 2, jnp.float32).astype(jnp.bfloat16))
+    assert np.all((mid.astype(np.float64) == p16) | (mid.astype(np.float64) == r16))
+  assert not bool(train_step.same_params(params, ref, jnp.bfloat16))
