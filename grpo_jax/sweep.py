@@ -118,7 +118,7 @@ def _merge(dicts: Sequence[dict]) -> dict:
     clash = out.keys() & d.keys()
     if clash:
       raise ValueError(f"key {sorted(clash)[0]!r} is set by two axes of one product/zip")
-    out.update({k: plain_value(v) for k, v in d.items()})
+    out.update(_plain(d))
   return out
 
 
@@ -162,7 +162,7 @@ def run_name(overrides: dict, unique: bool = False) -> str:
   raw = ",".join(f"{k}={format_value(v)}" for k, v in items)
   name = ",".join(f"{k}={_UNSAFE.sub('_', format_value(v))}" for k, v in items)
   if unique and name != raw:
-    text = json.dumps({k: plain_value(v) for k, v in items}, sort_keys=True, default=str)
+    text = json.dumps(_plain(overrides), sort_keys=True, default=str)
     name += "," + hashlib.sha256(text.encode()).hexdigest()[:8]
   if len(name) > 200:
     name = name[:183] + "," + hashlib.sha256(name.encode()).hexdigest()[:16]
@@ -188,13 +188,16 @@ def warm_start_part(args: dict) -> dict:
   return {k: v for k, v in args.items() if k not in POST_WARM_START}
 
 
+def _plain(overrides: dict) -> dict:
+  return {k: plain_value(v) for k, v in overrides.items()}
+
+
 def plan(sweep: Sweep, share_prefix: bool = True, min_shared: int = 2) -> list[Run]:
   """Prefix runs first, then the sweep's runs in order. Runs whose warm-start part (everything
   but POST_WARM_START keys) is equal share a prefix when there are at least min_shared of them.
   A prefix is named after its own warm-start part, with a hash where the name had characters
   that a file name cannot keep (run_name's `unique`): two prefixes never share a directory."""
-  plain = lambda d: {k: plain_value(v) for k, v in d.items()}
-  runs = [Run(run_name(o), plain(o), {**plain(sweep.fixed), **plain(o)}) for o in sweep.runs]
+  runs = [Run(run_name(o), _plain(o), {**_plain(sweep.fixed), **_plain(o)}) for o in sweep.runs]
   seen = {}
   for r in runs:
     if r.name in seen:
