@@ -327,7 +327,8 @@ def render(sweep_dir, runs, plotted, effect=EFFECT_POINTS, metric="gain") -> str
     lines += [f"Sweep file `{index.get('sweep_file')}`, config `{index.get('config')}`, fixed "
               f"overrides `{json.dumps(index.get('fixed') or {})}`.", ""]
   lines += [f"Mean ± sample std over the finished runs of each setting (n); reward, KL and "
-            f"length: the mean over each run's last {TAIL_STEPS} GRPO steps. "
+            f"length: the mean over each run's last {TAIL_STEPS} GRPO steps; wall: the minutes "
+            "its processes ran (a `--vmap` member: its group's time / K members). "
             "`python -m grpo_jax.report` wrote this; grpo_jax/report.py and docs/report.md "
             "say how.", ""]
   header = ["setting", "n"] + [title for _, title, _ in COLUMNS]
