@@ -11,7 +11,7 @@ start on traces that call it, loss 'flow_grpo', seeds 0-9 (the preset's ten-seed
 Single-turn (listed first: the slower runs): one completion per sample, the warm start on the
 reference solutions (the arithmetic written out), loss 'grpo', seeds 0-4. The report pairs the five common seeds: its
 'Paired differences' table gives Flow-GRPO - single-turn (B - A in sweep order) seed by seed,
-with a BCa bootstrap interval of the mean difference (docs/report.md). Fifteen runs, about 90
+with the Student-t interval of the mean difference (docs/report.md). Fifteen runs, about 90
 minutes in all on a 2-core CPU, two at a time.
 """
 

@@ -317,3 +317,18 @@ def unknown_fields(config, schema: ConfigDict | None = None, prefix: str = "") -
     if isinstance(value, config_dict.ConfigDict) and isinstance(known, config_dict.ConfigDict):
       out += unknown_fields(value, known, f"{prefix}{key}.")
   return out
+
+
+def apply_overrides(config, args: dict) -> None:
+  """Sets flat dotted keys on a ConfigDict as --config.a.b=v would, values as given (None, a
+  tuple; a JSON list becomes a tuple): main's --overrides file, a sweep's runs and a vmapped
+  group's members. KeyError: the key names no field; TypeError: the value does not fit its
+  type."""
+  for key, value in args.items():
+    *parents, leaf = key.split(".")
+    node = config
+    for part in parents:
+      node = node[part]
+    if leaf not in node:
+      raise KeyError(key)
+    node[leaf] = tuple(value) if isinstance(value, list) else value

@@ -1,6 +1,12 @@
 """Entry point: python -m grpo_jax.main --config=configs/gsm8k.py[:preset] --workdir=DIR
-[--config.a.b=value ...]. Running it again on the same workdir resumes from the last
-checkpoint.
+[--config.a.b=value ...] [--overrides=FILE]. Running it again on the same workdir resumes from
+the last checkpoint.
+
+--overrides=FILE: a JSON object of dotted config keys to values, {"data.system_prompt": null,
+"optim.lr": 1e-05}, set after --config and its --config.a.b=value overrides with
+grpo_jax.config.apply_overrides, the function a vmapped group's members use. It carries values
+that flag text cannot (None stays None, not 'None'); grpo_jax.sweep passes every run's
+overrides this way.
 
 A user error (grpo_jax.errors.UserError: config, data, paths, mesh, checkpoint, scorer) prints
 one line naming the bad thing and exits with status 2; a bug keeps its traceback.
@@ -11,6 +17,7 @@ cluster itself (TPU pods, SLURM). This module is the only one that knows how pro
 process 0 alone prints and writes the run's files (grpo_jax.hosts).
 """
 
+import json
 import os
 import re
 import sys
@@ -18,6 +25,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from grpo_jax import config as config_lib
 from grpo_jax.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -27,6 +35,10 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", None,
     "Where checkpoints, metrics, samples and plots go: a directory or gs://BUCKET/PATH")
 flags.mark_flags_as_required(["config", "workdir"])
+_OVERRIDES = flags.DEFINE_string(
+    "overrides", None,
+    "A JSON file of {dotted config key: value}, set after --config.a.b=value (grpo_jax.sweep "
+    "writes one per run): values flag text cannot carry, such as None")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None,
     "Several processes: HOST:PORT of process 0's coordinator (or env JAX_COORDINATOR_ADDRESS)")
@@ -42,6 +54,25 @@ def _exit_user_error(message: str):
   sys.exit(2)
 
 
+def _apply_overrides_file(config, path):
+  """Sets the keys of the JSON object in `path` on config (grpo_jax.config.apply_overrides)."""
+  try:
+    with open(path) as f:
+      args = json.load(f)
+  except (OSError, ValueError) as e:
+    _exit_user_error(f"--overrides={path}: cannot be read as JSON ({e})")
+  if not isinstance(args, dict):
+    _exit_user_error(f"--overrides={path}: must hold a JSON object of dotted config keys, not "
+                     f"{type(args).__name__}")
+  for key, value in args.items():
+    try:
+      config_lib.apply_overrides(config, {key: value})
+    except (KeyError, AttributeError):
+      _exit_user_error(f"--overrides={path}: {key!r} names no config field")
+    except TypeError as e:
+      _exit_user_error(f"--overrides={path}: {key}={value!r} does not fit the field's type ({e})")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -51,6 +82,8 @@ def main(argv):
     config.get("seed")  # ml_collections defers a config file's load error to the first access
   except OSError as e:
     _exit_user_error(f"--config: {str(e).splitlines()[-1].strip()}")
+  if _OVERRIDES.value:
+    _apply_overrides_file(config, _OVERRIDES.value)
   from grpo_jax import hosts  # imports jax: after flags, so --help stays fast
 
   try:

@@ -57,6 +57,8 @@ _METRIC_PANELS = (
     ("Completion length (tokens)", "completion/mean_length", False),
     ("Clipped fraction", "clip/region_frac", True),
 )
+# Panels left out when the series is 0 at every step.
+OFF_WHEN_ZERO = frozenset(key for _, key, off in _METRIC_PANELS if off)
 # Keys drawn whatever rewards the run uses; each must be one the trainer logs (train_test).
 PLOTTED_KEYS = (TOTAL_REWARD,) + tuple(key for _, key, _ in _METRIC_PANELS)
 _WINDOW_FRACTION = 40  # auto smoothing window: a fortieth of the points

@@ -5,9 +5,12 @@ needs. docs/report.md is the guide; grpo_jax/stats.py holds the statistics.
     python -m grpo_jax.report runs/tiny_lr              # runs/tiny_lr/report.md, plots/*.png
     python -m grpo_jax.report runs/tiny_lr --effect=5   # seeds to detect 5 points (the default)
 
-A setting is a run's overrides without `seed`; its row averages the finished runs of that
-setting (summary.json has the gain; sweep_runner.summary_complete), and n says how many there
-are. Columns of the first table, each mean ± sample std (ddof 1) over those runs:
+A setting is a run's overrides without `seed` (compared as values; its name, the run name
+without the seed, is for display, with a hash added where two settings' names are equal); its
+row averages the finished runs of that setting (summary.json has the gain;
+sweep_runner.summary_complete), and n says how many there are, "n of N" where some of the N
+runs sweep.json lists have not finished (or not started: those have no directory yet).
+Columns of the first table, each mean ± sample std (ddof 1) over those runs:
 
     start, final          held-out greedy accuracy (%) at GRPO step 0 and at the end (summary.json)
     gain                  eval_accuracy_gain_points (summary.json)
@@ -15,7 +18,8 @@ are. Columns of the first table, each mean ± sample std (ddof 1) over those run
                           loss_type), completion/mean_length: the mean over each run's last
                           TAIL_STEPS GRPO steps (metrics.jsonl)
     wall                  minutes the run's processes ran, over all attempts (sweep_run.json);
-                          a run started from a shared warm start does not count that warm start
+                          a run started from a shared warm start does not count that warm start;
+                          a --vmap member is charged its group's process time / K (K members)
 
 Intervals over seeds: the 95% Student-t interval of the mean (stats.mean_ci: mean ± t·s/√n)
 of start, final and gain, and the seeds per setting a
@@ -32,13 +36,15 @@ problems (summary.json's eval_examples; for older runs, read from its config.jso
 Plots: each metric plots.panels draws for a run, one line per setting: the mean over seeds of
 each seed's series, smoothed as plots.py smooths it (sparse eval points are not), at the steps
 every seed logged, shaded with the 95% Student-t interval of that mean where there are two
-seeds or more.
+seeds or more. A metric plots.panels leaves out when it is all 0 (kl, clip/region_frac) is left
+out for a setting only when it is 0 for every seed; a seed at 0 counts in the mean.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -72,7 +78,14 @@ class RunResult:
 
   @property
   def setting(self) -> str:
+    """The setting's name, for display."""
     return sweep_lib.run_name({k: v for k, v in self.overrides.items() if k != "seed"})
+
+  @property
+  def setting_key(self) -> str:
+    """What identifies the setting: its overrides without the seed, as sorted JSON."""
+    return json.dumps({k: v for k, v in self.overrides.items() if k != "seed"}, sort_keys=True,
+                      default=str)
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float, int]:
@@ -94,16 +107,19 @@ def tail_mean(records: Sequence[dict], key: str, tail: int = TAIL_STEPS) -> floa
 
 
 def load_runs(sweep_dir: str) -> list[RunResult]:
-  """The sweep's runs (not its prefixes), in sweep.json's order when there is one."""
+  """The sweep's runs (not its prefixes), in sweep.json's order when there is one. A run that
+sweep.json lists but that has no sweep_run.json (not started yet) comes from its sweep.json
+entry (overrides, status), so a setting's "n of N" counts it."""
   index = sweep_runner.read_json(os.path.join(sweep_dir, sweep_runner.SWEEP_FILE)) or {}
-  dirs = [r["dir"] for r in index.get("runs", []) if r.get("kind") == "run"]
+  listed = {r["dir"]: r for r in index.get("runs", []) if r.get("kind") == "run"}
+  dirs = list(listed)
   if not dirs:
     dirs = sorted(d for d in os.listdir(sweep_dir)
                   if os.path.exists(os.path.join(sweep_dir, d, sweep_runner.RUN_FILE)))
   out = []
   for d in dirs:
     path = os.path.join(sweep_dir, d)
-    rec = sweep_runner.read_json(os.path.join(path, sweep_runner.RUN_FILE))
+    rec = sweep_runner.read_json(os.path.join(path, sweep_runner.RUN_FILE)) or listed.get(d)
     if rec is None or rec.get("kind", "run") != "run":
       continue
     finished = sweep_runner.summary_complete(path)
@@ -116,10 +132,20 @@ def load_runs(sweep_dir: str) -> list[RunResult]:
 
 
 def by_setting(runs: Sequence[RunResult]) -> dict[str, list[RunResult]]:
+  """{setting's display name: its runs}, settings in first-run order. Runs are grouped by
+  their overrides (setting_key), not by the name: 'Be brief!' and 'Be brief?' both give the
+  name 'Be_brief_', which then ends in a hash of each one's overrides."""
   groups: dict[str, list[RunResult]] = {}
   for r in runs:
-    groups.setdefault(r.setting, []).append(r)
-  return groups
+    groups.setdefault(r.setting_key, []).append(r)
+  names = [members[0].setting for members in groups.values()]
+  out = {}
+  for key, members in groups.items():
+    name = members[0].setting
+    if names.count(name) > 1:
+      name += "," + hashlib.sha256(key.encode()).hexdigest()[:8]
+    out[name] = members
+  return out
 
 
 def run_values(r: RunResult) -> dict[str, float]:
@@ -219,14 +245,14 @@ def paired_rows(runs: Sequence[RunResult], metric: str = "gain",
 # --- plots --------------------------------------------------------------------------------------
 
 def _seed_series(members, key, weight):
-  """{dir: {step: value}} of each finished member's smoothed series of key."""
-  out = {}
-  for r in members:
-    panel = next((p for p in plots.panels(r.records) if p.key == key), None)
-    if panel is not None:
-      values = panel.values if panel.sparse else plots.ema(panel.values, weight)
-      out[r.dir] = dict(zip(panel.steps, values))
-  return out
+  """{dir: {step: value}} of each member's series of key, smoothed with weight (0 for sparse
+  eval points); {} for a metric that plots.panels leaves out when all 0 (plots.OFF_WHEN_ZERO)
+  and that is 0 at every step of every member. A member at 0 alone stays in."""
+  raw = {r.dir: plots._series(r.records).get(key) for r in members}
+  raw = {d: s for d, s in raw.items() if s is not None}
+  if key in plots.OFF_WHEN_ZERO and all(v == 0 for _, values in raw.values() for v in values):
+    return {}
+  return {d: dict(zip(steps, plots.ema(values, weight))) for d, (steps, values) in raw.items()}
 
 
 def plot_metric(runs, key, title, sparse, out_path, smoothing=None) -> str | None:
@@ -234,7 +260,8 @@ def plot_metric(runs, key, title, sparse, out_path, smoothing=None) -> str | Non
   from matplotlib.figure import Figure
 
   finished = [r for r in runs if r.summary is not None]
-  lengths = [len(p.values) for r in finished for p in plots.panels(r.records) if p.key == key]
+  series = [plots._series(r.records).get(key) for r in finished]
+  lengths = [len(s[1]) for s in series if s is not None]
   if not lengths:
     return None
   weight = 0.0 if sparse else (plots.smoothing_weight(max(lengths)) if smoothing is None
@@ -300,7 +327,8 @@ def render(sweep_dir, runs, plotted, effect=EFFECT_POINTS, metric="gain") -> str
     lines += [f"Sweep file `{index.get('sweep_file')}`, config `{index.get('config')}`, fixed "
               f"overrides `{json.dumps(index.get('fixed') or {})}`.", ""]
   lines += [f"Mean ± sample std over the finished runs of each setting (n); reward, KL and "
-            f"length: the mean over each run's last {TAIL_STEPS} GRPO steps. "
+            f"length: the mean over each run's last {TAIL_STEPS} GRPO steps; wall: the minutes "
+            "its processes ran (a `--vmap` member: its group's time / K members). "
             "`python -m grpo_jax.report` wrote this; grpo_jax/report.py and docs/report.md "
             "say how.", ""]
   header = ["setting", "n"] + [title for _, title, _ in COLUMNS]

@@ -16,6 +16,8 @@ built with the helpers below (big_vision's get_hyper style):
 
 Each run is `python -m grpo_jax.main` in its own process and directory, named after its
 overrides (`optim.lr=1e-05,seed=0`); `fixed` applies to every run and is left out of names.
+The run's overrides reach main as a JSON file (main's --overrides), so None stays None.
+Numpy scalars (np.logspace's values) are taken as the Python numbers they hold.
 Running the command again skips finished runs and resumes the others (sweep_runner.py).
 With --vmap, runs that differ only in grpo_jax.train.VARIABLE run as one process, one vmapped
 program (sweep_runner.Group); each still writes its own directory.
@@ -39,9 +41,11 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from grpo_jax.config import apply_overrides  # noqa: F401 (sweep.apply_overrides)
 from grpo_jax.errors import UserError
 # The runner's names, here so that sweep files and tests find them in one place.
-from grpo_jax.sweep_runner import PREFIX_DIR, Runner, SweepError, cli_value  # noqa: F401
+from grpo_jax.sweep_runner import (PREFIX_DIR, Runner, SweepError, cli_value,  # noqa: F401
+                                   plain_value)
 
 
 # Keys whose value cannot change anything up to and including a run's step-0 checkpoint and its
@@ -95,12 +99,12 @@ class Sweep:
 
 def sweep_axis(key: str, values: Iterable) -> list[dict]:
   """sweep_axis('optim.lr', [1e-5, 3e-5]) -> [{'optim.lr': 1e-05}, {'optim.lr': 3e-05}]."""
-  return [{key: v} for v in values]
+  return [{key: plain_value(v)} for v in values]
 
 
 def fixed(key: str, value) -> list[dict]:
   """One setting for every run of a product: fixed('train.steps', 200)."""
-  return [{key: value}]
+  return [{key: plain_value(value)}]
 
 
 def seeds(n: int, start: int = 0) -> list[dict]:
@@ -114,7 +118,7 @@ def _merge(dicts: Sequence[dict]) -> dict:
     clash = out.keys() & d.keys()
     if clash:
       raise ValueError(f"key {sorted(clash)[0]!r} is set by two axes of one product/zip")
-    out.update(d)
+    out.update(_plain(d))
   return out
 
 
@@ -138,20 +142,28 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._+=-]")
 
 def format_value(value) -> str:
   """How a value appears in a run name: repr for numbers (3e-05), '+'-joined sequences."""
+  value = plain_value(value)
   if isinstance(value, (list, tuple)):
     return "+".join(format_value(v) for v in value)
   return value if isinstance(value, str) else repr(value)
 
 
-def run_name(overrides: dict) -> str:
+def run_name(overrides: dict, unique: bool = False) -> str:
   """'optim.lr=3e-05,seed=1': sorted keys, filesystem-safe; 'base' for no overrides.
 
-  Characters outside [A-Za-z0-9._+=-] become '_'; a name past 200 characters is cut and ends in
-  a hash of the whole, so it stays unique and under the 255-byte limit of file names.
+  Characters outside [A-Za-z0-9._+=-] become '_'; with `unique`, a name that this changed ends
+  in ',' and a hash of the overrides ('Be brief!' and 'Be brief?' would both give 'Be_brief_').
+  A name past 200 characters is cut and ends in a hash of the whole, so it stays unique and
+  under the 255-byte limit of file names.
   """
   if not overrides:
     return "base"
-  name = ",".join(f"{k}={_UNSAFE.sub('_', format_value(v))}" for k, v in sorted(overrides.items()))
+  items = sorted(overrides.items())
+  raw = ",".join(f"{k}={format_value(v)}" for k, v in items)
+  name = ",".join(f"{k}={_UNSAFE.sub('_', format_value(v))}" for k, v in items)
+  if unique and name != raw:
+    text = json.dumps(_plain(overrides), sort_keys=True, default=str)
+    name += "," + hashlib.sha256(text.encode()).hexdigest()[:8]
   if len(name) > 200:
     name = name[:183] + "," + hashlib.sha256(name.encode()).hexdigest()[:16]
   return name
@@ -176,10 +188,16 @@ def warm_start_part(args: dict) -> dict:
   return {k: v for k, v in args.items() if k not in POST_WARM_START}
 
 
+def _plain(overrides: dict) -> dict:
+  return {k: plain_value(v) for k, v in overrides.items()}
+
+
 def plan(sweep: Sweep, share_prefix: bool = True, min_shared: int = 2) -> list[Run]:
   """Prefix runs first, then the sweep's runs in order. Runs whose warm-start part (everything
-  but POST_WARM_START keys) is equal share a prefix when there are at least min_shared of them."""
-  runs = [Run(run_name(o), dict(o), {**sweep.fixed, **o}) for o in sweep.runs]
+  but POST_WARM_START keys) is equal share a prefix when there are at least min_shared of them.
+  A prefix is named after its own warm-start part, with a hash where the name had characters
+  that a file name cannot keep (run_name's `unique`): two prefixes never share a directory."""
+  runs = [Run(run_name(o), _plain(o), {**_plain(sweep.fixed), **_plain(o)}) for o in sweep.runs]
   seen = {}
   for r in runs:
     if r.name in seen:
@@ -196,21 +214,40 @@ def plan(sweep: Sweep, share_prefix: bool = True, min_shared: int = 2) -> list[R
     if len(members) < min_shared:
       continue
     part = warm_start_part(members[0].args)
-    p = Run(run_name(warm_start_part(members[0].overrides)), part,
-            {**part, **PREFIX_OVERRIDES}, kind="prefix")
+    own = warm_start_part(members[0].overrides)
+    p = Run(run_name(own, unique=True), part, {**part, **PREFIX_OVERRIDES}, kind="prefix")
+    clash = next((q for q in prefixes if q.name == p.name), None)
+    if clash is not None:  # e.g. {'x': 1} and {'x': '1'}: one name, no character replaced
+      raise SweepError(f"warm starts {clash.overrides} and {part} have the same prefix name "
+                       f"{p.name!r}: give the values distinct text")
     prefixes.append(p)
     for r in members:
       r.prefix = p.name
   return prefixes + runs
 
 
+def _value(r: Run, base, key: str):
+  """The run's value of a dotted key: its args' or the base config's."""
+  if key in r.args:
+    return r.args[key]
+  node = base
+  for part in key.split("."):
+    node = node.get(part) if node is not None else None  # a config without the block: None
+  return node
+
+
 def vmap_groups(runs: Sequence[Run], base) -> list[list[Run]]:
   """Runs (kind 'run') that may share one vmapped program: equal but for VMAP_VARIABLE keys,
-  β zero or not alike (β > 0 adds a reference forward). Multi-turn runs stay alone."""
+  β zero or not alike (β > 0 adds a reference forward). Multi-turn runs stay alone. LoRA runs
+  whose frozen base depends on the seed (a warm start, sft.steps > 0, or model.random_init:
+  train._shared_base refuses members with different bases) are grouped within a seed only."""
   groups: dict[str, list[Run]] = {}
   for r in runs:
     key = {k: v for k, v in r.args.items() if k not in VMAP_VARIABLE}
-    key["loss.beta != 0"] = r.args.get("loss.beta", base.loss.beta) != 0
+    key["loss.beta != 0"] = _value(r, base, "loss.beta") != 0
+    if _value(r, base, "model.lora.rank") and (_value(r, base, "sft.steps")
+                                               or _value(r, base, "model.random_init")):
+      key["seed (LoRA base)"] = _value(r, base, "seed")
     alone = r.args.get("agent.enabled", base.agent.enabled)
     key = r.name if alone else json.dumps(key, sort_keys=True, default=str)
     groups.setdefault(key, []).append(r)
@@ -244,19 +281,6 @@ def load_config(spec: str):
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
   return module.get_config(preset) if preset else module.get_config()
-
-
-def apply_overrides(config, args: dict) -> None:
-  """Sets flat dotted keys on a ConfigDict as main's --config.a.b=v would; KeyError names no
-  field, TypeError does not fit its type."""
-  for key, value in args.items():
-    *parents, leaf = key.split(".")
-    node = config
-    for part in parents:
-      node = node[part]
-    if leaf not in node:
-      raise KeyError(key)
-    node[leaf] = tuple(value) if isinstance(value, list) else value
 
 
 def check_overrides(config, runs: Sequence[Run]) -> None:
@@ -297,6 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep = load_sweep(args.sweep_file)
     if args.vmap and args.no_share_prefix:
       parser.error("--vmap starts every group from its members' prefixes; drop --no_share_prefix")
+    if args.vmap and args.main_module != "grpo_jax.main":
+      parser.error(f"--vmap runs each group as python -m grpo_jax.train --spec, without "
+                   f"--main_module={args.main_module}: drop one of the two")
     # --vmap: every run gets a prefix, so a group's process runs GRPO phases only.
     runs = plan(sweep, share_prefix=not args.no_share_prefix, min_shared=1 if args.vmap else 2)
     base = load_config(sweep.config)

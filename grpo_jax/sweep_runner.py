@@ -5,6 +5,7 @@ out-of-memory kill takes down that run only), up to `parallel` at once.
     <workdir>/<run>/                  the run's own workdir (metrics.jsonl, summary.json, ...)
     <workdir>/<run>/log.txt           its stdout and stderr, appended to by each attempt
     <workdir>/<run>/sweep_run.json    its overrides, status and attempts
+    <workdir>/<run>/sweep_overrides.json  the --overrides file main reads: fixed + own overrides
     <workdir>/prefixes/<name>/        a shared warm start (sweep.py), the same files
     <workdir>/vmapped/<group>/        --vmap: a group's spec.json and log.txt (its members'
                                       log.txt point there)
@@ -44,6 +45,7 @@ from grpo_jax.errors import UserError
 PREFIX_DIR = "prefixes"
 SWEEP_FILE = "sweep.json"
 RUN_FILE = "sweep_run.json"
+OVERRIDES_FILE = "sweep_overrides.json"  # main's --overrides: the run's args as JSON
 LOG_FILE = "log.txt"
 GROUP_DIR = "vmapped"          # <workdir>/vmapped/<group>/{spec.json,log.txt}: a vmapped group
 SUMMARY_FILE = "summary.json"  # logging_io.SUMMARY_FILE; not imported: it would load numpy
@@ -59,8 +61,20 @@ class SweepError(UserError):
   """A sweep file, its overrides or its working directory cannot be used as given."""
 
 
+def plain_value(value):
+  """A numpy scalar (np.logspace's np.float64) as the Python number it holds, in sequences
+  too; other values as they are."""
+  if isinstance(value, (list, tuple)):
+    return type(value)(plain_value(v) for v in value)
+  if type(value).__module__ == "numpy" and hasattr(value, "item"):
+    return value.item()
+  return value
+
+
 def cli_value(value) -> str:
-  """The text of --config.k=<value> that ml_collections parses back to value."""
+  """The text of --config.k=<value> that ml_collections parses back to value; None and other
+  values flag text cannot carry need main's --overrides file (the runner writes one)."""
+  value = plain_value(value)
   if isinstance(value, (list, tuple)):
     return repr(tuple(value))
   return value if isinstance(value, str) else repr(value)
@@ -215,12 +229,14 @@ class Runner:
           "use another --workdir, or delete that run's directory to redo it")
 
   def command(self, r) -> list[str]:
+    """A group: grpo_jax.train --spec; a run or prefix: main with its args in an --overrides
+    file (JSON, so None stays None: flag text would make it 'None'), written by _start."""
     if isinstance(r, Group):
       return [self.python, "-m", "grpo_jax.train",
               f"--spec={os.path.join(self.workdir, r.dir, 'spec.json')}"]
-    return ([self.python, "-m", self.main_module, f"--config={self.sweep.config}",
-             f"--workdir={self.run_dir(r)}"]
-            + [f"--config.{k}={cli_value(v)}" for k, v in r.args.items()])
+    return [self.python, "-m", self.main_module, f"--config={self.sweep.config}",
+            f"--workdir={self.run_dir(r)}",
+            f"--overrides={os.path.join(self.run_dir(r), OVERRIDES_FILE)}"]
 
   # --- records ----------------------------------------------------------------------------------
 
@@ -243,7 +259,8 @@ class Runner:
   def print_plan(self):
     for r in self.runs:
       start = f" (starts from prefixes/{r.prefix})" if r.prefix else ""
-      print(f"[{self.status[r.dir]}] {r.dir}{start}\n  {shlex.join(self.command(r))}")
+      print(f"[{self.status[r.dir]}] {r.dir}{start}\n  {shlex.join(self.command(r))}\n"
+            f"  overrides: {json.dumps(r.args)}")
     for x in self._units([r for r in self.runs if self.status[r.dir] != "done"]):
       if isinstance(x, Group):
         print(f"vmapped: {x.dir}: {', '.join(r.name for r in x.members)}\n  "
@@ -327,6 +344,7 @@ class Runner:
     os.makedirs(d, exist_ok=True)
     if r.prefix is not None:
       start_from_prefix(self.run_dir(self.by_name[r.prefix]), d)
+    _write_json(os.path.join(d, OVERRIDES_FILE), r.args)
     argv = self.command(r)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if self.parallel > 1:  # JAX would take 75% of an accelerator's memory for each run
@@ -341,10 +359,15 @@ class Runner:
     self.records[r.dir]["attempts"].append({"started": time.strftime("%Y-%m-%d %H:%M:%S")})
     self._save(r)
 
-  def _finish(self, r, code, started):
+  def _finish(self, r, code, started, k=1):
+    """Records how run r's attempt ended; k: the members of its vmapped group, which share
+    the process's wall time (each is charged 1/k of it)."""
     d = self.run_dir(r)
     attempt = self.records[r.dir]["attempts"][-1]
-    attempt.update(returncode=code, wall_s=round(time.monotonic() - started, 1))
+    wall = time.monotonic() - started
+    attempt.update(returncode=code, wall_s=round(wall / k, 1))
+    if k > 1:
+      attempt["group_wall_s"] = round(wall, 1)
     complete = summary_complete(d) and (r.kind == "run" or has_checkpoint(d))
     if code == 0 and complete:
       status, reason = "done", None
@@ -424,7 +447,7 @@ class Runner:
           del self.procs[key]
           log = os.path.join(self.workdir, key, LOG_FILE)
           for m in self._members(r):
-            status, reason = self._finish(m, code, started)
+            status, reason = self._finish(m, code, started, len(self._members(r)))
             minutes = (time.monotonic() - started) / 60
             if status == "failed":
               tqdm.write(f"grpo_jax.sweep: FAILED {m.dir} ({reason}, {minutes:.1f} min): "

@@ -1,9 +1,11 @@
 """A stand-in for `python -m grpo_jax.main` in sweep tests: main's flags, main's files
 (metrics.jsonl, summary.json, checkpoints/<step>/SHA256SUMS), no JAX, milliseconds a run.
 
-    python -m fake_main --config=configs/gsm8k.py:tiny --workdir=DIR --config.seed=1 ...
+    python -m fake_main --config=configs/gsm8k.py:tiny --workdir=DIR [--config.seed=1 ...]
+        [--overrides=FILE]
 
-Each call appends {"args": overrides, "resumed_from": step or None} to DIR/calls.jsonl. Step 0's
+Each call appends {"args": overrides, "resumed_from": step or None} to DIR/calls.jsonl: the
+--config.k=v flags' text, then the --overrides file's JSON values, as main applies them. Step 0's
 "state" is the warm start's, a function of the warm-start overrides only; GRPO steps log a
 reward of lr * 1000 + seed, so a test can tell which run wrote what. Environment:
 FAKE_FAIL (JSON list of run dir names that exit 3), FAKE_WAIT (wait for SIGTERM before GRPO,
@@ -38,7 +40,10 @@ def main(argv):
   flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--"))
   workdir = flags.pop("workdir")
   flags.pop("config")
-  args = {k[len("config."):]: v for k, v in flags.items()}
+  args = {k[len("config."):]: v for k, v in flags.items() if k.startswith("config.")}
+  if "overrides" in flags:
+    with open(flags["overrides"]) as f:
+      args.update(json.load(f))
   os.makedirs(workdir, exist_ok=True)
   resumed = _latest(workdir)
   with open(os.path.join(workdir, "calls.jsonl"), "a") as f:

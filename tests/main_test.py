@@ -91,6 +91,20 @@ def test_unknown_override_and_missing_config_file_are_named(tmp_path):
   assert_user_error(proc, "unknown preset 'tinyy'")
 
 
+def test_a_bad_overrides_file_is_named(tmp_path):
+  """--overrides=FILE (a sweep's run's overrides as JSON): the file and the key are named."""
+  path = tmp_path / "overrides.json"
+  for text, named in [('{"train.stepz": 3}', "'train.stepz' names no config field"),
+                      ('{"train.steps": "many"}', "train.steps='many' does not fit"),
+                      ('["train.steps"]', "must hold a JSON object"),
+                      ('{"train.steps": ', "cannot be read as JSON")]:
+    path.write_text(text)
+    proc = run_main(tmp_path / "run", f"--overrides={path}")
+    assert_user_error(proc, f"--overrides={path}", named)
+  proc = run_main(tmp_path / "run", f"--overrides={tmp_path}/none.json")
+  assert_user_error(proc, "none.json", "cannot be read")
+
+
 def test_the_python_tool_without_its_sandbox_refuses_to_start(tmp_path):
   """A machine without bubblewrap (a PATH without bwrap): the run stops at start-up with the
   one line naming the missing layer and the way out, before any step."""

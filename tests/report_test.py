@@ -207,3 +207,68 @@ def test_plot_band_is_the_t_interval(sweep_dir, monkeypatch):
     mean = sum(s[i] for s in smoothed) / 3
     assert lo[i] < mean < hi[i]
   assert len(bands) == 2  # lr 2e-3's two finished seeds have a band too
+
+
+def test_settings_with_one_name_stay_two_rows(tmp_path):
+  """'Be brief!' and 'Be brief?' both give the name 'data.system_prompt=Be_brief_': settings
+  are grouped by their overrides, and the names get a hash of them to tell the rows apart."""
+  for prompt, ends in (("Be brief!", (0.10, 0.12)), ("Be brief?", (0.40, 0.44))):
+    for seed, end in enumerate(ends):
+      _write_run(tmp_path, {"data.system_prompt": prompt, "seed": seed}, start=0.0, end=end,
+                 reward=0.1, wall_s=60)
+  runs = report.load_runs(str(tmp_path))
+  rows = report.table(runs)
+  assert [row["n"] for row in rows] == [2, 2]
+  assert rows[0]["gain"] == pytest.approx((11.0, math.sqrt(2.0), 2))  # gains 10, 12
+  assert rows[1]["gain"] == pytest.approx((42.0, math.sqrt(8.0), 2))  # gains 40, 44
+  names = [row["setting"] for row in rows]
+  assert len(set(names)) == 2 and all(n.startswith("data.system_prompt=Be_brief_,")
+                                      for n in names)
+  (pair,) = report.paired_rows(runs)
+  assert pair["paired"].diffs.tolist() == pytest.approx([30.0, 32.0])
+
+
+def test_plotted_mean_counts_a_seed_whose_series_is_all_zero(tmp_path, monkeypatch):
+  """plots.panels leaves out a run's kl / clip/region_frac when it is all 0; the report keeps
+  such a seed in its setting's mean, and leaves the metric out only for a setting that is 0
+  on every seed."""
+  def run(setting, seed, clip, kl):
+    records = [{"step": t, "reward/total/mean": 0.5, "clip/region_frac": clip, "kl": kl}
+               for t in range(1, 6)]
+    return report.RunResult(f"x={setting},seed={seed}", {"x": setting, "seed": seed},
+                            "finished", {"eval_accuracy_gain_points": 1.0}, records, None)
+  runs = [run(1, 0, 0.0, 0.0), run(1, 1, 0.02, 0.001), run(2, 0, 0.0, 0.0), run(2, 1, 0.0, 0.0)]
+  drawn, real = [], report.mean_std
+
+  def spy(xs):
+    drawn.append(list(xs))
+    return real(xs)
+  monkeypatch.setattr(report, "mean_std", spy)
+  for key, value in (("clip/region_frac", 0.02), ("kl", 0.001)):
+    drawn.clear()
+    report.plot_metric(runs, key, key, False, str(tmp_path / "p.png"), smoothing=0.0)
+    assert drawn == [[0.0, value]] * 5, key  # x=1's two seeds at steps 1-5; x=2 not drawn
+    assert real(drawn[0])[0] == pytest.approx(value / 2)
+
+
+def test_runs_not_started_count_from_sweep_json(tmp_path):
+  """A run sweep.json lists without a directory yet (the sweep stopped before it, or it waits
+  for its prefix): listed with sweep.json's overrides and status, and counted in "n of N"."""
+  listed = []
+  for seed in range(3):
+    overrides = {"optim.lr": 1e-3, "seed": seed}
+    if seed < 2:
+      _write_run(tmp_path, overrides, start=0.2, end=0.5, reward=0.1, wall_s=60)
+    listed.append({"dir": f"optim.lr=0.001,seed={seed}", "name": f"optim.lr=0.001,seed={seed}",
+                   "kind": "run", "prefix": None, "overrides": overrides,
+                   "status": "done" if seed < 2 else "pending", "returncode": None,
+                   "reason": None, "wall_s": 0.0, "log": None})
+  (tmp_path / "sweep.json").write_text(json.dumps({"sweep_file": "s.py", "config": "c.py",
+                                                   "fixed": {}, "runs": listed}))
+  runs = report.load_runs(str(tmp_path))
+  assert [(r.dir, r.status, r.seed) for r in runs][2] == ("optim.lr=0.001,seed=2", "pending", 2)
+  (row,) = report.table(runs)
+  assert (row["n"], row["runs"]) == (2, 3)
+  text = report.render(str(tmp_path), runs, [])
+  assert "| `optim.lr=0.001` | 2 of 3 |" in text
+  assert "| `optim.lr=0.001,seed=2` | pending |" in text

@@ -11,10 +11,11 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from cli import REPO
-from grpo_jax import config as config_lib, sweep, sweep_runner, train_step
+from grpo_jax import config as config_lib, report, sweep, sweep_runner, train_step
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 TINY = "configs/gsm8k.py:tiny"
@@ -49,6 +50,72 @@ def test_run_names_are_sorted_readable_and_filesystem_safe():
   assert sweep.cli_value(3e-5) == "3e-05" and sweep.cli_value(("a", "b")) == "('a', 'b')"
   with pytest.raises(sweep.SweepError, match="same name"):
     sweep.plan(sweep.Sweep(TINY, [{"x": "a/b"}, {"x": "a_b"}]))
+
+
+def test_numpy_scalars_in_axes_are_the_python_numbers_they_hold():
+  """np.logspace gives np.float64: its repr 'np.float64(1e-05)' named the run and reached main
+  as text main could not parse; a run's values are Python numbers from the axis on."""
+  lrs = np.logspace(-5, -3, 3)  # 9.999999999999999e-06, 0.0001, 0.001
+  runs = sweep.product(sweep.sweep_axis("optim.lr", lrs), sweep.sweep_axis("seed", np.arange(2)))
+  assert runs[0] == {"optim.lr": float(lrs[0]), "seed": 0}
+  assert [type(v) for v in runs[-1].values()] == [float, int]
+  assert [r.name for r in sweep.plan(sweep.Sweep(TINY, runs))][-3:] == [
+      "optim.lr=0.0001,seed=1", "optim.lr=0.001,seed=0", "optim.lr=0.001,seed=1"]
+  assert sweep.fixed("train.steps", np.int64(3)) == [{"train.steps": 3}]
+  assert sweep.cli_value(np.float64(1e-4)) == "0.0001"
+  # Hand-listed runs and fixed values too: plan takes them as Python numbers.
+  (r,) = sweep.plan(sweep.Sweep(TINY, [{"optim.lr": np.float32(0.5)}],
+                                fixed={"train.steps": np.int64(4)}))
+  assert r.name == "optim.lr=0.5" and r.args == {"train.steps": 4, "optim.lr": 0.5}
+  assert type(r.args["train.steps"]) is int and type(r.args["optim.lr"]) is float
+
+
+def test_prefix_names_stay_apart_where_a_file_name_merges_their_values(tmp_path, fake_env):
+  """'Be brief!' and 'Be brief?' both sanitise to 'Be_brief_': each prefix name ends in a hash
+  of its own warm-start part, so neither group starts from the other's warm start."""
+  s = sweep.Sweep(TINY, sweep.zip_(sweep.sweep_axis("data.system_prompt", ["Be brief!",
+                                                                           "Be brief?"]),
+                                   sweep.sweep_axis("optim.lr", [1e-4, 3e-4])))
+  runs = sweep.plan(s, min_shared=1)
+  prefixes = [r for r in runs if r.kind == "prefix"]
+  assert len({p.name for p in prefixes}) == 2
+  assert all(p.name.startswith("data.system_prompt=Be_brief_,") for p in prefixes)
+  assert [p.args["data.system_prompt"] for p in prefixes] == ["Be brief!", "Be brief?"]
+  members = [r for r in runs if r.kind == "run"]
+  assert [r.prefix for r in members] == [p.name for p in prefixes]
+  # On fake_main, whose step-0 state is its warm-start args: each run starts from its own.
+  assert sweep_runner.Runner(s, runs, tmp_path, main_module="fake_main").run() == 0
+  for r in members:
+    state = json.loads((tmp_path / r.name / "checkpoints/0/state").read_text())
+    assert state == {"data.system_prompt": r.overrides["data.system_prompt"]}, r.name
+  # Stable: the same name on every plan (a rerun finds the prefix it made).
+  assert [p.name for p in sweep.plan(s, min_shared=1) if p.kind == "prefix"] == [
+      p.name for p in prefixes]
+  # A name that sanitising did not change stays as it was.
+  assert [r.name for r in sweep.plan(sweep.Sweep(TINY, sweep.seeds(1)), min_shared=1)] == [
+      "seed=0", "seed=0"]
+  # One name without a replaced character: refused, not merged.
+  with pytest.raises(sweep.SweepError, match="same prefix name 'data.system_prompt=1'"):
+    sweep.plan(sweep.Sweep(TINY, [{"data.system_prompt": 1, "optim.lr": 1.0},
+                                  {"data.system_prompt": "1", "optim.lr": 2.0}]), min_shared=1)
+
+
+def test_vmap_groups_keep_lora_runs_with_seeded_bases_apart():
+  """A LoRA run's frozen base comes from its seed when it has a warm start or random weights
+  (train._shared_base refuses such a group): one group per seed. tiny_lora has both."""
+  s = sweep.load_sweep(os.path.join(REPO, "experiments/tiny_lora_seeds.py"))
+  s.runs = sweep.product(sweep.sweep_axis("optim.lr", [1e-3, 3e-3]), s.runs)
+  runs = [r for r in sweep.plan(s, min_shared=1) if r.kind == "run"]
+  groups = sweep.vmap_groups(runs, sweep.load_config(s.config))
+  assert [[r.name for r in g] for g in groups] == [
+      [f"optim.lr=0.001,seed={i}", f"optim.lr=0.003,seed={i}"] for i in range(5)]
+  # A base from a checkpoint, no warm start: the same for every seed, one group.
+  fixed = {"sft.steps": 0, "model.random_init": False, "model.checkpoint": "ckpt"}
+  s = sweep.Sweep("configs/gsm8k.py:tiny_lora", sweep.seeds(3), fixed=fixed)
+  assert len(sweep.vmap_groups(sweep.plan(s), sweep.load_config(s.config))) == 1
+  # Full fine-tuning: seeds share a group whatever the warm start.
+  s = sweep.Sweep(TINY, sweep.seeds(3))
+  assert len(sweep.vmap_groups(sweep.plan(s), sweep.load_config(TINY))) == 1
 
 
 def test_plan_shares_a_warm_start_only_across_post_warm_start_keys():
@@ -150,13 +217,13 @@ def test_sweep_runs_prefixes_then_members_from_their_step0(tmp_path, fake_env):
       ("optim.lr=0.001,seed=0", "done"), ("optim.lr=0.001,seed=1", "done"),
       ("optim.lr=0.002,seed=0", "done"), ("optim.lr=0.002,seed=1", "done")]
   prefix = _calls(tmp_path / "prefixes/seed=1")
-  assert prefix == [{"args": {"seed": "1", "train.steps": "0", "optim.schedule": "constant"},
+  assert prefix == [{"args": {"seed": 1, "train.steps": 0, "optim.schedule": "constant"},
                      "resumed_from": None}]
   member = tmp_path / "optim.lr=0.002,seed=1"
-  assert _calls(member) == [{"args": {"train.steps": "3", "optim.lr": "0.002", "seed": "1"},
+  assert _calls(member) == [{"args": {"train.steps": 3, "optim.lr": 0.002, "seed": 1},
                              "resumed_from": 0}]
   # Its step 0 is the prefix's: the warm-start state and the step-0 eval line.
-  assert (member / "checkpoints/0/state").read_text() == json.dumps({"seed": "1"})
+  assert (member / "checkpoints/0/state").read_text() == json.dumps({"seed": 1})
   assert json.loads((member / "metrics.jsonl").read_text().splitlines()[0]) == {
       "step": 0, "eval/accuracy": 0.11}
   rec = json.load(open(member / "sweep_run.json"))
@@ -166,6 +233,74 @@ def test_sweep_runs_prefixes_then_members_from_their_step0(tmp_path, fake_env):
   # Run again: everything is finished, nothing is launched.
   code, _ = _run(tmp_path, LR_SEEDS)
   assert code == 0 and len(_calls(member)) == 1 and len(_calls(tmp_path / "prefixes/seed=0")) == 1
+
+
+def test_overrides_reach_main_as_values_not_flag_text(tmp_path, fake_env, capsys):
+  """None and numpy scalars through the runner's own command and main's flags and main()
+  (tests/config_main.py: main whose train.run writes the config it was given). As
+  --config.k=v text a placeholder got the string 'None' (a system turn saying "None"),
+  loss.delta=None and np.float64 stopped main at flag parsing."""
+  s = sweep.Sweep(TINY, [{"data.system_prompt": None, "seed": 0},
+                         {"loss.delta": None, "seed": 1},
+                         {"optim.lr": np.float64(3e-4), "seed": np.int64(2)}],
+                  fixed={"model.attention": None})
+  runner = sweep_runner.Runner(s, sweep.plan(s), tmp_path, main_module="config_main")
+  runner.print_plan()
+  plan = capsys.readouterr().out
+  assert (f"--overrides={tmp_path}/data.system_prompt=None,seed=0/sweep_overrides.json"
+          in plan)
+  assert 'overrides: {"model.attention": null, "data.system_prompt": null, "seed": 0}' in plan
+  assert runner.run() == 0
+  parsed = {r.name: json.load(open(tmp_path / r.name / "parsed_config.json")) for r in runner.runs}
+  base = sweep.load_config(TINY)
+  assert base.data.system_prompt is None and base.loss.delta is None  # what None is for
+  p = parsed["data.system_prompt=None,seed=0"]
+  assert p["data"]["system_prompt"] is None and p["model"]["attention"] is None
+  assert parsed["loss.delta=None,seed=1"]["loss"]["delta"] is None
+  p = parsed["optim.lr=0.0003,seed=2"]
+  assert (p["optim"]["lr"], p["seed"], p["loss"]["delta"]) == (3e-4, 2, None)
+
+
+def test_a_vmapped_member_is_charged_its_share_of_the_group_wall_time(tmp_path, fake_env,
+                                                                      monkeypatch):
+  """K members share one process: each member's wall_s is the group's time / K (the group's
+  own time in group_wall_s); the report's wall column reads it."""
+  s = sweep.Sweep(TINY, sweep.seeds(2), fixed={"train.steps": 3})
+  runs = sweep.plan(s, min_shared=1)
+  groups = sweep.vmap_groups([r for r in runs if r.kind == "run"], sweep.load_config(TINY))
+  assert [len(g) for g in groups] == [2]
+  # The group's process: 2 s asleep, then each member's finished summary.
+  script = ("import json, sys, time\ntime.sleep(2)\nfor d in sys.argv[1:]:\n"
+            "  json.dump({'eval_accuracy_gain_points': 1.0}, open(d + '/summary.json', 'w'))\n")
+  real = sweep_runner.Runner.command
+  monkeypatch.setattr(sweep_runner.Runner, "command", lambda self, r: (
+      [sys.executable, "-c", script, *(self.run_dir(m) for m in r.members)]
+      if isinstance(r, sweep_runner.Group) else real(self, r)))
+  runner = sweep_runner.Runner(s, runs, tmp_path, main_module="fake_main", vmap_groups=groups)
+  assert runner.run() == 0
+  index = {r["dir"]: r for r in json.load(open(tmp_path / "sweep.json"))["runs"]}
+  for name in ("seed=0", "seed=1"):
+    (attempt,) = json.load(open(tmp_path / name / "sweep_run.json"))["attempts"]
+    group_wall = attempt["group_wall_s"]
+    assert group_wall >= 2.0
+    assert attempt["wall_s"] == pytest.approx(group_wall / 2, abs=0.051)
+    assert index[name]["wall_s"] == attempt["wall_s"]
+  walls = {r.dir: r.wall_s for r in report.load_runs(str(tmp_path))}
+  assert walls == {n: index[n]["wall_s"] for n in ("seed=0", "seed=1")}
+
+
+def test_vmap_with_a_main_module_is_refused(tmp_path, capsys):
+  """Groups run grpo_jax.train, not the wrapper: refused in one line, not silently ignored."""
+  sweep_file = tmp_path / "s.py"
+  sweep_file.write_text("from grpo_jax import sweep\n"
+                        "def get_sweep():\n"
+                        "  return sweep.Sweep('configs/gsm8k.py:tiny', sweep.seeds(2))\n")
+  with pytest.raises(SystemExit) as e:
+    sweep.main([str(sweep_file), f"--workdir={tmp_path}/w", "--vmap", "--dry_run",
+                "--main_module=fake_main"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert "--vmap" in err and "--main_module=fake_main" in err
 
 
 def test_a_lora_prefix_hands_over_its_base_too(tmp_path):
