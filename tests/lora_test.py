@@ -80,6 +80,29 @@ def test_init_follows_peft_defaults():
     assert not b.any(), t
 
 
+def test_bf16_adapters_are_scaled_by_the_exact_alpha_over_r():
+  """alpha 16, rank 6 (alpha / r = 2.6667; 2.671875 in bf16) on bf16 adapters, as
+  optim.param_dtype='bfloat16' makes them: the delta the forward adds (qwen.project's low-rank
+  path on x = the identity, fp32 compute) is NumPy's float64 (alpha / r)·a·b to fp32 rounding,
+  and the scaled b that bf16 compute reads is float64 (alpha / r)·b rounded once to bf16. (A
+  bf16 tolerance on the delta would not do: bf16(16 / 6) is off by 2^-9, one bf16 rounding.)"""
+  cfg = qwen.QwenConfig(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=12)
+  lcfg = lora.LoraConfig(rank=6, alpha=16)
+  adapters = jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                          _trained_like(lora.init(jax.random.key(0), cfg, lcfg), 1, 0.3))
+  a, b = (adapters["layers"]["self_attn"]["q_proj"][k][0] for k in ("lora_a", "lora_b"))
+  b_scaled = lora.variables(None, adapters, lcfg)["lora"]["layers"]["self_attn"]["q_proj"][
+      "lora_b"][0]
+  want = 16 / 6 * np.einsum("dr,rnh->dnh", np.asarray(a, np.float64), np.asarray(b, np.float64))
+  eye = jnp.eye(48, dtype=jnp.float32)
+  delta = qwen.project("BD,DnH->BnH", eye, jnp.zeros((48, 4, 12)), (a, b_scaled))
+  np.testing.assert_allclose(np.asarray(delta, np.float64), want, rtol=1e-5,
+                             atol=1e-6 * np.abs(want).max())
+  np.testing.assert_array_equal(b_scaled.astype(jnp.bfloat16),
+                                (16 / 6 * np.asarray(b, np.float64)).astype(jnp.bfloat16))
+
+
 def _loss(model, lcfg, tokens, mask):
   """A smooth scalar of the logits: the mean log-prob of the next tokens."""
   f = _logits_fn(model, lcfg)

@@ -169,14 +169,17 @@ def num_trainable(adapters) -> int:
 def variables(params, adapters, lcfg: LoraConfig | None, scale=None) -> dict:
   """The variables for model.apply: the base alone when adapters is None (the reference policy),
   else with the 'lora' collection, b multiplied by alpha / r (or `scale`, which may be a traced
-  array, e.g. one per sweep member). Differentiating through this gives PEFT's gradients."""
+  array, e.g. one per sweep member). Differentiating through this gives PEFT's gradients.
+  The scaled b is fp32 whatever the adapters' dtype: the factor is alpha / r to fp32, as in
+  save_peft's adapter and merge (bf16 would make 16 / 6 into 2.671875); the forward casts it to
+  the compute dtype (qwen.project)."""
   if adapters is None:
     return {"params": params}
   s = lcfg.scale if scale is None else scale
   scaled = jax.tree.map(lambda x: x, adapters)
   for t in _targets_of(adapters):
     node = _get(scaled, _kernel_path(t))
-    node["lora_b"] = node["lora_b"] * jnp.asarray(s, node["lora_b"].dtype)
+    node["lora_b"] = node["lora_b"].astype(jnp.float32) * jnp.asarray(s, jnp.float32)
   return {"params": params, "lora": scaled}
 
 
