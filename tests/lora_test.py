@@ -371,6 +371,23 @@ def test_load_peft_refuses_what_the_model_does_not_compute(checkpoints, tmp_path
     lora.load_peft(out, cfg)
 
 
+def test_save_peft_refuses_adapters_its_config_does_not_describe(checkpoints, tmp_path):
+  """Adapters on q_proj and v_proj saved with targets ('q_proj',) would give a file whose
+  v_proj tensors PEFT skips without a word (a different model); a rank other than lcfg.rank
+  would fail only in PEFT. Both stop with a line, and nothing is written."""
+  params, cfg = weights.load_checkpoint(checkpoints["qwen2_untied"])
+  lcfg = lora.LoraConfig(rank=2, alpha=4, targets=("q_proj", "v_proj"))
+  adapters = lora.init(jax.random.key(0), cfg, lcfg)
+  fewer = dataclasses.replace(lcfg, targets=("q_proj",))
+  with pytest.raises(ValueError, match=r"hold \['v_proj'\], which model.lora.targets "
+                                       r"\['q_proj'\] does not name"):
+    lora.save_peft(adapters, cfg, fewer, tmp_path / "a")
+  with pytest.raises(ValueError, match="the adapters' q_proj has rank 2, model.lora.rank is 3"):
+    lora.save_peft(adapters, cfg, dataclasses.replace(lcfg, rank=3), tmp_path / "a")
+  assert not (tmp_path / "a").exists()
+  assert (lora.save_peft(adapters, cfg, lcfg, tmp_path / "a") / lora.WEIGHTS_FILE).is_file()
+
+
 @pytest.mark.parametrize("field,value,extra_tensor", [
     ("lora_bias", True, "q_proj.lora_B.bias"),
     ("trainable_token_indices", [3, 5], "token_adapter.trainable_tokens_delta"),
