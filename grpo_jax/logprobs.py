@@ -183,6 +183,9 @@ def token_logprobs(hidden_ND, head_VD, targets_N, *, temperature: float = 1.0,
   hidden_ND [N, D] and head_VD [V, D] share a dtype; leading axes of hidden and targets are
   flattened (e.g. [B, C, D] with [B, C] targets gives [B, C] results).
   Example: hidden [2, 5, 8], head [11, 8], targets int [2, 5] → (logp [2, 5], entropy [2, 5]).
+  Targets must lie in [0, V); nothing here checks it (it runs traced): another reads row V - 1's
+  log-prob, with a gradient that is not that value's. train_step.check_batch checks the loss
+  tokens on the host.
   """
   lead = targets_N.shape
   h_ND = hidden_ND.reshape(-1, hidden_ND.shape[-1])

@@ -244,7 +244,8 @@ class Sampler:
     """(variables with the layers in the compute dtype, the sampling head, each row's key).
     With cfg.unroll_decode the variables are a qwen.Unrolled, one narrowed copy per layer."""
     if self.cfg.unroll_decode:
-      v = qwen.unroll(variables(params), self._narrow_leaf)
+      v = qwen.unroll(variables(params))
+      v = qwen.Unrolled(v.rest, [self._narrow_tree(layer) for layer in v.layers])
       return v, self._head(v.rest["params"]), self._row_keys(rng, row_ids_R2)
     v = self._narrow(params)
     return v, self._head(v["params"]), self._row_keys(rng, row_ids_R2)
@@ -259,10 +260,19 @@ class Sampler:
     """The variables, their decoder layers' weights in the compute dtype: cast once, before the
     loop, not in every step of it, so each step reads the narrow copy (fp32 params, bf16
     compute: half the bytes). The forward casts every weight to this dtype anyway, so the
-    numbers are the same. The embedding and head stay as they are (the sampler reads the head
-    in its own dtype); integer leaves (an int8 base's kernels) too."""
-    return {col: dict(tree, layers=jax.tree.map(self._narrow_leaf, tree["layers"]))
+    numbers are the same. Not narrowed: the embedding and head (the sampler reads the head in
+    its own dtype), integer leaves (an int8 base's kernel_q) and an int8 base's kernel_scale,
+    which qwen._kernel multiplies with kernel_q in fp32 before it casts the product: a scale
+    rounded to bf16 first would change each output channel by up to 2^-9, a policy that is not
+    the train step's."""
+    return {col: dict(tree, layers=self._narrow_tree(tree["layers"]))
             for col, tree in variables(params).items()}
+
+  def _narrow_tree(self, tree):
+    """_narrow_leaf on every leaf of the tree but the kernel_scale ones."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x if path[-1] == jax.tree_util.DictKey("kernel_scale")
+        else self._narrow_leaf(x), tree)
 
   def _narrow_leaf(self, x):
     return x.astype(self.model.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x

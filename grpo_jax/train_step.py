@@ -305,11 +305,13 @@ def is_rollout(batch) -> bool:
 
 
 def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_params=False,
-                group_size=None, num_rewards=None, max_turns=None) -> None:
+                group_size=None, num_rewards=None, max_turns=None, valid=None) -> None:
   """Host-side checks, before anything is donated: a bad batch raises and the state survives.
 
   max_turns: flow_grpo's bound on turns; the turn ids of loss tokens must lie in [0, max_turns)
   (checked when given: a small fetch of the masks and turn ids).
+  valid: the head rows in the softmax; the completion token ids that enter the loss must lie in
+  [0, valid) (checked when given: a fetch of the completion ids and masks).
   """
   rollout = objective == "grpo" and is_rollout(batch)
   required = ROLLOUT_KEYS if rollout else SFT_KEYS if objective == "sft" else TRAIN_KEYS
@@ -362,6 +364,8 @@ def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_p
                          "each completion token)")
       if max_turns is not None:
         _check_turn_ids(batch, rollout, max_turns)
+  if valid is not None:
+    _check_token_ids(batch, rollout, valid)
   n_batch_dev = int(np.prod([mesh.shape[a] for a in sharding.BATCH_AXES]))
   accum = optim_cfg.grad_accum_steps
   if B % accum or (B // accum) % n_batch_dev:
@@ -369,16 +373,36 @@ def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_p
                      f"micro-batches each divisible by the data×fsdp={n_batch_dev} devices")
 
 
+def _loss_tokens(batch, rollout, C: int) -> np.ndarray:
+  """[B, C] bool: the completion tokens that may enter the loss."""
+  if not rollout:
+    return np.asarray(batch["completion_mask_BC"]) > 0
+  on = np.arange(C)[None, :] < np.asarray(batch["lengths_B"])[:, None]
+  if "loss_mask_BC" in batch:
+    on &= np.asarray(batch["loss_mask_BC"]) > 0
+  return on
+
+
+def _check_token_ids(batch, rollout, valid):
+  """Completion ids that may enter the loss lie in [0, valid): logprobs.token_logprobs would read
+  another's log-prob off a clamped row, and its gradient would not be that value's."""
+  name = "completion_BC" if rollout else "tokens_BS"
+  ids = np.asarray(batch[name])
+  C = ids.shape[1] if rollout else _shape(batch["completion_mask_BC"])[-1]
+  ids = ids[:, -C:]
+  bad = _loss_tokens(batch, rollout, C) & ((ids < 0) | (ids >= valid))
+  if bad.any():
+    b, j = np.argwhere(bad)[0]
+    shown = np.unique(ids[bad])[:8].tolist()
+    raise ValueError(f"batch['{name}'] holds completion token ids {shown} outside [0, V={valid})"
+                     f" (V: valid_vocab_size, the head rows in the softmax) on {int(bad.sum())} "
+                     f"loss tokens, the first at completion [{b}, {j}]")
+
+
 def _check_turn_ids(batch, rollout, max_turns):
   """Turn ids of the completion tokens that may enter the loss lie in [0, max_turns)."""
   turns = np.asarray(batch["turn_ids_BC"])
-  if rollout:
-    C = turns.shape[1]
-    on = np.arange(C)[None, :] < np.asarray(batch["lengths_B"])[:, None]
-    if "loss_mask_BC" in batch:
-      on &= np.asarray(batch["loss_mask_BC"]) > 0
-  else:
-    on = np.asarray(batch["completion_mask_BC"]) > 0
+  on = _loss_tokens(batch, rollout, turns.shape[1])
   bad = on & ((turns < 0) | (turns >= max_turns))
   if bad.any():
     b, j = np.argwhere(bad)[0]
@@ -926,7 +950,8 @@ class TrainStep:
     if s.lora is not None and not has_ref_params:
       raise ValueError("a LoRA train step needs the frozen base params (ref_params)")
     check_batch(batch, s.loss, s.optim, s.mesh, s.objective, has_ref_params=has_ref_params,
-                group_size=s.group_size, num_rewards=s.num_rewards, max_turns=s.max_turns)
+                group_size=s.group_size, num_rewards=s.num_rewards, max_turns=s.max_turns,
+                valid=s.valid)
 
   def program(self, batch, with_ref: bool, k: int | None = None):
     """The jitted program for this batch layout (cached by keys, shapes, dtypes and K; k None:
@@ -1014,7 +1039,7 @@ def make_grad_fn(model_cfg, loss_cfg, optim_cfg, mesh, batch, **step_kw):
   step = TrainStep(model_cfg, loss_cfg, optim_cfg, mesh, **step_kw)
   spec, hp = step.spec, step.hparams
   check_batch(batch, loss_cfg, optim_cfg, mesh, max_turns=spec.max_turns,
-              has_ref_params=spec.lora is not None)
+              has_ref_params=spec.lora is not None, valid=spec.valid)
 
   def fn(params, batch, frozen):
     mask_BC = grpo.loss_mask(batch["completion_mask_BC"], batch.get("truncated_B"),

@@ -80,6 +80,29 @@ def test_init_follows_peft_defaults():
     assert not b.any(), t
 
 
+def test_bf16_adapters_are_scaled_by_the_exact_alpha_over_r():
+  """alpha 16, rank 6 (alpha / r = 2.6667; 2.671875 in bf16) on bf16 adapters, as
+  optim.param_dtype='bfloat16' makes them: the delta the forward adds (qwen.project's low-rank
+  path on x = the identity, fp32 compute) is NumPy's float64 (alpha / r)·a·b to fp32 rounding,
+  and the scaled b that bf16 compute reads is float64 (alpha / r)·b rounded once to bf16. (A
+  bf16 tolerance on the delta would not do: bf16(16 / 6) is off by 2^-9, one bf16 rounding.)"""
+  cfg = qwen.QwenConfig(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=12)
+  lcfg = lora.LoraConfig(rank=6, alpha=16)
+  adapters = jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                          _trained_like(lora.init(jax.random.key(0), cfg, lcfg), 1, 0.3))
+  a, b = (adapters["layers"]["self_attn"]["q_proj"][k][0] for k in ("lora_a", "lora_b"))
+  b_scaled = lora.variables(None, adapters, lcfg)["lora"]["layers"]["self_attn"]["q_proj"][
+      "lora_b"][0]
+  want = 16 / 6 * np.einsum("dr,rnh->dnh", np.asarray(a, np.float64), np.asarray(b, np.float64))
+  eye = jnp.eye(48, dtype=jnp.float32)
+  delta = qwen.project("BD,DnH->BnH", eye, jnp.zeros((48, 4, 12)), (a, b_scaled))
+  np.testing.assert_allclose(np.asarray(delta, np.float64), want, rtol=1e-5,
+                             atol=1e-6 * np.abs(want).max())
+  np.testing.assert_array_equal(b_scaled.astype(jnp.bfloat16),
+                                (16 / 6 * np.asarray(b, np.float64)).astype(jnp.bfloat16))
+
+
 def _loss(model, lcfg, tokens, mask):
   """A smooth scalar of the logits: the mean log-prob of the next tokens."""
   f = _logits_fn(model, lcfg)
@@ -346,6 +369,23 @@ def test_load_peft_refuses_what_the_model_does_not_compute(checkpoints, tmp_path
   (out / lora.WEIGHTS_FILE).unlink()
   with pytest.raises(weights.CheckpointError, match="adapter_model.safetensors: missing"):
     lora.load_peft(out, cfg)
+
+
+def test_save_peft_refuses_adapters_its_config_does_not_describe(checkpoints, tmp_path):
+  """Adapters on q_proj and v_proj saved with targets ('q_proj',) would give a file whose
+  v_proj tensors PEFT skips without a word (a different model); a rank other than lcfg.rank
+  would fail only in PEFT. Both stop with a line, and nothing is written."""
+  params, cfg = weights.load_checkpoint(checkpoints["qwen2_untied"])
+  lcfg = lora.LoraConfig(rank=2, alpha=4, targets=("q_proj", "v_proj"))
+  adapters = lora.init(jax.random.key(0), cfg, lcfg)
+  fewer = dataclasses.replace(lcfg, targets=("q_proj",))
+  with pytest.raises(ValueError, match=r"hold \['v_proj'\], which model.lora.targets "
+                                       r"\['q_proj'\] does not name"):
+    lora.save_peft(adapters, cfg, fewer, tmp_path / "a")
+  with pytest.raises(ValueError, match="the adapters' q_proj has rank 2, model.lora.rank is 3"):
+    lora.save_peft(adapters, cfg, dataclasses.replace(lcfg, rank=3), tmp_path / "a")
+  assert not (tmp_path / "a").exists()
+  assert (lora.save_peft(adapters, cfg, lcfg, tmp_path / "a") / lora.WEIGHTS_FILE).is_file()
 
 
 @pytest.mark.parametrize("field,value,extra_tensor", [

@@ -194,6 +194,28 @@ def test_bidirectional_attention_sees_later_tokens_and_cannot_decode(checkpoints
     sampler_lib.Sampler(model, max_new_tokens=4)
 
 
+@pytest.mark.parametrize("kind", ["qwen2_tied", "qwen3"])
+def test_head_dim_missing_from_config_json_follows_transformers(kind, tmp_path):
+  """A config.json without head_dim: Qwen3Config defaults it to 128, Qwen2's attention takes
+  hidden_size // heads (16 here). The head_dim transformers' attention builds is ours."""
+  import json
+
+  import transformers
+
+  hf = fixtures.hf_config(kind).to_dict()
+  hf.pop("head_dim", None)
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  model = transformers.AutoModelForCausalLM.from_config(
+      transformers.AutoConfig.from_pretrained(tmp_path))
+  attn = model.model.layers[0].self_attn
+  assert attn.head_dim == {"qwen2_tied": 16, "qwen3": 128}[kind]
+  assert attn.q_proj.weight.shape == (4 * attn.head_dim, 64)
+  assert weights.read_config(tmp_path).head_dim == attn.head_dim
+  if kind == "qwen3":
+    with pytest.raises(ValueError, match="config.json: head_dim=None must be a positive integer"):
+      qwen.QwenConfig.from_hf(hf | {"head_dim": None})
+
+
 def test_config_roundtrip_and_bad_configs():
   cfg = qwen.QwenConfig.from_hf(fixtures.hf_config("qwen3").to_dict())
   assert qwen.QwenConfig.from_hf(cfg.to_hf()) == cfg

@@ -19,7 +19,7 @@ import chi2
 import fixtures
 from grpo_jax import sampler as sampler_lib
 from grpo_jax import sharding
-from grpo_jax.models import lora, qwen, weights
+from grpo_jax.models import lora, quant, qwen, weights
 
 VOCAB = 128
 VALID = 120  # ids 120..127 play the embedding rows beyond the tokenizer: never sampled
@@ -468,6 +468,32 @@ def test_lora_members_unrolled_equal_the_layer_scan(checkpoints):
     np.testing.assert_array_equal(unrolled.tokens, scan.tokens)
     np.testing.assert_allclose(unrolled.logprobs, scan.logprobs, atol=1e-6, rtol=0)
   assert len({tuple(t) for o in outs[0] for t in np.asarray(o.tokens)}) > 3
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_int8_base_samples_the_train_steps_policy(checkpoints, unroll):
+  """bf16 compute on an int8 base (model.lora.quantize='int8'): the decode steps' narrowed
+  variables keep kernel_scale in fp32, as qwen._kernel uses it, so the sampler's policy is the
+  train step's. The full forward on the decode steps' variables gives the train step's logits
+  to the last bit (as for a plain base), and the sampler on the int8 base samples what it
+  samples on the dequantized values (q · scale in fp32: quant_test's numbers of the forward)."""
+  params, cfg = weights.load_checkpoint(checkpoints["qwen3"])
+  qparams = quant.quantize(params)
+  model = qwen.Qwen(dataclasses.replace(cfg, unroll_decode=unroll), dtype=jnp.bfloat16)
+  sampler = sampler_lib.Sampler(model, max_new_tokens=8, buckets=(16,), temperature=0.9,
+                                pad_id=PAD, vocab_chunk=CHUNK)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, VALID, (4, 12)))
+  mask = jnp.ones_like(tokens)
+  for base in (params, qparams):
+    train = _full_logits_jit(model, base, tokens, mask)
+    narrowed = sampler._narrow(base)
+    hidden, _ = model.apply(narrowed, tokens, qwen.positions_from_mask(mask), mask)
+    np.testing.assert_array_equal(model.apply(narrowed, hidden, method=qwen.Qwen.logits), train)
+  assert narrowed["params"]["layers"]["mlp"]["up_proj"]["kernel_scale"].dtype == jnp.float32
+  outs = [sampler(p, _prompts(), num_samples=2, key=jax.random.key(1))
+          for p in (qparams, quant.dequantize(qparams))]
+  np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
+  np.testing.assert_array_equal(np.asarray(outs[0].logprobs), np.asarray(outs[1].logprobs))
 
 
 def test_bad_input_gets_a_clear_error(greedy_cases):

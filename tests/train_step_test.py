@@ -308,6 +308,49 @@ def test_nonfinite_step_leaves_state_unchanged(params, data, baseline):
     np.testing.assert_array_equal(x, y)
 
 
+def _put_loss_token(batch, token, row=3):
+  """The batch with the last loss token of a row set to `token`."""
+  tokens = batch["tokens_BS"].copy()
+  j = np.flatnonzero(batch["completion_mask_BC"][row])[-1]
+  tokens[row, P + j] = token
+  batch["tokens_BS"] = tokens
+  return batch
+
+
+def test_completion_ids_outside_the_head_rows_are_refused_on_loss_tokens_only(data):
+  """token_logprobs would read an id >= V off row V - 1 (a gather clamps) with a gradient that
+  is not that value's: a loss token's id must lie in [0, valid), in the train layout and in a
+  rollout's; off the loss (padding, observation tokens) any id passes."""
+  batch, _ = data
+  check = lambda b, valid: train_step.check_batch(b, loss_config(), optim_config(),
+                                                  single_mesh(), valid=valid)
+  check(batch, MODEL.vocab_size)
+  valid = int(batch["tokens_BS"][:, P:][batch["completion_mask_BC"] > 0].max())  # the top id
+  with pytest.raises(ValueError, match=rf"outside \[0, V={valid}\) .* on \d+ loss tokens"):
+    check(batch, valid)
+  off = batch["completion_mask_BC"] == 0
+  assert off.any()
+  tokens = batch["tokens_BS"].copy()
+  tokens[:, P:][off] = 1000  # not in the loss: passes
+  check(dict(batch, tokens_BS=tokens), MODEL.vocab_size)
+  rewards = np.zeros((B, 1), np.float32)
+  roll = _rollout_from(_shared_prompts(dict(batch, tokens_BS=tokens)), rewards)
+  rollout_check = lambda r: train_step.check_batch(
+      r, loss_config(), optim_config(), single_mesh(), has_ref_params=True, group_size=G,
+      valid=MODEL.vocab_size)
+  rollout_check(roll)  # past each row's length: passes
+  r = int(np.flatnonzero(roll["lengths_B"] >= 2)[0])
+  roll["loss_mask_BC"] = np.ones((B, C), np.int32)
+  roll["loss_mask_BC"][r, 0] = 0  # an observation token
+  roll["completion_BC"] = roll["completion_BC"].copy()
+  roll["completion_BC"][r, 0] = 70
+  rollout_check(roll)
+  roll["completion_BC"][r, 1] = 65
+  with pytest.raises(ValueError, match=rf"batch\['completion_BC'\] holds completion token ids "
+                                       rf"\[65\] outside \[0, V=64\) .* at completion \[{r}, 1\]"):
+    rollout_check(roll)
+
+
 @pytest.mark.parametrize("change,match", [
     (lambda b: b.pop("advantages_B"), "missing"),
     (lambda b: b.update(advantages_B=np.zeros(B - 1, np.float32)), "advantages_B"),
@@ -316,6 +359,9 @@ def test_nonfinite_step_leaves_state_unchanged(params, data, baseline):
     (lambda b: b.update(tokens_BS=b["tokens_BS"][:24]),
      "attn_mask_BS|completion_mask_BC|advantages_B"),
     (lambda b: b.update(extra=1), "unknown"),
+    (lambda b: _put_loss_token(b, MODEL.vocab_size),
+     r"batch\['tokens_BS'\] holds completion token ids \[64\] outside \[0, V=64\)"),
+    (lambda b: _put_loss_token(b, -1), r"ids \[-1\] outside \[0, V=64\)"),
 ])
 def test_bad_batch_raises_before_anything_is_donated(params, data, baseline, change, match):
   batch, _ = data

@@ -169,14 +169,17 @@ def num_trainable(adapters) -> int:
 def variables(params, adapters, lcfg: LoraConfig | None, scale=None) -> dict:
   """The variables for model.apply: the base alone when adapters is None (the reference policy),
   else with the 'lora' collection, b multiplied by alpha / r (or `scale`, which may be a traced
-  array, e.g. one per sweep member). Differentiating through this gives PEFT's gradients."""
+  array, e.g. one per sweep member). Differentiating through this gives PEFT's gradients.
+  The scaled b is fp32 whatever the adapters' dtype: the factor is alpha / r to fp32, as in
+  save_peft's adapter and merge (bf16 would make 16 / 6 into 2.671875); the forward casts it to
+  the compute dtype (qwen.project)."""
   if adapters is None:
     return {"params": params}
   s = lcfg.scale if scale is None else scale
   scaled = jax.tree.map(lambda x: x, adapters)
   for t in _targets_of(adapters):
     node = _get(scaled, _kernel_path(t))
-    node["lora_b"] = node["lora_b"] * jnp.asarray(s, node["lora_b"].dtype)
+    node["lora_b"] = node["lora_b"].astype(jnp.float32) * jnp.asarray(s, jnp.float32)
   return {"params": params, "lora": scaled}
 
 
@@ -288,11 +291,23 @@ def save_peft(adapters, cfg: qwen.QwenConfig, lcfg: LoraConfig, out_dir,
               base_model: str = "", dtype=None) -> Path:
   """Writes adapter_config.json + adapter_model.safetensors (fp32, or `dtype`) into out_dir:
   `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out_dir)`. Written
-  beside out_dir and renamed into it, so a crash leaves no half adapter."""
-  missing = [t for t in lcfg.targets if t not in _targets_of(adapters)]
+  beside out_dir and renamed into it, so a crash leaves no half adapter. The adapters must hold
+  exactly lcfg's targets, of rank lcfg.rank: adapter_config.json says so, and PEFT would load
+  an adapter of another target without a word and compute without it."""
+  held = _targets_of(adapters)
+  missing = [t for t in lcfg.targets if t not in held]
   if missing:
     raise ValueError(f"save_peft: the adapters have no {missing} although model.lora.targets "
                      "names them")
+  extra = [t for t in held if t not in lcfg.targets]
+  if extra:
+    raise ValueError(f"save_peft: the adapters hold {extra}, which model.lora.targets "
+                     f"{list(lcfg.targets)} does not name (PEFT would load them as no adapter)")
+  for t in held:
+    r = _get(adapters, _kernel_path(t))["lora_a"].shape[-1]
+    if r != lcfg.rank:
+      raise ValueError(f"save_peft: the adapters' {t} has rank {r}, model.lora.rank is "
+                       f"{lcfg.rank}")
   tensors = peft_tensors(adapters, cfg)
   if dtype is not None:
     tensors = {k: v.astype(dtype) for k, v in tensors.items()}

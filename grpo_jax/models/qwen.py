@@ -161,6 +161,13 @@ class QwenConfig:
       raise ValueError(f"{source}: is_causal must be true or false, got {is_causal!r}")
     heads = hf["num_attention_heads"]
     qwen3 = model_type == "qwen3"
+    # transformers' rule: Qwen3Config's head_dim defaults to 128 (and may not be null); Qwen2's
+    # attention takes the config's head_dim when it has one, else hidden_size // heads.
+    if qwen3 and "head_dim" in hf and hf["head_dim"] is None:
+      raise ValueError(f"{source}: head_dim=None must be a positive integer (qwen3 configs "
+                       "without the field have head_dim 128)")
+    head_dim = (hf.get("head_dim", 128) if qwen3
+                else hf.get("head_dim") or hf["hidden_size"] // heads)
     attention_bias = bool(hf.get("attention_bias", False))
     try:
       return cls(
@@ -170,7 +177,7 @@ class QwenConfig:
           num_layers=hf["num_hidden_layers"],
           num_heads=heads,
           num_kv_heads=hf.get("num_key_value_heads") or heads,
-          head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+          head_dim=head_dim,
           rope_theta=float(rope_theta),
           rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
           tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -753,7 +760,8 @@ class Qwen(nn.Module):
     return self.norm(x_BTD)
 
   def logits(self, hidden_BTD: Array) -> Array:
-    """fp32 logits; for training use grpo_jax.grpo's chunked log-probs instead of this."""
+    """fp32 logits; for training use grpo_jax.logprobs.token_logprobs (blocked over the
+    vocabulary, no [B, T, V] array) instead of this."""
     if self.cfg.tie_word_embeddings:
       head = self.embed_tokens.embedding.T
     else:
