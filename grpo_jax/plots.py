@@ -89,7 +89,7 @@ def smoothing_weight(n: int) -> float:
   return 1 - 1 / max(1.0, n / _WINDOW_FRACTION)
 
 
-def _series(records: Sequence[dict]) -> dict[str, tuple[list[int], list[float]]]:
+def metric_series(records: Sequence[dict]) -> dict[str, tuple[list[int], list[float]]]:
   """{key: (steps, values)} of every finite numeric value, in first-logged key order."""
   series: dict[str, tuple[list[int], list[float]]] = {}
   for record in records:
@@ -112,7 +112,7 @@ def panels(records: Sequence[dict], beta: float | None = None) -> list[Panel]:
     panels([{"step": 1, "reward/total/mean": 0.5, "kl": 0.0}])
     -> [Panel("Reward: total", "reward/total/mean", [1], [0.5])]
   """
-  series = _series(records)
+  series = metric_series(records)
   out = []
   if TOTAL_REWARD in series:
     out.append(Panel("Reward: total", TOTAL_REWARD, *series[TOTAL_REWARD]))

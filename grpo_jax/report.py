@@ -248,7 +248,7 @@ def _seed_series(members, key, weight):
   """{dir: {step: value}} of each member's series of key, smoothed with weight (0 for sparse
   eval points); {} for a metric that plots.panels leaves out when all 0 (plots.OFF_WHEN_ZERO)
   and that is 0 at every step of every member. A member at 0 alone stays in."""
-  raw = {r.dir: plots._series(r.records).get(key) for r in members}
+  raw = {r.dir: plots.metric_series(r.records).get(key) for r in members}
   raw = {d: s for d, s in raw.items() if s is not None}
   if key in plots.OFF_WHEN_ZERO and all(v == 0 for _, values in raw.values() for v in values):
     return {}
@@ -260,7 +260,7 @@ def plot_metric(runs, key, title, sparse, out_path, smoothing=None) -> str | Non
   from matplotlib.figure import Figure
 
   finished = [r for r in runs if r.summary is not None]
-  series = [plots._series(r.records).get(key) for r in finished]
+  series = [plots.metric_series(r.records).get(key) for r in finished]
   lengths = [len(s[1]) for s in series if s is not None]
   if not lengths:
     return None
