@@ -244,8 +244,7 @@ class Sampler:
     """(variables with the layers in the compute dtype, the sampling head, each row's key).
     With cfg.unroll_decode the variables are a qwen.Unrolled, one narrowed copy per layer."""
     if self.cfg.unroll_decode:
-      v = qwen.unroll(variables(params))
-      v = qwen.Unrolled(v.rest, [self._narrow_tree(layer) for layer in v.layers])
+      v = qwen.unroll(self._narrow(params))
       return v, self._head(v.rest["params"]), self._row_keys(rng, row_ids_R2)
     v = self._narrow(params)
     return v, self._head(v["params"]), self._row_keys(rng, row_ids_R2)
@@ -265,14 +264,10 @@ class Sampler:
     which qwen._kernel multiplies with kernel_q in fp32 before it casts the product: a scale
     rounded to bf16 first would change each output channel by up to 2^-9, a policy that is not
     the train step's."""
-    return {col: dict(tree, layers=self._narrow_tree(tree["layers"]))
+    keep = jax.tree_util.DictKey("kernel_scale")
+    narrow = lambda path, x: x if path[-1] == keep else self._narrow_leaf(x)
+    return {col: dict(tree, layers=jax.tree_util.tree_map_with_path(narrow, tree["layers"]))
             for col, tree in variables(params).items()}
-
-  def _narrow_tree(self, tree):
-    """_narrow_leaf on every leaf of the tree but the kernel_scale ones."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: x if path[-1] == jax.tree_util.DictKey("kernel_scale")
-        else self._narrow_leaf(x), tree)
 
   def _narrow_leaf(self, x):
     return x.astype(self.model.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x

@@ -41,7 +41,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from grpo_jax.config import apply_overrides  # noqa: F401 (sweep.apply_overrides)
+from grpo_jax.config import apply_overrides
 from grpo_jax.errors import UserError
 # The runner's names, here so that sweep files and tests find them in one place.
 from grpo_jax.sweep_runner import (PREFIX_DIR, Runner, SweepError, cli_value,  # noqa: F401
@@ -248,7 +248,7 @@ def vmap_groups(runs: Sequence[Run], base) -> list[list[Run]]:
     if _value(r, base, "model.lora.rank") and (_value(r, base, "sft.steps")
                                                or _value(r, base, "model.random_init")):
       key["seed (LoRA base)"] = _value(r, base, "seed")
-    alone = r.args.get("agent.enabled", base.agent.enabled)
+    alone = _value(r, base, "agent.enabled")
     key = r.name if alone else json.dumps(key, sort_keys=True, default=str)
     groups.setdefault(key, []).append(r)
   return list(groups.values())

@@ -777,15 +777,15 @@ class Unrolled(NamedTuple):
   layers: list
 
 
-def unroll(variables: dict, convert=lambda x: x) -> Unrolled:
+def unroll(variables: dict) -> Unrolled:
   """The variables with each decoder layer's sliced off the scan's stacked [L, ...] leaves of
-  every collection (params, LoRA adapters), `convert` applied to each slice: new arrays, one set
-  per layer. Made once, before a decode loop, so that no step slices the stack."""
+  every collection (params, LoRA adapters): new arrays, one set per layer. Made once, before a
+  decode loop, so that no step slices the stack."""
   stacked = {col: tree["layers"] for col, tree in variables.items() if "layers" in tree}
   num_layers = jax.tree.leaves(stacked)[0].shape[0]
   rest = {col: {k: x for k, x in tree.items() if k != "layers"}
           for col, tree in variables.items()}
-  return Unrolled(rest, [{col: jax.tree.map(lambda w: convert(w[i]), tree)
+  return Unrolled(rest, [{col: jax.tree.map(lambda w: w[i], tree)
                           for col, tree in stacked.items()} for i in range(num_layers)])
 
 
