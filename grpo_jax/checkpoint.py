@@ -283,7 +283,6 @@ def latest_usable_step(workdir: str) -> int | None:
   raise RestoreError(f"no usable checkpoint in {checkpoint_dir(workdir)}: steps "
                      f"{', '.join(map(str, steps))} are damaged or unfinished (the warnings "
                      "above say how). Nothing was restored")
-  return None
 
 
 def has_checkpoint(workdir: str) -> bool:
