@@ -133,6 +133,25 @@ def load_rows(source: str, split: str = "train", *, config_name: str | None = No
   return rows
 
 
+def load_train_eval(source: str, train_split: str, eval_split: str,
+                    **kw) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+  """(train rows, eval rows): load_rows of each split (kw as load_rows takes them).
+
+  A file or glob source holds one split whatever the split's name: read for two different
+  splits it would give the training problems as the held-out ones. That is refused.
+  """
+  field = kw.get("field", "config.data.source")
+  if train_split != eval_split:
+    files = _local_files(source, train_split, field)
+    if files is not None and files == _local_files(source, eval_split, field):
+      raise UserError(f"{field}: {source!r} is a data file (or glob), which holds one split: the "
+                      f"train split {train_split!r} and the eval split {eval_split!r} would both "
+                      "be its rows, and the held-out accuracy would be measured on training "
+                      f"problems; use a directory holding {train_split}.jsonl and "
+                      f"{eval_split}.jsonl (or .json, .parquet)")
+  return load_rows(source, train_split, **kw), load_rows(source, eval_split, **kw)
+
+
 def build_prompt(tokenizer, question: str, system_prompt: str | None = None,
                  user_template: str = "{question}") -> str:
   """The chat-templated prompt text, ending with the assistant turn's header.
