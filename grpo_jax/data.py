@@ -152,6 +152,25 @@ def load_train_eval(source: str, train_split: str, eval_split: str,
   return load_rows(source, train_split, **kw), load_rows(source, eval_split, **kw)
 
 
+_QUESTION_MARK = "<<the question>>"  # what check_user_template fills {question} with
+
+
+def check_user_template(template: object, setting: str = "data.user_template") -> None:
+  """The user turn's rule: a str whose one placeholder is {question}, so every prompt holds its
+  own question. ValueError naming `setting` (a literal brace is written {{ or }})."""
+  if not isinstance(template, str):
+    raise ValueError(f"{setting}: must be a str with a {{question}} placeholder, got {template!r}")
+  try:
+    filled = template.format(question=_QUESTION_MARK)
+  except (KeyError, IndexError, ValueError, AttributeError) as e:
+    raise ValueError(f"{setting}: {template!r} cannot be filled with the question alone "
+                     f"({type(e).__name__}: {e}); its one placeholder is {{question}}, and a "
+                     "literal brace is written {{ or }}") from None
+  if _QUESTION_MARK not in filled:
+    raise ValueError(f"{setting}: {template!r} has no {{question}} placeholder: every prompt "
+                     "would be the same text, without its question")
+
+
 def build_prompt(tokenizer, question: str, system_prompt: str | None = None,
                  user_template: str = "{question}") -> str:
   """The chat-templated prompt text, ending with the assistant turn's header.
