@@ -85,6 +85,15 @@ def _first_bad_json_line(files: Sequence[str]) -> str | None:
   return None
 
 
+def _blank(path: str) -> bool:
+  """True for a file holding nothing but whitespace."""
+  with open(path, "rb") as f:
+    while chunk := f.read(1 << 16):
+      if chunk.strip():
+        return False
+  return True
+
+
 def load_rows(source: str, split: str = "train", *, config_name: str | None = None,
               question_field: str = "question", answer_field: str = "answer",
               cache_dir: str | None = None,
@@ -102,6 +111,8 @@ def load_rows(source: str, split: str = "train", *, config_name: str | None = No
     ext = os.path.splitext(files[0])[1]
     if ext not in _LOCAL_BUILDERS:
       raise UserError(f"{field}: data file {files[0]!r}: expected .json, .jsonl or .parquet")
+    if all(_blank(path) for path in files):  # datasets would raise a bare StopIteration
+      raise UserError(f"{field}: {', '.join(files)}: no rows (the file is empty)")
     try:
       ds = datasets.load_dataset(_LOCAL_BUILDERS[ext], data_files=files, split="train",
                                  cache_dir=cache_dir)
@@ -122,6 +133,8 @@ def load_rows(source: str, split: str = "train", *, config_name: str | None = No
                       "config.data.question_field / answer_field to match the data")
   rows = [{"question": q, "answer": a}
           for q, a in zip(ds[question_field], ds[answer_field], strict=True)]
+  if not rows:
+    raise UserError(f"{field}: {where}: no rows")
   for i, row in enumerate(rows):
     for key, name in (("question", question_field), ("answer", answer_field)):
       if not isinstance(row[key], str):

@@ -124,6 +124,14 @@ def test_a_file_source_is_refused_for_two_splits(tmp_path):
   assert train == expected[:8] and held_out == expected[8:]
 
 
+def test_an_empty_data_file_is_named(tmp_path, cache_dir):
+  """An empty split is an error naming its file (datasets raised a bare StopIteration)."""
+  for text in ("", "\n\n"):
+    (tmp_path / "test.jsonl").write_text(text)
+    with pytest.raises(UserError, match=r"config\.data\.source: .*test\.jsonl: no rows"):
+      data.load_rows(str(tmp_path), split="test", cache_dir=cache_dir)
+
+
 def test_malformed_jsonl_line_is_named(tmp_path, cache_dir):
   lines = (GSM8K / "train.jsonl").read_text().splitlines()[:5]
   lines[3] = lines[3][:-7]  # a real row, cut short
