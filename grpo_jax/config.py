@@ -98,7 +98,8 @@ def data() -> ConfigDict:
       question_field="question",    # the column holding the question
       answer_field="answer",        # the gold text; GSM8K's ends in '#### N'
       system_prompt=placeholder(str),  # None: the chat template's default
-      user_template=(               # the user turn; {question} is the row's question
+      user_template=(               # the user turn; {question}, its one placeholder, is the
+          # row's question (a literal brace is written {{ or }})
           "{question}\nThink step by step inside <think> </think>, then give the final number "
           "inside <answer> </answer>."),
       # A batch's prompts are left-padded to the smallest of these that holds its longest:
@@ -180,7 +181,7 @@ def train() -> ConfigDict:
       steps=500,                    # GRPO steps (each: sample, reward, num_iterations updates)
       prompts_per_step=96,          # prompts per step; the batch is prompts_per_step × G rows
       eval_every=50,                # greedy pass@1 on the eval split; 0 = only at start and end
-      eval_examples=0,              # 0 = the whole eval split
+      eval_examples=0,              # the eval split's first N problems; 0 = all of it
       eval_batch_size=64,           # prompts per greedy eval batch
       checkpoint_every=50,          # steps between checkpoints
       keep_checkpoints=3,           # the newest kept on disk

@@ -85,6 +85,15 @@ def _first_bad_json_line(files: Sequence[str]) -> str | None:
   return None
 
 
+def _blank(path: str) -> bool:
+  """True for a file holding nothing but whitespace."""
+  with open(path, "rb") as f:
+    while chunk := f.read(1 << 16):
+      if chunk.strip():
+        return False
+  return True
+
+
 def load_rows(source: str, split: str = "train", *, config_name: str | None = None,
               question_field: str = "question", answer_field: str = "answer",
               cache_dir: str | None = None,
@@ -102,6 +111,8 @@ def load_rows(source: str, split: str = "train", *, config_name: str | None = No
     ext = os.path.splitext(files[0])[1]
     if ext not in _LOCAL_BUILDERS:
       raise UserError(f"{field}: data file {files[0]!r}: expected .json, .jsonl or .parquet")
+    if all(_blank(path) for path in files):  # datasets would raise a bare StopIteration
+      raise UserError(f"{field}: {', '.join(files)}: no rows (the file is empty)")
     try:
       ds = datasets.load_dataset(_LOCAL_BUILDERS[ext], data_files=files, split="train",
                                  cache_dir=cache_dir)
@@ -122,6 +133,8 @@ def load_rows(source: str, split: str = "train", *, config_name: str | None = No
                       "config.data.question_field / answer_field to match the data")
   rows = [{"question": q, "answer": a}
           for q, a in zip(ds[question_field], ds[answer_field], strict=True)]
+  if not rows:
+    raise UserError(f"{field}: {where}: no rows")
   for i, row in enumerate(rows):
     for key, name in (("question", question_field), ("answer", answer_field)):
       if not isinstance(row[key], str):
@@ -131,6 +144,44 @@ def load_rows(source: str, split: str = "train", *, config_name: str | None = No
     except ValueError as e:
       raise UserError(f"{where}: row {i}, field {answer_field!r}: {e}") from None
   return rows
+
+
+def load_train_eval(source: str, train_split: str, eval_split: str,
+                    **kw) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+  """(train rows, eval rows): load_rows of each split (kw as load_rows takes them).
+
+  A file or glob source holds one split whatever the split's name: read for two different
+  splits it would give the training problems as the held-out ones. That is refused.
+  """
+  field = kw.get("field", "config.data.source")
+  if train_split != eval_split:
+    files = _local_files(source, train_split, field)
+    if files is not None and files == _local_files(source, eval_split, field):
+      raise UserError(f"{field}: {source!r} is a data file (or glob), which holds one split: the "
+                      f"train split {train_split!r} and the eval split {eval_split!r} would both "
+                      "be its rows, and the held-out accuracy would be measured on training "
+                      f"problems; use a directory holding {train_split}.jsonl and "
+                      f"{eval_split}.jsonl (or .json, .parquet)")
+  return load_rows(source, train_split, **kw), load_rows(source, eval_split, **kw)
+
+
+_QUESTION_MARK = "<<the question>>"  # what check_user_template fills {question} with
+
+
+def check_user_template(template: object, setting: str = "data.user_template") -> None:
+  """The user turn's rule: a str whose one placeholder is {question}, so every prompt holds its
+  own question. ValueError naming `setting` (a literal brace is written {{ or }})."""
+  if not isinstance(template, str):
+    raise ValueError(f"{setting}: must be a str with a {{question}} placeholder, got {template!r}")
+  try:
+    filled = template.format(question=_QUESTION_MARK)
+  except (KeyError, IndexError, ValueError, AttributeError) as e:
+    raise ValueError(f"{setting}: {template!r} cannot be filled with the question alone "
+                     f"({type(e).__name__}: {e}); its one placeholder is {{question}}, and a "
+                     "literal brace is written {{ or }}") from None
+  if _QUESTION_MARK not in filled:
+    raise ValueError(f"{setting}: {template!r} has no {{question}} placeholder: every prompt "
+                     "would be the same text, without its question")
 
 
 def build_prompt(tokenizer, question: str, system_prompt: str | None = None,

@@ -56,7 +56,7 @@ def datasets(config, workdir, build=True):
     source = d.source
   kw = dict(config_name=d.config_name or None, question_field=d.question_field,
             answer_field=d.answer_field)
-  return (data.load_rows(source, d.train_split, **kw), data.load_rows(source, d.eval_split, **kw))
+  return data.load_train_eval(source, d.train_split, d.eval_split, **kw)
 
 
 def model_config(config, tokenizer):

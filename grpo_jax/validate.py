@@ -4,15 +4,16 @@ Each rule is written once, where its subject lives, and checked here for a confi
 sampling.SamplingParams (sampling.temperature through logprobs.check_temperature, top_k, top_p,
 min_p), sharding.mesh_shape (mesh), rewards.options.weighted_names (rewards.names,
 rewards.weights), grpo.validate_loss_config (loss), models.lora.LoraConfig (model.lora),
-train_step.validate_optim_config (optim); the rest are here. The schema, with every field's
-default, is grpo_jax/config.py; a field it does not have is refused.
+train_step.validate_optim_config (optim), data.check_user_template (data.user_template); the
+rest are here. The schema, with every field's default, is grpo_jax/config.py; a field it does
+not have is refused.
 """
 
 from __future__ import annotations
 
 import math
 
-from grpo_jax import config as config_lib, grpo, sampling, sharding, train_step
+from grpo_jax import config as config_lib, data, grpo, sampling, sharding, train_step
 from grpo_jax.errors import UserError
 from grpo_jax.models import lora
 from grpo_jax.rewards import options as reward_options
@@ -90,6 +91,8 @@ def validate(config, num_devices: int) -> None:
   _check(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
   _check(t.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
   _check(t.eval_every >= 0, "train.eval_every", "must be >= 0")
+  _check(isinstance(t.eval_examples, int) and t.eval_examples >= 0, "train.eval_examples",
+         f"must be an int >= 0 (0 = the whole eval split), got {t.eval_examples!r}")
   _check(t.eval_batch_size >= 1, "train.eval_batch_size", "must be >= 1")
   _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
   _check(isinstance(t.max_sampling_rounds, int) and t.max_sampling_rounds >= 1,
@@ -115,6 +118,7 @@ def validate(config, num_devices: int) -> None:
     _check(bool(config.model.checkpoint), "model.checkpoint",
            "set a local directory or hub id (or model.random_init=True)")
   _check(len(config.data.prompt_buckets) >= 1, "data.prompt_buckets", "needs at least one length")
+  _named(data.check_user_template, config.data.user_template)
   a = config.agent
   if a.enabled:
     from grpo_jax.agent import tools  # pylint: disable=import-outside-toplevel

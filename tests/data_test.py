@@ -105,6 +105,33 @@ def test_bad_input_errors_name_file_and_field(tmp_path, cache_dir):
     data.load_rows("grpo-jax-test/no-such-dataset", config_name="main", cache_dir=cache_dir)
 
 
+def test_a_file_source_is_refused_for_two_splits(tmp_path):
+  """A file or glob holds one split: read as both the train and the eval split, the held-out
+  accuracy would be measured on the training problems. A directory gives each its own file."""
+  from grpo_jax import config as config_lib, inputs
+  reference = _read_jsonl(GSM8K / "train.jsonl")[:12]
+  for name, part in (("train.jsonl", reference[:8]), ("test.jsonl", reference[8:])):
+    (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in part))
+  config = config_lib.defaults()
+  for source in (tmp_path / "train.jsonl", tmp_path / "*.jsonl"):
+    config.data.source = str(source)
+    with pytest.raises(UserError, match=r"config\.data\.source: .* holds one split: the train "
+                       r"split 'train' and the eval split 'test' would both be its rows"):
+      inputs.datasets(config, str(tmp_path / "run"))
+  config.data.source = str(tmp_path)
+  train, held_out = inputs.datasets(config, str(tmp_path / "run"))
+  expected = [{"question": r["question"], "answer": r["answer"]} for r in reference]
+  assert train == expected[:8] and held_out == expected[8:]
+
+
+def test_an_empty_data_file_is_named(tmp_path, cache_dir):
+  """An empty split is an error naming its file (datasets raised a bare StopIteration)."""
+  for text in ("", "\n\n"):
+    (tmp_path / "test.jsonl").write_text(text)
+    with pytest.raises(UserError, match=r"config\.data\.source: .*test\.jsonl: no rows"):
+      data.load_rows(str(tmp_path), split="test", cache_dir=cache_dir)
+
+
 def test_malformed_jsonl_line_is_named(tmp_path, cache_dir):
   lines = (GSM8K / "train.jsonl").read_text().splitlines()[:5]
   lines[3] = lines[3][:-7]  # a real row, cut short

@@ -30,6 +30,14 @@ def test_presets_are_valid(preset):
     ("model.lora.rank", -1, r"config\.model\.lora\.rank must be a positive integer, got -1"),
     ("optim.logprob_block_bytes", 2, r"optim\.logprob_block_bytes=2 must be an int >= 4, or 0"),
     ("optim.logprob_block_bytes", 4, None),
+    ("train.eval_examples", -5, r"config\.train\.eval_examples: must be an int >= 0"),
+    ("train.eval_examples", 5, None),
+    # Without {question} every prompt is one text; a lone brace made str.format raise mid-setup.
+    ("data.user_template", "Solve it step by step.",
+     r"config\.data\.user_template: 'Solve it step by step\.' has no \{question\} placeholder"),
+    ("data.user_template", "{question}\nPut it in \\boxed{}.",
+     r"config\.data\.user_template: .* cannot be filled with the question alone .*\{\{ or \}\}"),
+    ("data.user_template", "{question}\nPut it in \\boxed{{}}.", None),
 ])
 def test_bad_settings_are_named(field, value, message):
   config = gsm8k.get_config("default")
