@@ -17,6 +17,8 @@ dataclasses in grpo_jax/rewards/options.py (defaults and checks beside the rewar
 
 from __future__ import annotations
 
+import typing
+
 from ml_collections import config_dict
 from ml_collections.config_dict import ConfigDict, placeholder
 
@@ -134,8 +136,19 @@ def rewards() -> ConfigDict:
   # replies that do not parse) stops the run before training; True: warn and train on.
   c.allow_missing = False
   for name, cls in reward_options.REWARDS.items():  # one block per reward: its options
-    c[name] = reward_options.to_config(cls())
+    c[name] = _typed_options(cls)
   return c
+
+
+def _typed_options(cls) -> ConfigDict:
+  """An options dataclass's defaults as a block, an `X | None` option defaulting to None as a
+  placeholder(X) (as data.system_prompt), so that --config.a.b=value can set it."""
+  block = reward_options.to_config(cls())
+  for key, hint in typing.get_type_hints(cls).items():
+    if block[key] is None:
+      (kind,) = [t for t in typing.get_args(hint) if t is not type(None)]
+      block[key] = placeholder(kind)
+  return block
 
 
 def loss() -> ConfigDict:
@@ -211,7 +224,9 @@ def sft() -> ConfigDict:
   The targets are the dataset's answers without GSM8K's <<calculator>> annotations."""
   return ConfigDict(dict(
       steps=0,                      # the most warm-start steps; 0 = no warm start
-      batch_size=32,                # examples per step
+      # Examples per step: optim.grad_accum_steps micro-batches, each split over the mesh's
+      # data × fsdp devices, as a GRPO batch.
+      batch_size=32,
       lr=1e-3,                      # Adam's rate (sft.sft_optim_config: no decay, no clipping)
       # > 0: stop at the first check (every eval_every steps) whose greedy accuracy on
       # eval_examples training problems, held out of both phases, reaches it.
@@ -317,6 +332,38 @@ def unknown_fields(config, schema: ConfigDict | None = None, prefix: str = "") -
     value, known = config[key], schema[key]
     if isinstance(value, config_dict.ConfigDict) and isinstance(known, config_dict.ConfigDict):
       out += unknown_fields(value, known, f"{prefix}{key}.")
+  return out
+
+
+def _fits(value, kind) -> bool:
+  """Whether `value` is of the schema's type `kind` (an int is a float; a bool is not a number)."""
+  if kind is bool:
+    return isinstance(value, bool)
+  if kind in (int, float):
+    return (isinstance(value, (int, float) if kind is float else int)
+            and not isinstance(value, bool))
+  return isinstance(value, kind)
+
+
+def type_errors(config, schema: ConfigDict | None = None, prefix: str = "") -> list[str]:
+  """'<dotted name>: <what is wrong>' for each field of the schema that `config` lacks or holds
+  a value of another type in (None only where the schema's default is None: a placeholder).
+  ml_collections lets None, and True for an int, through an override."""
+  schema = defaults() if schema is None else schema
+  out = []
+  for key in sorted(schema.keys()):
+    name, known = prefix + key, schema[key]
+    if key not in config:
+      out.append(f"{name}: missing (a section set whole drops its other fields; set single "
+                 "fields by their dotted names)")
+      continue
+    value, kind = config[key], schema.get_type(key)
+    if isinstance(known, ConfigDict):
+      out += (type_errors(value, known, name + ".") if isinstance(value, ConfigDict)
+              else [f"{name}: must be a section of fields, got {value!r}"])
+    elif kind is not type(None) and not (value is None and known is None or _fits(value, kind)):
+      out.append(f"{name}: must be {'None or ' if known is None else ''}of type "
+                 f"{kind.__name__}, got {value!r}")
   return out
 
 

@@ -168,17 +168,20 @@ def load_train_eval(source: str, train_split: str, eval_split: str,
 _QUESTION_MARK = "<<the question>>"  # what check_user_template fills {question} with
 
 
-def check_user_template(template: object, setting: str = "data.user_template") -> None:
-  """The user turn's rule: a str whose one placeholder is {question}, so every prompt holds its
-  own question. ValueError naming `setting` (a literal brace is written {{ or }})."""
+def check_user_template(template: object, setting: str = "data.user_template",
+                        **fields: str) -> None:
+  """The user turn's rule: a str whose placeholders are {question} and `fields` alone (an
+  agent's fills {tools} and {tool_names} too) and that holds {question}, so every prompt holds
+  its own question. ValueError naming `setting` (a literal brace is written {{ or }})."""
   if not isinstance(template, str):
     raise ValueError(f"{setting}: must be a str with a {{question}} placeholder, got {template!r}")
   try:
-    filled = template.format(question=_QUESTION_MARK)
+    filled = template.format(question=_QUESTION_MARK, **fields)
   except (KeyError, IndexError, ValueError, AttributeError) as e:
+    names = "".join(f", {{{name}}}" for name in fields)
     raise ValueError(f"{setting}: {template!r} cannot be filled with the question alone "
-                     f"({type(e).__name__}: {e}); its one placeholder is {{question}}, and a "
-                     "literal brace is written {{ or }}") from None
+                     f"({type(e).__name__}: {e}); its placeholders are {{question}}{names}, and "
+                     "a literal brace is written {{ or }}") from None
   if _QUESTION_MARK not in filled:
     raise ValueError(f"{setting}: {template!r} has no {{question}} placeholder: every prompt "
                      "would be the same text, without its question")

@@ -53,6 +53,9 @@ def validate(config, num_devices: int) -> None:
   unknown = config_lib.unknown_fields(config)
   _check(not unknown, unknown[0] if unknown else "",
          "no such field in the config schema (grpo_jax/config.py)")
+  wrong = config_lib.type_errors(config)  # None or True where a number goes, a section set whole
+  if wrong:
+    raise ConfigError(f"config.{wrong[0]}")
   s, t, o, lc = config.sampling, config.train, config.optim, config.loss
   g = config_lib.group_size(config)
   _check(isinstance(g, int) and g >= 2, "sampling.num_generations",
@@ -93,6 +96,10 @@ def validate(config, num_devices: int) -> None:
   _check(t.eval_every >= 0, "train.eval_every", "must be >= 0")
   _check(isinstance(t.eval_examples, int) and t.eval_examples >= 0, "train.eval_examples",
          f"must be an int >= 0 (0 = the whole eval split), got {t.eval_examples!r}")
+  _check(t.samples_per_step >= 0, "train.samples_per_step",
+         f"must be >= 0, got {t.samples_per_step}")
+  _check(config.seed >= 0, "seed", f"must be >= 0 (numpy's generators refuse < 0), got "
+         f"{config.seed}")
   _check(t.eval_batch_size >= 1, "train.eval_batch_size", "must be >= 1")
   _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
   _check(isinstance(t.max_sampling_rounds, int) and t.max_sampling_rounds >= 1,
@@ -102,6 +109,8 @@ def validate(config, num_devices: int) -> None:
   _check(isinstance(config.rewards.allow_missing, bool), "rewards.allow_missing",
          f"must be True or False, got {config.rewards.allow_missing!r}")
   _check(config.sft.steps >= 0, "sft.steps", "must be >= 0")
+  if config.sft.steps:
+    _validate_sft_batch(config, split)
   _check(0 <= config.sft.target_accuracy <= 1, "sft.target_accuracy",
          f"must be in [0, 1] (0 = run all sft.steps), got {config.sft.target_accuracy}")
   if config.sft.target_accuracy:
@@ -129,11 +138,23 @@ def validate(config, num_devices: int) -> None:
       _check(isinstance(a[name], int) and a[name] >= 1, f"agent.{name}",
              f"must be an int >= 1, got {a[name]!r}")
     _check(a.tool_timeout_s > 0, "agent.tool_timeout_s", f"must be > 0, got {a.tool_timeout_s}")
-    _check("{question}" in a.user_template, "agent.user_template",
-           "must contain {question} (and usually {tools})")
+    _named(lambda: data.check_user_template(a.user_template, "agent.user_template",
+                                            tools="the tools", tool_names="their names"))
     _validate_roles(config)
   _check(lc.loss_type != "flow_grpo" or a.enabled, "loss.loss_type",
          "'flow_grpo' normalises over an agent's turns: it needs agent.enabled=True")
+
+
+def _validate_sft_batch(config, split: int) -> None:
+  """The warm start's batch: its Adam keeps optim.grad_accum_steps (sft.sft_optim_config), and
+  the train step splits each micro-batch over the `split` devices of the mesh, as GRPO's."""
+  s, accum = config.sft, config.optim.grad_accum_steps
+  _check(s.batch_size >= 1, "sft.batch_size", f"must be >= 1, got {s.batch_size}")
+  _check(s.batch_size % accum == 0 and s.batch_size // accum % split == 0, "sft.batch_size",
+         f"{s.batch_size} examples do not split into optim.grad_accum_steps={accum} "
+         f"micro-batches each divisible by the {split} devices the mesh {tuple(config.mesh)} "
+         "splits the batch over")
+  _check(s.lr > 0, "sft.lr", f"must be > 0, got {s.lr}")
 
 
 def _validate_roles(config) -> None:

@@ -9,6 +9,8 @@ schema's move cannot have changed a preset:
 
 Rewritten since for one deliberate change, which was the whole difference: the agent default's
 rewards are math_accuracy alone (format asked for a <think> block its prompt never mentions).
+And rewards.quality.fallback's declared type, NoneType -> float (a placeholder, so that
+--config.rewards.quality.fallback=0.0 parses); its value is None as before.
 
 A placeholder field (config_dict.placeholder(str)) is recorded with its declared type, so a
 default that lost its type (None that no longer accepts a string override) shows as a change.

@@ -2,6 +2,9 @@
 unknown fields refused by name, and nothing written into a config at run time."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from ml_collections import config_dict
@@ -10,6 +13,7 @@ import config_snapshot
 from configs import gsm8k
 from grpo_jax import config as config_lib, train, validate
 from grpo_jax.models import lora
+from grpo_jax.rewards import options as reward_options
 
 SNAPSHOT = config_snapshot.REPO / "tests" / "testdata" / "preset_configs.json"
 
@@ -70,6 +74,25 @@ def test_a_field_the_schema_lacks_is_refused_by_name(field):
   assert config_lib.unknown_fields(config) == [field]
   with pytest.raises(validate.ConfigError, match=rf"^config\.{field}: no such field"):
     validate.validate(config, num_devices=1)
+
+
+def test_an_option_that_defaults_to_none_takes_a_command_line_value(tmp_path):
+  """rewards.quality.fallback (float | None, default None; docs/rewards.md) through main's flags
+  (tests/config_main.py). As a plain None field ml_collections refused any --config value for
+  it ("Type NoneType ... is not supported for overriding")."""
+  tests = str(config_snapshot.REPO / "tests")
+  proc = subprocess.run(
+      [sys.executable, "-m", "config_main", "--config=configs/gsm8k.py:tiny",
+       f"--workdir={tmp_path}", "--config.rewards.quality.fallback=0.25"],
+      cwd=config_snapshot.REPO, capture_output=True, text=True, timeout=120,
+      env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, str(config_snapshot.REPO)])})
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  parsed = json.loads((tmp_path / "parsed_config.json").read_text())
+  assert parsed["rewards"]["quality"]["fallback"] == 0.25
+  block = config_lib.defaults().rewards.quality
+  assert reward_options.from_config(reward_options.QualityOptions, block, "q").fallback is None
+  block.fallback = 0.25
+  assert reward_options.from_config(reward_options.QualityOptions, block, "q").fallback == 0.25
 
 
 def test_one_rule_for_the_sampling_settings():

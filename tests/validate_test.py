@@ -2,8 +2,8 @@
 
 import pytest
 
-from configs import gsm8k
-from grpo_jax import config as config_lib, validate
+from configs import gsm8k, gsm8k_agent
+from grpo_jax import config as config_lib, data, validate
 
 
 @pytest.mark.parametrize("preset", ["default", "0.5b", "tiny"])
@@ -38,6 +38,10 @@ def test_presets_are_valid(preset):
     ("data.user_template", "{question}\nPut it in \\boxed{}.",
      r"config\.data\.user_template: .* cannot be filled with the question alone .*\{\{ or \}\}"),
     ("data.user_template", "{question}\nPut it in \\boxed{{}}.", None),
+    # train.setup keeps eval_rows[:eval_examples]: -1 would drop the last problem unreported.
+    ("train.eval_examples", -1, r"config\.train\.eval_examples: must be an int >= 0"),
+    ("train.samples_per_step", -1, r"config\.train\.samples_per_step: must be >= 0"),
+    ("seed", -1, r"config\.seed: must be >= 0"),  # numpy.random.default_rng refuses it
 ])
 def test_bad_settings_are_named(field, value, message):
   config = gsm8k.get_config("default")
@@ -51,6 +55,102 @@ def test_bad_settings_are_named(field, value, message):
     return
   with pytest.raises(validate.ConfigError, match=message):
     validate.validate(config, num_devices=8)
+
+
+@pytest.mark.parametrize("template", [
+    "{question}", "Q: {question}\nA:", "{question} {{not a field}}", "no question here",
+    "{Question}", "{question} {answer}", "{} {question}", "{question", "", "{{question}}"])
+def test_validate_accepts_a_template_exactly_when_its_prompts_hold_the_question(template):
+  """The independent reading of data.user_template: data.build_prompt, on two questions, builds
+  without an error and tells them apart. Without {question} every prompt of the run was one text
+  and validation said nothing."""
+  try:
+    works = (data.build_prompt(_Chat(), "Q1", None, template)
+             != data.build_prompt(_Chat(), "Q2", None, template))
+  except (KeyError, IndexError, ValueError):
+    works = False
+  config = gsm8k.get_config("tiny")
+  config.data.user_template = template
+  if works:
+    validate.validate(config, num_devices=1)
+  else:
+    with pytest.raises(validate.ConfigError,
+                       match=r"^config\.data\.user_template: "
+                             r".*(has no \{question\}|cannot be filled)"):
+      validate.validate(config, num_devices=1)
+
+
+def test_the_agent_template_is_checked_against_the_fields_its_environment_fills():
+  agent = gsm8k_agent.get_config("tiny")
+  validate.validate(agent, num_devices=1)
+  agent.agent.user_template = "{tools}\n{question}\n{answer}"  # agent/env.py fills no {answer}
+  with pytest.raises(validate.ConfigError, match=r"config\.agent\.user_template: .*cannot be "
+                     r"filled .*its placeholders are \{question\}, \{tools\}, \{tool_names\}"):
+    validate.validate(agent, num_devices=1)
+
+
+class _Chat:
+  """A tokenizer's chat template, as text: the user turn's content alone."""
+
+  def apply_chat_template(self, messages, **kwargs):
+    return messages[-1]["content"]
+
+
+@pytest.mark.parametrize("value,message", [
+    (32, None),  # 32 / 4 micro-batches = 8 rows, one per device
+    (30, r"config\.sft\.batch_size: 30 examples do not split into optim\.grad_accum_steps=4"),
+    (36, r"config\.sft\.batch_size: 36 examples .* divisible by the 8 devices"),
+    (0, r"config\.sft\.batch_size: must be >= 1"),
+])
+def test_the_warm_start_batch_splits_like_a_grpo_batch(value, message):
+  """The warm start's step keeps optim.grad_accum_steps and the mesh (sft.sft_optim_config), so
+  its batch must split into micro-batches that divide over the devices; validation said nothing
+  and the run stopped with a traceback at its first warm-start step, after loading the model."""
+  config = gsm8k.get_config("default")
+  config.optim.grad_accum_steps = 4
+  config.sft.update(steps=100, batch_size=value)
+  if message is None:
+    validate.validate(config, num_devices=8)
+  else:
+    with pytest.raises(validate.ConfigError, match=message):
+      validate.validate(config, num_devices=8)
+  config.sft.update(steps=0, batch_size=30)  # no warm start: its batch is never used
+  validate.validate(config, num_devices=8)
+  config.sft.update(steps=100, batch_size=32, lr=-1e-3)
+  with pytest.raises(validate.ConfigError, match=r"config\.sft\.lr: must be > 0"):
+    validate.validate(config, num_devices=8)
+
+
+@pytest.mark.parametrize("args,message", [
+    ({"train.steps": None}, r"config\.train\.steps: must be of type int, got None$"),
+    ({"optim.lr": None}, r"config\.optim\.lr: must be of type float, got None$"),
+    ({"sampling.max_new_tokens": None}, r"config\.sampling\.max_new_tokens: must be of type int"),
+    ({"train.dynamic_sampling": None}, r"config\.train\.dynamic_sampling: must be of type bool"),
+    ({"train.steps": True}, r"config\.train\.steps: must be of type int, got True$"),
+    ({"train": {"steps": 3}}, r"config\.train\.checkpoint_every: missing"),
+    ({"data.system_prompt": None, "loss.delta": None, "optim.lr": 1}, None),
+])
+def test_values_an_override_carries_are_checked_against_the_schema(args, message):
+  """--overrides (and a sweep's runs) carry None, which ml_collections lets into any field, and
+  True, which it takes for an int: validate names the field instead of failing in arithmetic
+  (TypeError) or reading None as False. None stays valid where the schema's default is None."""
+  config = gsm8k.get_config("tiny")
+  config_lib.apply_overrides(config, args)
+  if message is None:
+    validate.validate(config, num_devices=1)
+    assert config.optim.lr == 1.0 and config.data.system_prompt is None
+    return
+  with pytest.raises(validate.ConfigError, match=message):
+    validate.validate(config, num_devices=1)
+
+
+@pytest.mark.parametrize("path,preset", [
+    (path, preset) for path, presets in (
+        ("configs/gsm8k.py", ("default", "0.5b", "tiny", "tiny_lora", *gsm8k.LORA_PRESETS)),
+        ("configs/gsm8k_agent.py", ("default", "tiny"))) for preset in presets])
+def test_every_preset_validates_on_the_devices_it_declares(path, preset):
+  config = (gsm8k_agent if "agent" in path else gsm8k).get_config(preset)
+  validate.validate(config, num_devices=config.hardware.devices)
 
 
 def test_settings_have_one_home_and_the_cosine_schedule_counts_mu():
