@@ -45,6 +45,8 @@ mean what they say. `grpo_loss(num_tokens=...)` takes a larger dapo normaliser f
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -73,8 +75,8 @@ def validate_loss_config(cfg) -> None:
   _one_of(cfg, "importance_sampling_level", IS_LEVELS)
   _one_of(cfg, "scale_rewards", SCALE_REWARDS)
   _one_of(cfg, "reward_aggregation", REWARD_AGGREGATIONS)
-  if not cfg.beta >= 0:
-    raise ValueError(f"loss.beta={cfg.beta!r} must be >= 0")
+  if not 0 <= cfg.beta < math.inf:
+    raise ValueError(f"loss.beta={cfg.beta!r} must be finite and >= 0")
   if not 0 < cfg.epsilon < 1:
     raise ValueError(f"loss.epsilon={cfg.epsilon!r} must be in (0, 1)")
   if not cfg.epsilon_high > 0:

@@ -47,8 +47,8 @@ def check_temperature(temperature, setting: str = "temperature") -> None:
   """The temperature rule, for the sampler, the train step and the config alike: log-probs are
   those of logits / temperature, so a number > 0. ValueError naming `setting`."""
   if isinstance(temperature, bool) or not (isinstance(temperature, (int, float))
-                                           and temperature > 0):
-    raise ValueError(f"{setting}: must be a number > 0, got {temperature!r}")
+                                           and 0 < temperature < math.inf):
+    raise ValueError(f"{setting}: must be a finite number > 0, got {temperature!r}")
 
 
 def platform_block_bytes(block_bytes: int, platform: str) -> int:

@@ -518,7 +518,7 @@ def test_bad_input_gets_a_clear_error(greedy_cases):
   for bad in (0, -3):
     with pytest.raises(ValueError, match=f"max_new_tokens={bad}"):
       sampler_lib.Sampler(cfg, max_new_tokens=bad)
-  with pytest.raises(ValueError, match=r"temperature: must be a number > 0, got -1"):
+  with pytest.raises(ValueError, match=r"temperature: must be a finite number > 0, got -1"):
     sampler_lib.Sampler(cfg, max_new_tokens=2, temperature=-1.0)
   with pytest.raises(ValueError, match="valid_vocab_size=129"):
     sampler_lib.Sampler(cfg, max_new_tokens=2, valid_vocab_size=VOCAB + 1)

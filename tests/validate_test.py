@@ -42,6 +42,12 @@ def test_presets_are_valid(preset):
     ("train.eval_examples", -1, r"config\.train\.eval_examples: must be an int >= 0"),
     ("train.samples_per_step", -1, r"config\.train\.samples_per_step: must be >= 0"),
     ("seed", -1, r"config\.seed: must be >= 0"),  # numpy.random.default_rng refuses it
+    # logits / inf are all 0: every token equally likely, and the log-probs trained on too.
+    ("sampling.temperature", float("inf"), r"config\.sampling\.temperature: must be a finite"),
+    ("loss.beta", float("inf"), r"config\.loss\.beta=inf must be finite and >= 0"),
+    # A NaN weight made every total reward, and so every advantage, NaN.
+    ("rewards.weights", (1.0, float("nan")),
+     r"config\.rewards\.weights: weight of 'format' must be a finite number, got nan"),
 ])
 def test_bad_settings_are_named(field, value, message):
   config = gsm8k.get_config("default")

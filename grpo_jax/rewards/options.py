@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from typing import Any, TypeVar
 
@@ -272,6 +273,7 @@ def weighted_names(rewards_cfg) -> tuple[tuple[str, float], ...]:
   check(len(names) >= 1, "rewards.names", "at least one reward is needed")
   check(len(set(names)) == len(names), "rewards.names", f"lists a reward twice: {names}")
   for name, weight in zip(names, weights):
-    check(not isinstance(weight, bool) and isinstance(weight, (int, float)), "rewards.weights",
-          f"weight of {name!r} must be a number, got {weight!r}")
+    check(not isinstance(weight, bool) and isinstance(weight, (int, float))
+          and math.isfinite(weight), "rewards.weights",
+          f"weight of {name!r} must be a finite number, got {weight!r}")
   return tuple((name, float(weight)) for name, weight in zip(names, weights))
