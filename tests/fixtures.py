@@ -68,3 +68,12 @@ def hf_model(path):
   import transformers
 
   return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_model_with_info(path):
+  """(model, loading info): transformers' own account of missing and unexpected tensors."""
+  import torch
+  import transformers
+
+  return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                           output_loading_info=True)

@@ -216,6 +216,51 @@ def test_head_dim_missing_from_config_json_follows_transformers(kind, tmp_path):
       qwen.QwenConfig.from_hf(hf | {"head_dim": None})
 
 
+def _transformers_error(hf, tmp_path):
+  """What transformers says when it builds and runs the model of config.json `hf` (None: it
+  runs): the independent judge of whether the config means anything."""
+  import json
+
+  import transformers
+
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  try:
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(tmp_path))
+    with torch.no_grad():
+      model(input_ids=torch.zeros((1, 8), dtype=torch.long))
+  except Exception as e:  # whatever it raises: the config does not run there
+    return f"{type(e).__name__}: {e}"
+  return None
+
+
+@pytest.mark.parametrize("fields,match", [
+    # transformers 5's per-layer-type RoPE: read as flat, it gave the default theta, no scaling.
+    ({"rope_parameters": {"full_attention": {"rope_type": "linear", "rope_theta": 5e5,
+                                             "factor": 4.0}}},
+     r"rope_parameters: RoPE parameters per layer type \(\['full_attention'\]\)"),
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
+     "layer_types entry 'sliding_attention' is not supported"),
+    ({"layer_types": ["linear_attention", "full_attention"]},
+     "layer_types entry 'linear_attention' is not supported"),
+    ({"layer_types": ["full_attention"] * 3},
+     r"layer_types=.* must list one entry per layer \(num_hidden_layers=2\)"),
+    ({"use_sliding_window": "false"}, "use_sliding_window must be true or false, got 'false'"),
+    ({"hidden_size": 60, "head_dim": None}, "head_dim=15 must be even"),  # 60 / 4 heads
+])
+def test_configs_transformers_cannot_run_are_refused_naming_the_field(fields, match, tmp_path):
+  hf = fixtures.hf_config("qwen2_tied").to_dict()
+  hf = {k: v for k, v in (hf | fields).items() if v is not None}
+  assert _transformers_error(hf, tmp_path) is not None
+  with pytest.raises(ValueError, match=f"config.json: {match}"):
+    qwen.QwenConfig.from_hf(hf)
+  # The same config with only full attention, flat default RoPE and an even head_dim runs in
+  # both: the refusal is about the field named, nothing else.
+  fine = fixtures.hf_config("qwen2_tied").to_dict()
+  assert _transformers_error(fine, tmp_path) is None
+  assert qwen.QwenConfig.from_hf(fine).head_dim == 16
+
+
 def test_config_roundtrip_and_bad_configs():
   cfg = qwen.QwenConfig.from_hf(fixtures.hf_config("qwen3").to_dict())
   assert qwen.QwenConfig.from_hf(cfg.to_hf()) == cfg

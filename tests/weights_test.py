@@ -293,6 +293,49 @@ def test_tied_config_with_a_different_stored_head_is_refused(ckpts, tmp_path):
   np.testing.assert_allclose(_logits(params, cfg, tokens), _hf_logits(tied, tokens), atol=1e-4)
 
 
+def _unexpected_in_transformers(path):
+  _, info = fixtures.hf_model_with_info(path)
+  return set(info["unexpected_keys"])
+
+
+def test_tensors_the_config_does_not_use_are_refused(ckpts, tmp_path):
+  """A stored tensor the config's model has no place for means config.json describes another
+  model than the one stored: transformers lists such tensors as unexpected keys and drops them;
+  we refuse the checkpoint, naming the tensor and its file."""
+  import transformers
+
+  biased = tmp_path / "biased"  # a qwen3 trained with attention_bias, the field then lost
+  config = fixtures.hf_config("qwen3", VOCAB)
+  config.attention_bias = True
+  transformers.AutoModelForCausalLM.from_config(config).save_pretrained(biased)
+  _edit_config(biased, attention_bias=False)
+  assert "model.layers.0.self_attn.k_proj.bias" in _unexpected_in_transformers(biased)
+  with pytest.raises(weights.CheckpointError, match=r"biased/model\.safetensors: tensor "
+                     r"'model\.layers\.0\.self_attn\.k_proj\.bias' \(and 7 more\) is not "
+                     r"part of the model .*biased/config\.json describes \(qwen3, "
+                     r"num_hidden_layers=2\)"):
+    weights.load_checkpoint(biased)
+
+  short = tmp_path / "short"  # a 2-layer file whose config.json says 1 layer
+  shutil.copytree(ckpts["qwen2_untied"], short)
+  config = json.loads((short / "config.json").read_text())
+  config.pop("layer_types", None)  # else transformers refuses the mismatch itself
+  (short / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 1}))
+  assert "model.layers.1.mlp.up_proj.weight" in _unexpected_in_transformers(short)
+  with pytest.raises(weights.CheckpointError,
+                     match=r"tensor 'model\.layers\.1\.input_layernorm\.weight' \(and 11 more"):
+    weights.load_checkpoint(short)
+
+  sharded = tmp_path / "sharded"  # an index entry no layer of the config reads
+  shutil.copytree(ckpts["qwen2_sharded"], sharded)
+  index = json.loads((sharded / weights.INDEX_FILE).read_text())
+  index["weight_map"]["model.layers.0.mlp.up_proj.weight_typo"] = "model-00002-of-00006.safetensors"
+  (sharded / weights.INDEX_FILE).write_text(json.dumps(index))
+  with pytest.raises(weights.CheckpointError, match=r"sharded/model-00002-of-00006\.safetensors: "
+                     r"tensor 'model\.layers\.0\.mlp\.up_proj\.weight_typo' is not part"):
+    weights.load_checkpoint(sharded)
+
+
 def test_to_hf_refuses_switches_config_json_cannot_say():
   """config.json carries model_type (and qwen3's attention_bias); transformers derives qk-norm
   and the biases from them, so any other combination would load as a different model."""

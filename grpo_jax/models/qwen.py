@@ -96,6 +96,9 @@ class QwenConfig:
   decode_attention: str = "xla"
 
   def __post_init__(self):
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates the two halves of "
+                       "each head)")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
@@ -113,7 +116,8 @@ class QwenConfig:
     """Builds the config from a Hugging Face config.json dict (transformers 4.x or 5.x).
 
     Every error names `source`. What transformers would compute differently (quantized
-    weights, RoPE scaling, sliding windows) is refused rather than loaded as something else.
+    weights, RoPE scaling, sliding windows, layer_types other than full attention) is refused
+    rather than loaded as something else.
     """
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
@@ -145,6 +149,10 @@ class QwenConfig:
     rope = hf.get(rope_field) or {}
     if not isinstance(rope, dict):
       raise ValueError(f"{source}: {rope_field}={rope!r} must be an object")
+    nested = [key for key, value in rope.items() if isinstance(value, dict)]
+    if nested:  # transformers 5's per-layer-type form, e.g. {"full_attention": {...}}
+      raise ValueError(f"{source}: {rope_field}: RoPE parameters per layer type ({nested}) are "
+                       "not supported; give one flat object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
       raise ValueError(f"{source}: {rope_field}: rope type {rope_type!r} is not supported "
@@ -152,8 +160,21 @@ class QwenConfig:
     rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
       raise ValueError(f"{source}: {rope_field}.rope_theta={rope_theta!r} must be a number")
-    if hf.get("use_sliding_window"):
+    sliding = hf.get("use_sliding_window")
+    if sliding is not None and not isinstance(sliding, bool):
+      raise ValueError(f"{source}: use_sliding_window must be true or false, got {sliding!r}")
+    if sliding:
       raise ValueError(f"{source}: use_sliding_window=true is not supported")
+    # transformers 5 builds each layer's attention from layer_types: only full attention is ours.
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+      if not isinstance(layer_types, list) or len(layer_types) != hf["num_hidden_layers"]:
+        raise ValueError(f"{source}: layer_types={layer_types!r} must list one entry per layer "
+                         f"(num_hidden_layers={hf['num_hidden_layers']})")
+      other = [t for t in layer_types if t != "full_attention"]
+      if other:
+        raise ValueError(f"{source}: layer_types entry {other[0]!r} is not supported (only "
+                         "'full_attention')")
     if hf.get("hidden_act", "silu") != "silu":
       raise ValueError(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported")
     is_causal = hf.get("is_causal", True)

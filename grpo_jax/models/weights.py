@@ -238,15 +238,34 @@ def _check_tied_head(read: _Reader, embedding: np.ndarray, ckpt: Path) -> None:
         "tie_word_embeddings=true; fix one of the two (set it false to use the stored head)")
 
 
+def _check_no_unused_tensors(read: _Reader, cfg: qwen.QwenConfig, ckpt: Path) -> None:
+  """Every tensor of the checkpoint is one the config's model uses: a tensor it does not (q/k/v
+  biases beside a qwen3 config without attention_bias, layers past num_hidden_layers, a
+  misspelt name) means config.json describes another model than the one stored."""
+  used = {hf_name for _, hf_name, _ in _top_map(cfg)}
+  used |= {hf_name.format(i=i) for _, hf_name, _ in _layer_map(cfg) for i in range(cfg.num_layers)}
+  if cfg.tie_word_embeddings:
+    used.add("lm_head.weight")  # allowed when it equals the embedding (_check_tied_head)
+  unused = sorted(set(read.files) - used)
+  if unused:
+    more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+    raise CheckpointError(
+        f"{read.files[unused[0]]}: tensor {unused[0]!r}{more} is not part of the model "
+        f"{ckpt / 'config.json'} describes ({cfg.model_type}, num_hidden_layers="
+        f"{cfg.num_layers}); fix config.json (e.g. attention_bias, num_hidden_layers) or remove "
+        "the tensor")
+
+
 def load_checkpoint(path_or_id, param_dtype=jnp.float32, mesh=None):
   """Loads (params, QwenConfig). With a mesh, each param lands in its logical sharding.
 
   Tensors stored in bf16/fp16/fp32 are cast to `param_dtype`; quantized checkpoints (config.json
   quantization_config, or int8/fp8 tensors) are refused. A tied checkpoint uses the embedding
   as the head; one that also stores an lm_head.weight must store the embedding's values there
-  (transformers 5 would use the stored head, 4.x and vLLM the embedding). Extra rows of the
-  embedding beyond the tokenizer's vocabulary are kept (the sampler masks them, see
-  grpo_jax.tokenizer).
+  (transformers 5 would use the stored head, 4.x and vLLM the embedding). A tensor the config's
+  model does not use (a bias the config does not have, a layer past num_hidden_layers) is
+  refused, naming it. Extra rows of the embedding beyond the tokenizer's vocabulary are kept
+  (the sampler masks them, see grpo_jax.tokenizer).
   """
   ckpt = resolve(path_or_id)
   cfg = read_config(ckpt)
@@ -282,6 +301,8 @@ def load_checkpoint(path_or_id, param_dtype=jnp.float32, mesh=None):
       stacked = np.stack([to_ours(read(hf_name.format(i=i), hf_shape), cfg)
                           for i in range(cfg.num_layers)])
       place(("layers",) + path, stacked)
+    # Last, so that a quantized tensor or a wrong shape gets its own, more precise error first.
+    _check_no_unused_tensors(read, cfg, ckpt)
   finally:
     read.close()
   return params, cfg
