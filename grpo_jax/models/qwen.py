@@ -96,12 +96,12 @@ class QwenConfig:
   decode_attention: str = "xla"
 
   def __post_init__(self):
-    if self.head_dim % 2:
-      raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates the two halves of "
-                       "each head)")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates the two halves of "
+                       "each head)")
     if self.attention not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(f"attention={self.attention!r} is not one of "
                        f"{ATTENTION_IMPLEMENTATIONS} (jax.nn.dot_product_attention's)")
