@@ -9,13 +9,16 @@ Workload (issue 30, both sides in the same call on the same GPU): random weights
 Qwen2.5-0.5B / 1.5B shapes, built by transformers (benchmarks/trl_step.py's `prepare`, seed 0,
 tied embeddings, vocabulary 151,936) and the real Qwen2.5 tokenizer (--tokenizer); 16 GSM8K
 train prompts × G = 8 = 128 completions of exactly 256 new tokens (no stop ids on either side:
-TRL gets min_new_tokens), prompt bucket 192, β = 0.04 (k3 KL: a reference forward every step),
+TRL gets min_new_tokens, with vLLM min_tokens), prompt bucket 192, β = 0.04 (k3 KL: a reference
+forward every step),
 one AdamW update, fp32 master params and bf16 compute on both sides. Remat (activation
 checkpointing) per size, the same on both sides: off for 0.5b, on for 1.5b unless --remat says
 otherwise. The steps themselves are trl_step.py's: `run_grpo_jax` (train.Trainer.grpo_step,
 the reference timed alone beside the step) and `run_trl` (GRPOTrainer.train with per-phase
 clocks). TRL runs with transformers' generate, and again with vLLM (colocate mode) where
-`import vllm` works.
+`import vllm` works, its importance-sampling correction off
+(vllm_importance_sampling_correction=False: TRL's default adds a forward of the policy for old
+log-probs every step, which grpo_jax does not run at μ = 1).
 
 Besides the step and its phases (sample, reward, reference, update), the grpo_jax worker
 measures, after its steps, in the same process:

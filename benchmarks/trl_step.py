@@ -388,7 +388,7 @@ def run_trl(spec: dict, forced: bool, out: dict) -> None:
       chat.insert(0, {"role": "system", "content": spec["system_prompt"]})
     return chat
 
-  c = spec["new_tokens"]
+  c, vllm = spec["new_tokens"], spec.get("vllm", False)
   dataset = datasets.Dataset.from_list(
       [{"prompt": messages(r["question"]), "answer": r["answer"]} for r in spec["rows"]])
   args = trl.GRPOConfig(
@@ -403,13 +403,17 @@ def run_trl(spec: dict, forced: bool, out: dict) -> None:
       use_bias_correction_kl=False, max_completion_length=c, temperature=1.0, top_k=0,
       top_p=1.0, bf16=spec.get("compute_dtype") == "bfloat16", fp16=False,
       gradient_checkpointing=spec.get("remat", True),
-      # gpu_step.py: TRL generating with vLLM inside the trainer's process (colocate mode).
-      use_vllm=spec.get("vllm", False),
-      **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}
-         if spec.get("vllm") else {}),
+      # gpu_step.py: TRL generating with vLLM inside the trainer's process (colocate mode),
+      # without the importance-sampling correction: TRL's default would add a forward of the
+      # policy (old log-probs) every step, which grpo_jax does not run (μ = 1).
+      use_vllm=vllm,
+      **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
+          "vllm_importance_sampling_correction": False} if vllm else {}),
       model_init_kwargs={"dtype": "float32"},
-      # Forced length: EOS ids are masked until C tokens, so every row has exactly C.
-      generation_kwargs={"min_new_tokens": c} if forced else None,
+      # Forced length: EOS ids are masked until C tokens, so every row has exactly C. TRL hands
+      # these to transformers' GenerationConfig (min_new_tokens) or vLLM's SamplingParams
+      # (min_tokens; an unknown name there is a TypeError).
+      generation_kwargs={"min_tokens" if vllm else "min_new_tokens": c} if forced else None,
       logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
       log_completions=False)
   tokenizer = transformers.AutoTokenizer.from_pretrained(spec["tokenizer"], padding_side="left")
