@@ -9,13 +9,17 @@ Workload (issue 30, both sides in the same call on the same GPU): random weights
 Qwen2.5-0.5B / 1.5B shapes, built by transformers (benchmarks/trl_step.py's `prepare`, seed 0,
 tied embeddings, vocabulary 151,936) and the real Qwen2.5 tokenizer (--tokenizer); 16 GSM8K
 train prompts × G = 8 = 128 completions of exactly 256 new tokens (no stop ids on either side:
-TRL gets min_new_tokens), prompt bucket 192, β = 0.04 (k3 KL: a reference forward every step),
+TRL gets min_new_tokens, with vLLM min_tokens), β = 0.04 (k3 KL: a reference forward every
+step), prompts padded to a bucket of 192 by grpo_jax and to each batch's longest by TRL (146 in
+its measured step: grpo_jax runs the longer prompts; the report prints both widths),
 one AdamW update, fp32 master params and bf16 compute on both sides. Remat (activation
 checkpointing) per size, the same on both sides: off for 0.5b, on for 1.5b unless --remat says
 otherwise. The steps themselves are trl_step.py's: `run_grpo_jax` (train.Trainer.grpo_step,
 the reference timed alone beside the step) and `run_trl` (GRPOTrainer.train with per-phase
 clocks). TRL runs with transformers' generate, and again with vLLM (colocate mode) where
-`import vllm` works.
+`import vllm` works, its importance-sampling correction off
+(vllm_importance_sampling_correction=False: TRL's default adds a forward of the policy for old
+log-probs every step, which grpo_jax does not run at μ = 1).
 
 Besides the step and its phases (sample, reward, reference, update), the grpo_jax worker
 measures, after its steps, in the same process:
@@ -601,16 +605,24 @@ def report(size, spec, runs, args, remat) -> float | None:
           f"{o.get('logprob_block_bytes', 0) / 2**20:g} MiB")
   print(f"  {'side':10s}{'first':>9s}{'median':>9s}{'sample':>9s}{'reward':>9s}"
         f"{'reference':>11s}{'update':>9s}{'peak mem':>10s}  device")
-  steps = {}
+  steps, widths, refs = {}, {}, {}
   for side, r in runs.items():
     skip = args.warmup if side == "grpo_jax" else (0 if args.smoke else 1)
     first = r["steps"][0]["step_s"] if r.get("steps") else None
     steps[side] = _phase(r, "step_s", skip)
+    widths[side], refs[side] = _phase(r, "prompt_width", skip), _phase(r, "reference_calls", skip)
     cells = [_fmt(first), _fmt(steps[side])] + [
         _fmt(_phase(r, k, skip)) for k in ("sample_s", "reward_s", "reference_s", "update_s")]
     print(f"  {side:10s}{cells[0]:>9s}{cells[1]:>9s}{cells[2]:>9s}{cells[3]:>9s}{cells[4]:>11s}"
           f"{cells[5]:>9s}{_fmt(r.get('peak_memory_gb'), ' GB', 1):>10s}  "
           f"{r.get('device', '')}{'  FAILED: ' + r['error'] if r.get('error') else ''}")
+  shown = ", ".join(f"{side} {w:.0f}" for side, w in widths.items() if w is not None)
+  if shown:  # TRL's work grows with its prompt width: it differs from grpo_jax's bucket
+    print(f"  padded prompt width (median): {shown} (grpo_jax: the bucket; TRL: each batch's "
+          f"longest prompt)")
+  for side, n in refs.items():
+    if n is not None:  # 1: the reference alone; 2: old log-probs too (not grpo_jax's work)
+      print(f"  {side} forwards timed as the reference per step: {n:.0f}")
   if not gj.get("steps"):
     return None
   rows, skip = trl_step.NUM_PROMPTS * trl_step.G, args.warmup

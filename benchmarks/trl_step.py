@@ -11,7 +11,8 @@ gradient accumulation). Same workload on both sides:
   order, step i taking rows 8i..8i+7 on both sides) × G = 8 = 64 completions per step, in the
   gsm8k config's prompt (data.user_template; data.system_prompt None = the chat template's
   default system turn) through the tokenizer's chat template (the prompt token ids are checked
-  equal on both sides); temperature 1.0, no top-k / top-p; reward = grpo_jax.rewards
+  equal on both sides; padded differently: grpo_jax to one bucket holding every prompt of the
+  run, TRL to each batch's longest, both widths printed); temperature 1.0, no top-k / top-p; reward = grpo_jax.rewards
   math_accuracy only (TRL calls the same function from a plain reward function); loss 'grpo'
   with ε = 0.2, β = 0.04 with the k3 KL (TRL: use_bias_correction_kl=False, the plain k3);
   Adam(W) lr 1e-6 constant, β = (0.9, 0.999), no weight decay, max grad norm 1.0; fp32 params
@@ -328,13 +329,15 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
     step_s = time.perf_counter() - t0
     sample_s, reward_s = m.get("time/sample_s"), m.get("time/reward_s")
     train_s = m.get("time/train_s")
-    ref_s = reference_seconds(spies["step_fn"].last[1])  # inside time/train_s
+    step_batch = spies["step_fn"].last[1]
+    ref_s = reference_seconds(step_batch)  # inside time/train_s
     update_s = train_s - ref_s
     rec = {"step_s": step_s, "sample_s": sample_s, "reward_s": reward_s,
            "reference_s": ref_s, "update_s": update_s,
            "mean_length": m.get("completion/mean_length"),
            "decode_steps": m.get("sampler/decode_steps"),
-           "skipped": m.get("step/skipped")}
+           "skipped": m.get("step/skipped"),
+           "prompt_width": int(np.shape(step_batch["prompt_NP"])[1])}  # the padded prompt
     known = [rec[k] for k in ("sample_s", "reward_s", "reference_s", "update_s")]
     rec["other_s"] = step_s - sum(x for x in known if x is not None)
     out["time_keys"] = sorted(k for k in m if k.startswith("time/"))
@@ -388,7 +391,7 @@ def run_trl(spec: dict, forced: bool, out: dict) -> None:
       chat.insert(0, {"role": "system", "content": spec["system_prompt"]})
     return chat
 
-  c = spec["new_tokens"]
+  c, vllm = spec["new_tokens"], spec.get("vllm", False)
   dataset = datasets.Dataset.from_list(
       [{"prompt": messages(r["question"]), "answer": r["answer"]} for r in spec["rows"]])
   args = trl.GRPOConfig(
@@ -403,13 +406,17 @@ def run_trl(spec: dict, forced: bool, out: dict) -> None:
       use_bias_correction_kl=False, max_completion_length=c, temperature=1.0, top_k=0,
       top_p=1.0, bf16=spec.get("compute_dtype") == "bfloat16", fp16=False,
       gradient_checkpointing=spec.get("remat", True),
-      # gpu_step.py: TRL generating with vLLM inside the trainer's process (colocate mode).
-      use_vllm=spec.get("vllm", False),
-      **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}
-         if spec.get("vllm") else {}),
+      # gpu_step.py: TRL generating with vLLM inside the trainer's process (colocate mode),
+      # without the importance-sampling correction: TRL's default would add a forward of the
+      # policy (old log-probs) every step, which grpo_jax does not run (μ = 1).
+      use_vllm=vllm,
+      **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
+          "vllm_importance_sampling_correction": False} if vllm else {}),
       model_init_kwargs={"dtype": "float32"},
-      # Forced length: EOS ids are masked until C tokens, so every row has exactly C.
-      generation_kwargs={"min_new_tokens": c} if forced else None,
+      # Forced length: EOS ids are masked until C tokens, so every row has exactly C. TRL hands
+      # these to transformers' GenerationConfig (min_new_tokens) or vLLM's SamplingParams
+      # (min_tokens; an unknown name there is a TypeError).
+      generation_kwargs={"min_tokens" if vllm else "min_new_tokens": c} if forced else None,
       logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
       log_completions=False)
   tokenizer = transformers.AutoTokenizer.from_pretrained(spec["tokenizer"], padding_side="left")
@@ -446,6 +453,14 @@ def run_trl(spec: dict, forced: bool, out: dict) -> None:
     seen_prompts.append([list(map(int, ids)) for ids in result[0]])
     return result
   trainer._tokenize_prompts = tokenize_and_record
+  widths = []  # the padded prompt of each step (TRL pads to the batch's longest prompt)
+  prepare_inputs = trainer._prepare_inputs
+
+  def prepare_and_record(*a, **k):
+    inputs = prepare_inputs(*a, **k)
+    widths.append(int(inputs["prompt_ids"].shape[1]))
+    return inputs
+  trainer._prepare_inputs = prepare_and_record
 
   class Clock(transformers.TrainerCallback):
     def on_step_begin(self, *_, **__):
@@ -463,7 +478,8 @@ def run_trl(spec: dict, forced: bool, out: dict) -> None:
              "loss_forward_s": acc["loss_forward"],
              "reference_calls": int(acc["reference_calls"]),
              "mean_length": trainer._metrics["train"]["completions/mean_length"][-1],
-             "prompts_match": bool(seen_prompts) and seen_prompts[-1] == expected}
+             "prompts_match": bool(seen_prompts) and seen_prompts[-1] == expected,
+             "prompt_width": widths[-1] if widths else None}
       out["steps"].append(rec)
       print(STEP + json.dumps(rec), flush=True)
 
@@ -621,6 +637,11 @@ def report(label, spec, runs, args, peak_gflops) -> float | None:
   if trl_steps:
     print(f"  prompt token ids identical on both sides: "
           f"{'yes' if all(x['prompts_match'] for x in trl_steps) else 'NO'}")
+  widths = {side: median([x.get("prompt_width") for r in runs[side]
+                           for x in r["steps"][args.warmup:]]) for side in SIDES}
+  if None not in widths.values():
+    print(f"  padded prompt width (median): grpo_jax {widths['grpo_jax']:.0f} (its bucket), "
+          f"TRL {widths['trl']:.0f} (each batch's longest prompt)")
   lj, lt = sums["grpo_jax"]["length"], sums["trl"]["length"]
   differ = None
   if lj is not None and lt is not None:

@@ -1,13 +1,16 @@
 """Benchmarks' set-up, checked without running them: benchmarks/sweep.py's commands (each arm's
 own fresh compilation cache), benchmarks/lora_decode.py's timed step (the KV cache written in
-place) and benchmarks/trl_step.py's reference params (stored as a run stores them)."""
+place), benchmarks/trl_step.py's reference params (stored as a run stores them) and the config
+it gives TRL (forced length in the generator's own field, no old-log-prob forward)."""
 import importlib.util
 import os
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from grpo_jax import compile_cache, sweep
 
@@ -108,3 +111,53 @@ def test_trl_step_reference_is_stored_as_a_run_stores_it(tmp_path):
     mid = np.asarray(jnp.asarray((p16 + r16) / 2, jnp.float32).astype(jnp.bfloat16))
     assert np.all((mid.astype(np.float64) == p16) | (mid.astype(np.float64) == r16))
   assert not bool(train_step.same_params(params, ref, jnp.bfloat16))
+
+
+def _trl_config(monkeypatch, tmp_path, vllm):
+  """The GRPOConfig keywords trl_step.run_trl passes for a forced-length run (as gpu_step.py
+  runs it), through a stand-in trl module (trl is benchmark-only) that stops at GRPOTrainer."""
+  import trl_step
+  captured = {}
+
+  class Stop(Exception):
+    pass
+
+  def trainer(**_):
+    raise Stop
+
+  fake = types.ModuleType("trl")
+  fake.GRPOConfig = lambda **kw: captured.update(kw) or types.SimpleNamespace(**kw)
+  fake.GRPOTrainer = trainer
+  monkeypatch.setitem(sys.modules, "trl", fake)
+  spec = dict(user_template="{question}", system_prompt=None, new_tokens=7,
+              rows=[{"question": "1 + 1?", "answer": "#### 2"}] * 4, model=str(tmp_path / "m"),
+              tokenizer=str(trl_step.QWEN_TOKENIZER), num_steps=1, compute_dtype="bfloat16",
+              remat=False, vllm=vllm, trl_gpu=False)
+  with pytest.raises(Stop):
+    trl_step.run_trl(spec, True, {})
+  return captured
+
+
+def test_trl_forced_length_reaches_its_generator_by_the_generators_name(monkeypatch, tmp_path):
+  """Forced length asks for exactly C = 7 new tokens in the generator's own field: transformers'
+  GenerationConfig reads min_new_tokens; vLLM's SamplingParams (vllm/sampling_params.py, a
+  msgspec.Struct: an unknown keyword is a TypeError) has min_tokens and no min_new_tokens."""
+  import transformers
+  kw = _trl_config(monkeypatch, tmp_path, vllm=False)
+  gen = transformers.GenerationConfig(**kw["generation_kwargs"])
+  assert (gen.min_new_tokens, kw["max_completion_length"]) == (7, 7), kw["generation_kwargs"]
+  kw = _trl_config(monkeypatch, tmp_path, vllm=True)
+  assert kw["use_vllm"] and kw["generation_kwargs"] == {"min_tokens": 7}, kw["generation_kwargs"]
+
+
+def test_trl_runs_no_old_logprob_forward_with_or_without_vllm(monkeypatch, tmp_path):
+  """grpo_jax runs no forward for old log-probs (μ = 1); TRL 1.16 runs one every step when
+  gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0 or (use_vllm and
+  vllm_importance_sampling_correction), that correction True by default (grpo_trainer.py,
+  grpo_config.py). Neither holds for the config run_trl builds, with vLLM or without."""
+  for vllm in (False, True):
+    kw = _trl_config(monkeypatch, tmp_path, vllm)
+    every = kw["steps_per_generation"] * kw["num_iterations"]
+    old = kw["gradient_accumulation_steps"] % every != 0 or (
+        kw["use_vllm"] and kw.get("vllm_importance_sampling_correction", True))
+    assert not old, (vllm, kw)

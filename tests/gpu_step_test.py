@@ -1,6 +1,7 @@
 """benchmarks/gpu_step.py: its HLO kernel counter on a module counted by hand and on decode
-programs of 2-4 layers, its analytic parameter count against transformers', and `--smoke` (the
-whole script on CPU at a toy shape) end to end."""
+programs of 2-4 layers, its analytic parameter count against transformers', its report (each
+side's padded prompt width among its figures), and `--smoke` (the whole script on CPU at a toy
+shape) end to end."""
 import collections
 import json
 import os
@@ -206,6 +207,8 @@ def test_smoke_run(tmp_path):
     assert line in out, (line, out[-3000:])
   assert "FAILED" not in out, out[-3000:]
   spec = json.loads((tmp_path / "smoke" / "spec.json").read_text())
+  # The width the step ran: the bucket prepare chose for these prompts.
+  assert f"padded prompt width (median): grpo_jax {spec['bucket']} (" in out, out[-3000:]
   assert gpu_step.decode_bytes(spec, 4, 96, 4)["params"] == spec["num_params"]
   # The decode program's HLO is kept, and the printed count is the count of that text.
   counted = gpu_step.count_loop_kernels((tmp_path / "smoke" / "decode_hlo.txt").read_text())
@@ -300,6 +303,33 @@ def test_report_figures_by_hand(capsys):
     line = next(x for x in out.splitlines() if f"peak {peak:.3g} TFLOP/s" in x)
     assert f"in 0.72 s = {update}" in line and line.endswith(f"TFLOP = {whole}"), line
   assert "datasheet dense bf16 peak 989 TFLOP/s" in out, out
+
+
+def test_report_prints_both_sides_prompt_width(capsys):
+  """TRL pads each batch to its longest prompt, grpo_jax to the bucket: the report prints both,
+  from TRL's measured step (its warm-up dropped), and how many forwards TRL's reference clock
+  timed. TRL's widths are the longest of gpu_step's three 16-prompt batches, counted here from
+  the real prompts and tokenizer."""
+  import trl_step  # pylint: disable=import-outside-toplevel
+  from configs import gsm8k  # pylint: disable=import-outside-toplevel
+  from grpo_jax import data, tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  gpu_step.configure(False, str(trl_step.QWEN_TOKENIZER), str(trl_step.GSM8K))
+  tok = tokenizer_lib.load_tokenizer(str(trl_step.QWEN_TOKENIZER))
+  d = gsm8k.get_config().data
+  rows = data.load_rows(str(trl_step.GSM8K), "train")[:32]
+  ids = data.encode_prompts(tok, [data.build_prompt(tok, r["question"], d.system_prompt,
+                                                    d.user_template) for r in rows])
+  longest = [max(map(len, ids[:16])), max(map(len, ids[16:]))]
+  spec = dict(gpu_step.SIZES["0.5b"], vocab=151_936, valid_vocab=151_665, bucket=192,
+              new_tokens=256, num_params=494_032_768)
+  gj = {"steps": [{"step_s": 2.27, "prompt_width": 192, "mean_length": 256.0}]}
+  trl = {"steps": [{"step_s": 30.0, "prompt_width": w, "reference_calls": 1} for w in longest]}
+  args = type("Args", (), {"warmup": 0, "smoke": False, "grad_accum": 1})()
+  gpu_step.report("0.5b", spec, {"grpo_jax": gj, "trl": trl}, args, False)
+  out = capsys.readouterr().out
+  assert longest[1] < 192
+  assert f"padded prompt width (median): grpo_jax 192, trl {longest[1]} (" in out, out
+  assert "trl forwards timed as the reference per step: 1" in out, out
 
 
 def test_gpu_kernels_runs_on_the_cpu_programs():
