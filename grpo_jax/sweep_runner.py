@@ -109,6 +109,16 @@ def failure(run_dir: str) -> str | None:
   return f"{f.get('error')} at step {f.get('step')}: {f.get('message')}"
 
 
+def _clear_failure(run_dir: str) -> None:
+  """Removes an earlier attempt's failure record before a new attempt starts: one that ends
+  before train removes it (a crash in setup, a kill while compiling, a Ctrl-C) is reported
+  with its own exit, not with the earlier attempt's failure."""
+  try:
+    os.remove(os.path.join(run_dir, FAILURE_FILE))
+  except FileNotFoundError:
+    pass
+
+
 def latest_checkpoint(run_dir: str) -> int | None:
   """The latest finished checkpoint step, or None: its dir is named by the step and holds
   SHA256SUMS, written last (checkpoint.py); restore checks the checksums."""
@@ -311,6 +321,7 @@ class Runner:
     os.makedirs(d, exist_ok=True)
     for r in group.members:
       os.makedirs(self.run_dir(r), exist_ok=True)
+      _clear_failure(self.run_dir(r))
       if r.prefix is not None:
         start_from_prefix(self.run_dir(self.by_name[r.prefix]), self.run_dir(r))
     _write_json(os.path.join(d, "spec.json"), {
@@ -342,6 +353,7 @@ class Runner:
       return self._start_group(r)
     d = self.run_dir(r)
     os.makedirs(d, exist_ok=True)
+    _clear_failure(d)
     if r.prefix is not None:
       start_from_prefix(self.run_dir(self.by_name[r.prefix]), d)
     _write_json(os.path.join(d, OVERRIDES_FILE), r.args)

@@ -100,8 +100,8 @@ MEMBERS_AXIS = "members"  # the vmap axis of K runs (TrainStep.members)
 
 def validate_optim_config(cfg) -> None:
   """Raises ValueError naming the first bad setting of an optimizer config."""
-  if not cfg.lr > 0:
-    raise ValueError(f"optim.lr={cfg.lr!r} must be > 0")
+  if not 0 < cfg.lr < np.inf:  # inf times an Adam moment of 0 is a NaN param
+    raise ValueError(f"optim.lr={cfg.lr!r} must be finite and > 0")
   for name in ("warmup_steps", "total_steps"):
     if not (isinstance(cfg[name], int) and cfg[name] >= 0):
       raise ValueError(f"optim.{name}={cfg[name]!r} must be an int >= 0")

@@ -154,7 +154,7 @@ def _validate_sft_batch(config, split: int) -> None:
          f"{s.batch_size} examples do not split into optim.grad_accum_steps={accum} "
          f"micro-batches each divisible by the {split} devices the mesh {tuple(config.mesh)} "
          "splits the batch over")
-  _check(s.lr > 0, "sft.lr", f"must be > 0, got {s.lr}")
+  _check(0 < s.lr < math.inf, "sft.lr", f"must be finite and > 0, got {s.lr}")
 
 
 def _validate_roles(config) -> None:

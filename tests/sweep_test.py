@@ -347,6 +347,24 @@ def test_a_failed_run_is_recorded_the_sweep_goes_on_and_a_rerun_redoes_only_it(
     assert len(_calls(tmp_path / other)) == 1, other
 
 
+def test_a_rerun_that_fails_early_reports_its_own_exit_not_an_earlier_failure(
+    tmp_path, fake_env, monkeypatch):
+  """A run that failed alone in a --vmap group left failed.json (TooManyBadSteps at step 1).
+  Its rerun exits 3 before training would remove that record (as a crash in setup or a kill
+  while compiling does): the sweep reports this attempt's exit, as for any failed run."""
+  s = sweep.Sweep(TINY, sweep.seeds(1), fixed={"train.steps": 3})
+  run_dir = tmp_path / "seed=0"
+  run_dir.mkdir()
+  (run_dir / sweep_runner.FAILURE_FILE).write_text(json.dumps(
+      {"error": "TooManyBadSteps", "message": "5 consecutive non-finite steps", "step": 1}))
+  monkeypatch.setenv("FAKE_FAIL", json.dumps(["seed=0"]))
+  code, _ = _run(tmp_path, s)
+  assert code == 1
+  rec = json.load(open(run_dir / "sweep_run.json"))
+  assert (rec["status"], rec["returncode"], rec["reason"]) == ("failed", 3, "exit code 3")
+  assert not (run_dir / sweep_runner.FAILURE_FILE).exists()
+
+
 def test_a_failed_prefix_fails_its_members_only(tmp_path, fake_env, monkeypatch):
   monkeypatch.setenv("FAKE_FAIL", json.dumps(["seed=0"]))
   code, _ = _run(tmp_path, LR_SEEDS)

@@ -16,7 +16,9 @@ def test_presets_are_valid(preset):
     ("rewards.names", ("math_accuracy", "bleu"), r"config\.rewards\.names: unknown reward 'bleu'"),
     ("rewards.weights", (1.0,), r"config\.rewards\.weights: 1 weights for 2 rewards"),
     ("loss.loss_type", "ppo", r"config\.loss\.loss_type='ppo' is not one of"),
-    ("optim.lr", -1.0, r"config\.optim\.lr=-1\.0 must be > 0"),
+    ("optim.lr", -1.0, r"config\.optim\.lr=-1\.0 must be finite and > 0"),
+    # inf times an Adam moment of 0 is NaN: the first update made every such param NaN.
+    ("optim.lr", float("inf"), r"config\.optim\.lr=inf must be finite and > 0"),
     ("train.prompts_per_step", 3, r"config\.train\.prompts_per_step: a micro-batch of 6"),
     ("mesh", (1, 3, 1), r"config\.mesh: \(1, 3, 1\) uses 3 of the 8 devices.*\(1, 8, 1\)"),
     ("mesh", (4, 1, 1), None),
@@ -123,7 +125,10 @@ def test_the_warm_start_batch_splits_like_a_grpo_batch(value, message):
   config.sft.update(steps=0, batch_size=30)  # no warm start: its batch is never used
   validate.validate(config, num_devices=8)
   config.sft.update(steps=100, batch_size=32, lr=-1e-3)
-  with pytest.raises(validate.ConfigError, match=r"config\.sft\.lr: must be > 0"):
+  with pytest.raises(validate.ConfigError, match=r"config\.sft\.lr: must be finite and > 0"):
+    validate.validate(config, num_devices=8)
+  config.sft.lr = float("inf")
+  with pytest.raises(validate.ConfigError, match=r"config\.sft\.lr: must be finite and > 0"):
     validate.validate(config, num_devices=8)
 
 

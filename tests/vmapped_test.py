@@ -228,22 +228,32 @@ def test_each_member_samples_and_scores_with_its_own_tokenizer(tmp_path):
   assert parts[1][0].reward_BR[0, 0] == 1.0
 
 
-def test_a_failing_member_is_recorded_as_failed_and_its_group_goes_on(tmp_path):
-  """A member whose steps are all non-finite (a NaN reward weight: NaN advantages, NaN loss, so
-  train_step skips every step) fails at step 1 with train.max_bad_steps=1, as its separate run
-  would (TooManyBadSteps), while the other member runs to the end with its separate run's
-  numbers (the tolerances above). Two members, the first failing: from step 2 on the group
-  samples for the second only, and the first trains on its batch, thrown away."""
+def test_a_failing_member_is_recorded_as_failed_and_its_group_goes_on(tmp_path, monkeypatch):
+  """A member whose steps are all non-finite (NaN reward weights in its train step's hparams:
+  NaN advantages, NaN loss, so train_step skips every step) fails at step 1 with
+  train.max_bad_steps=1, as its separate run would (TooManyBadSteps), while the other member
+  runs to the end with its separate run's numbers (the tolerances above). Two members, the
+  first failing: from step 2 on the group samples for the second only, and the first trains
+  on its batch, thrown away. The NaN enters the program through Trainer.hparams, since
+  validate refuses a NaN rewards.weights in a config."""
   fixed = {**FIXED, "loss.beta": 0.0, "train.max_bad_steps": 1, "train.checkpoint_every": 1,
            "train.keep_checkpoints": 10}
   good = {**fixed, "optim.lr": 1e-4}
-  bad = {**fixed, "optim.lr": 1e-4, "rewards.weights": (float("nan"),)}
+  bad_config = _config(good)  # told apart by identity: its hparams get NaN reward weights
+  real_hparams = train.Trainer.hparams
+
+  def hparams(self, config):
+    hp = real_hparams(self, config)
+    if config is bad_config:
+      hp = dict(hp, reward_weights=np.full_like(hp["reward_weights"], np.nan))
+    return hp
+  monkeypatch.setattr(train.Trainer, "hparams", hparams)
   sep, a, b = (str(tmp_path / n) for n in ("separate", "bad", "good"))
   train.run(_config(good), sep)
   for d in (a, b):
     os.makedirs(d)
     sweep_runner.start_from_prefix(sep, d)
-  summaries = train.run_group([_config(bad), _config(good)], [a, b])
+  summaries = train.run_group([bad_config, _config(good)], [a, b])
   assert "TooManyBadSteps" not in summaries[1] and "eval_accuracy_gain_points" in summaries[1]
   assert "1 consecutive non-finite steps up to step 1" in summaries[0]["failed"]
 
@@ -280,7 +290,7 @@ def test_a_failing_member_is_recorded_as_failed_and_its_group_goes_on(tmp_path):
 
   # Run again (as the sweep does with an unfinished member): the record goes when it starts.
   with pytest.raises(train.TooManyBadSteps):
-    train.run(_config(bad), a)
+    train.run(bad_config, a)
   assert not os.path.exists(os.path.join(a, train.FAILURE_FILE))
 
 
