@@ -18,11 +18,12 @@ checked: arrays come back in the dtypes the requested state asks for, so a run r
 another `optim.param_dtype` gets its saved params and moments converted (rounded) silently.
 
     with Checkpointer(workdir, max_to_keep=3) as ckpt:
-      ckpt.save(step, {"params": params, "opt_state": opt_state, "rng": key}, it.position())
+      ckpt.save(step, {"params": params, "opt_state": opt_state, "rng": key}, it.position(),
+                {"bad_steps": 0})  # counters: optional, any JSON object
     # later, in a fresh process
     restored = resume(workdir, abstract_state)   # leaves: ShapeDtypeStruct with .sharding
     if restored is not None:
-      restored.step, restored.state["rng"], restored.data_position
+      restored.step, restored.state["rng"], restored.data_position, restored.counters
 
 `state` is any pytree of jax arrays (typed PRNG keys included: orbax stores their key_data and
 rewraps them with the abstract leaf's key type) and numpy arrays.
@@ -55,6 +56,7 @@ class Restored:
   step: int
   state: Any
   data_position: dict
+  counters: dict = dataclasses.field(default_factory=dict)  # {} from a save that passed none
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -172,15 +174,17 @@ class Checkpointer:
     if wait_for_cleanup is not None:
       wait_for_cleanup()
 
-  def save(self, step: int, state, data_position: dict) -> bool:
-    """Starts saving (async by default); False when `step` is not after the latest saved step."""
-    try:
-      json.dumps(data_position)  # Fail here, not later in the background save thread.
-    except TypeError as e:
-      raise TypeError(f"checkpoint data_position must be JSON-serialisable: {e}") from e
+  def save(self, step: int, state, data_position: dict, counters: dict | None = None) -> bool:
+    """Starts saving (async by default); False when `step` is not after the latest saved step.
+    counters: the loop's own JSON-able counts (train: its stopping rules'), restored with it."""
+    meta = {"step": int(step), "data_position": data_position, "counters": counters or {}}
+    for name in ("data_position", "counters"):
+      try:
+        json.dumps(meta[name])  # Fail here, not later in the background save thread.
+      except TypeError as e:
+        raise TypeError(f"checkpoint {name} must be JSON-serialisable: {e}") from e
     return self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        meta=ocp.args.JsonSave({"step": int(step), "data_position": data_position})))
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 
   def latest_step(self) -> int | None:
     """The latest finished step, verified or not (restore checks it)."""
@@ -239,7 +243,9 @@ class Checkpointer:
           f"intact, so this run's model or optimizer config differs from the one that saved it "
           f"({type(e).__name__}: {e}). Run with the config it was saved with, or use a new "
           "workdir") from e
-    return Restored(step=step, state=out["state"], data_position=out["meta"]["data_position"])
+    meta = out["meta"]
+    return Restored(step=step, state=out["state"], data_position=meta["data_position"],
+                    counters=meta.get("counters", {}))
 
   def delete_after(self, step: int) -> list[int]:
     """Deletes the steps after `step` (those restore skipped); returns them."""

@@ -19,9 +19,9 @@ anew and never runs a stale program; XLA:CPU refuses an entry built for CPU feat
 machine lacks, and an unreadable entry is recompiled with a warning. The numbers are those of
 a fresh compile: the same executable is run. What is cached is code that runs, so keep the
 directory where only you can write (JAX's own warning). Programs that compile in under
-jax_persistent_cache_min_compile_time_secs (JAX's default, 1 s) are not written. The directory
-is capped at MAX_BYTES, least recently used entries going first, unless
-JAX_COMPILATION_CACHE_MAX_SIZE sets another cap.
+jax_persistent_cache_min_compile_time_secs (JAX's default, 1 s) are not written. A local
+directory is capped at MAX_BYTES, least recently used entries going first, unless
+JAX_COMPILATION_CACHE_MAX_SIZE sets another cap; a gs:// one is not capped (see enable).
 
 The options: `compiler_options(mesh)` goes to every jax.jit of a large program (sampler, train
 step, log-prob and reward-model passes). On the CPU it compiles with LLVM at -O1 instead of XLA's
@@ -64,11 +64,16 @@ def enable(setting: str | None) -> str | None:
   directory. Call it before the run compiles anything; calling it again with another
   directory (several runs in one process) switches the cache over."""
   path = resolve(setting)
-  if path and jax.config.jax_compilation_cache_max_size == -1 and not os.environ.get(
-      "JAX_COMPILATION_CACHE_MAX_SIZE"):
-    # A cap also makes JAX lock the directory around each read and write, so processes
-    # sharing it (a sweep's runs, the hosts of a slice) never read an entry being written.
-    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+  cap = jax.config.jax_compilation_cache_max_size
+  if path and not os.environ.get("JAX_COMPILATION_CACHE_MAX_SIZE"):
+    # A cap also makes JAX lock a local directory around each read and write, so processes
+    # sharing it (a sweep's runs) never read an entry being written. A bucket gets none: JAX
+    # would lock it with a file on the local disk (./gs:/BUCKET/...), which no other host
+    # sees, and its eviction misreads the bucket's paths (writes failed).
+    if "://" in path and cap == MAX_BYTES:
+      jax.config.update("jax_compilation_cache_max_size", -1)
+    elif "://" not in path and cap == -1:
+      jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
   if path != jax.config.jax_compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", path)
     jax_cache.reset_cache()  # the next compile opens the new directory (or none)

@@ -21,9 +21,12 @@ its own workdir, exactly as a separate run writes them. Members may differ only 
 (tests/vmapped_test.py says how close). A member that fails alone (non-finite steps, a missing
 reward) is recorded as failed (FAILURE_FILE) and the others go on (docs/faults.md).
 
-Resuming is automatic: a workdir holding a checkpoint continues from it. Every source of
-randomness is a pure function of (seed, step) and the data order of (seed, epoch), so on one
-machine a resumed run reproduces an uninterrupted one bit for bit.
+Resuming is automatic: a workdir holding a checkpoint continues from it, with the stopping rules'
+counts (Member.counters). Every source of randomness is a pure function of (seed, step) and the
+data order of (seed, epoch), so on one machine a resumed run reproduces an uninterrupted one bit
+for bit. A resume with other settings goes on with a warning naming each change
+(config_changes); one with another seed or dataset size, other shapes, or a checkpoint past
+train.steps stops with a RestoreError.
 
 Files in the workdir: see README ("Outputs and resume").
 """
@@ -53,7 +56,7 @@ from grpo_jax import (checkpoint, compile_cache, config as config_lib, data, grp
                       logging_io, plots, rollout, sampler as sampler_lib, sft, sharding, storage,
                       sweep, sweep_runner, tokenizer as tokenizer_lib, train_step, validate)
 from grpo_jax.agent import rollout as agent_rollout
-from grpo_jax.errors import UserError
+from grpo_jax.errors import UserError, warn
 from grpo_jax.models import lora as lora_lib, qwen, weights
 from grpo_jax.rewards import Interrupted, MissingRewardsError, RewardHealth, build_rewards, probe
 
@@ -87,23 +90,26 @@ class Setup:
   interrupt: threading.Event  # set on SIGTERM: a reward waiting on its scorer gives up
   cfg: qwen.QwenConfig
   generation_config: dict | None
+  previous_config: dict | None = None  # the workdir's config.json from an earlier start
 
 
 def setup(config, workdir: str) -> Setup:
-  """Validates the config, writes config.json, loads data and tokenizer, builds and probes the
-  rewards, reads the model config (no weights): one member's host side.
+  """Validates the config, reads an earlier config.json, loads data and tokenizer, builds and
+  probes the rewards, reads the model config (no weights): one member's host side. config.json
+  is written once the run has started (resumed or warm-started: write_config).
 
-  With several processes, process 0 writes the workdir's files (config.json, a synthetic
-  dataset, the tiny tokenizer) and the others read them once it has."""
+  With several processes, process 0 writes the workdir's files (a synthetic dataset, the tiny
+  tokenizer) and the others read them once it has."""
   root = storage.path(workdir)  # a local directory or a gs:// URL
   workdir = os.fspath(root)
   validate.validate(config, jax.device_count())
   validate.validate_processes(config, jax.device_count(), hosts.count())
   compile_cache.enable(config.train.compilation_cache)  # before anything compiles
   main = hosts.is_main()
+  previous_config = None
   if main:
     root.mkdir(parents=True, exist_ok=True)
-    storage.write_text(root / "config.json", config.to_json_best_effort(indent=2))
+    previous_config = _read_config_json(root / CONFIG_FILE)
     train_rows, eval_rows = inputs.datasets(config, workdir)
     tokenizer, stop_ids = inputs.tokenizer(config, workdir, train_rows)
   hosts.barrier("setup: process 0 wrote the workdir's inputs")
@@ -130,7 +136,51 @@ def setup(config, workdir: str) -> Setup:
         allow_missing=config.rewards.allow_missing)
   cfg, generation_config = inputs.model_config(config, tokenizer)
   return Setup(workdir, train_rows, eval_rows, sft_eval_rows, tokenizer, stop_ids, rewards,
-               interrupt, cfg, generation_config)
+               interrupt, cfg, generation_config, previous_config)
+
+
+CONFIG_FILE = plots.CONFIG_FILE  # the resolved config of the run
+
+
+def write_config(m) -> None:
+  """The member's config.json (process 0), once its start is settled: a resume that is refused
+  leaves the config of the run that made the checkpoints there."""
+  storage.write_text(storage.path(m.workdir) / CONFIG_FILE, m.config.to_json_best_effort(indent=2))
+
+
+def _read_config_json(path) -> dict | None:
+  """A workdir's config.json as a dict; None when there is none (or it is not JSON)."""
+  try:
+    return json.loads(storage.read_text(path))
+  except (FileNotFoundError, ValueError):
+    return None
+
+
+# Settings that change how a run is run or recorded, not its numbers: a resume may change them.
+RESUME_NEUTRAL = ("train.compilation_cache", "train.tensorboard", "train.wandb", "hardware.")
+
+
+def config_changes(previous: dict | None, config) -> list[str]:
+  """'key: old -> new' for each setting of `config` that differs from `previous` (a config.json
+  written by an earlier run in the workdir), RESUME_NEUTRAL left out; with a cosine schedule
+  whose length follows train.steps (optim.total_steps=0), also that length when it changes."""
+  if previous is None:
+    return []
+  old, new = _flat(previous), _flat(json.loads(config.to_json_best_effort()))
+  keys = [k for k in sorted(set(old) | set(new))
+          if old.get(k) != new.get(k) and not k.startswith(RESUME_NEUTRAL)]
+  changes = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys]
+  if keys and config.optim.schedule == "cosine" and not config.optim.total_steps:
+    before = copy.deepcopy(config)
+    try:
+      config_lib.apply_overrides(before, {k: old[k] for k in keys if k in old})
+      lengths = [config_lib.optim_settings(c).total_steps for c in (before, config)]
+    except (KeyError, TypeError, ValueError, AttributeError):
+      lengths = []  # a setting the old config had and this one cannot take: listed above
+    if lengths and lengths[0] != lengths[1]:
+      changes.append(f"the cosine schedule's length (optim.total_steps=0: the run's updates): "
+                     f"{lengths[0]} -> {lengths[1]} updates")
+  return changes
 
 
 # --- which runs can share one program -----------------------------------------------------------
@@ -232,10 +282,16 @@ class Member:
   health: Any = None
   fresh: bool = False  # warm-started in this process (no checkpoint to resume from)
   bad: int = 0  # consecutive steps with a skipped (non-finite) update
+  streaks: dict = dataclasses.field(default_factory=dict)  # restored RewardHealth streaks
 
   @property
   def workdir(self):
     return self.setup.workdir
+
+  def counters(self) -> dict:
+    """What the stopping rules have counted so far (bad steps, reward streaks), checkpointed so
+    that a resumed run stops where the uninterrupted one would."""
+    return {"bad_steps": self.bad, "reward_streaks": dict(self.health.streak)}
 
   def open(self, start: int, main: bool) -> None:
     """The run's writers and checkpointer, from `start` on (a fresh run: from scratch)."""
@@ -248,6 +304,9 @@ class Member:
     self.ckpt = checkpoint.Checkpointer(self.workdir, max_to_keep=c.train.keep_checkpoints)
     self.health = RewardHealth(self.setup.rewards, c.train.max_missing_reward_steps,
                                log=lambda line: tqdm.write(line, file=sys.stderr))
+    for name, streak in self.streaks.items():  # a reward renamed since is not counted
+      if name in self.health.streak:
+        self.health.streak[name] = int(streak)
     failure = storage.path(self.workdir) / FAILURE_FILE
     if main and failure.exists():  # an earlier attempt's: this one starts again
       failure.unlink()
@@ -320,6 +379,8 @@ def run_group(configs, workdirs) -> list[dict]:
   start, states, refs = _start(members, trainers)
   main = hosts.is_main()  # the one process that writes the runs' files
   for m in members:
+    if main:
+      write_config(m)
     m.open(start, main)
     if len(members) > 1:  # a member that got further than the others redoes those steps
       m.ckpt.delete_after(start)
@@ -342,7 +403,7 @@ def run_group(configs, workdirs) -> list[dict]:
       ckpt_state = {"train": state}
       if ref is not None and trainer.lora is None:  # a LoRA base is not checkpointed (BASE_DIR)
         ckpt_state["ref"] = ref
-      m.ckpt.save(step, ckpt_state, m.it.position())
+      m.ckpt.save(step, ckpt_state, m.it.position(), m.counters())
 
   def fail(m, error, step):
     """A run's failure: a plain run raises it; a vmapped member leaves what its separate run
@@ -376,7 +437,12 @@ def run_group(configs, workdirs) -> list[dict]:
                 flush=True)
       save(0, only=fresh)
     c = config.train
-    bar = tqdm(range(start, c.steps), initial=start, total=c.steps,
+    # A SIGTERM during the step-0 eval stops here, not after a whole step more.
+    stopped = hosts.any_(stop["requested"])
+    if stopped:
+      save(start)
+      print(f"grpo_jax: SIGTERM: saved step {start}, exiting", flush=True)
+    bar = tqdm(range(start, start if stopped else c.steps), initial=start, total=c.steps,
                desc="grpo" if len(members) == 1 else f"grpo x{len(members)}",
                dynamic_ncols=True, mininterval=2.0, disable=not main)
     for step in bar:
@@ -424,9 +490,7 @@ def run_group(configs, workdirs) -> list[dict]:
           m.metrics.write(done, m_k)
           m.samples.write(done, samples_k)
       bar.set_postfix(_postfix([m_k for m, m_k in zip(members, ms) if m in live]))
-      if done % c.checkpoint_every == 0 or done == c.steps:
-        save(done)
-      for m, m_k in zip(members, ms):
+      for m, m_k in zip(members, ms):  # before the save: its checkpoint holds the streaks
         if m not in live:
           continue
         try:
@@ -434,6 +498,8 @@ def run_group(configs, workdirs) -> list[dict]:
         except MissingRewardsError as e:
           save(done, only=[m])
           fail(m, e, done)
+      if done % c.checkpoint_every == 0 or done == c.steps:
+        save(done)
       if hosts.any_(stop["requested"]):  # every process stops at the same step
         save(done)
         print(f"grpo_jax: SIGTERM: saved step {done}, exiting", flush=True)
@@ -551,11 +617,28 @@ def _start(members, trainers):
       m.it = data.PromptIterator(len(s.train_rows), c.train.prompts_per_step, c.seed)
       m.fresh = True
     else:
+      where = f"{checkpoint.checkpoint_dir(m.workdir)}/{r.step}"
+      if r.step > c.train.steps:
+        raise checkpoint.RestoreError(
+            f"{where}: the workdir's run got to step {r.step}, past train.steps={c.train.steps}; "
+            f"set train.steps >= {r.step}, or use a new workdir to train for {c.train.steps}")
+      try:
+        m.it = data.PromptIterator(len(s.train_rows), c.train.prompts_per_step, c.seed,
+                                   position=r.data_position)
+      except ValueError as e:  # another seed or dataset than the checkpoint's
+        raise checkpoint.RestoreError(f"{where}: {e}; run with the config it was saved with, "
+                                      "or use a new workdir") from None
+      # The counts a checkpoint holds (none in one saved before grpo_jax saved them: zeros).
+      m.bad = int(r.counters.get("bad_steps", 0))
+      m.streaks = dict(r.counters.get("reward_streaks", {}))
+      changes = config_changes(s.previous_config, c)
+      if changes:
+        warn(f"{where}: resuming with settings changed since the workdir's config.json was "
+             f"written: {'; '.join(changes)}. The steps up to {r.step} ran with the old values; "
+             "config.json now holds the new ones")
       states.append(r.state["train"])
       ref = _lora_base(m, trainer) if lora else r.state.get("ref")
       refs.append(_shared_base(members, refs, m, ref) if lora and refs else ref)
-      m.it = data.PromptIterator(len(s.train_rows), c.train.prompts_per_step, c.seed,
-                                 position=r.data_position)
       print(f"grpo_jax: {m.workdir if len(members) > 1 else ''}"
             f"{': ' if len(members) > 1 else ''}resumed from step {r.step}", flush=True)
   return start, states, refs

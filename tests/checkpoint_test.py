@@ -80,6 +80,11 @@ def test_round_trip_bit_identical_into_requested_shardings(tmp_path):
   for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(abstract)):
     assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
   assert restored.state["params"]["w"].sharding.spec == P(None, "tensor")
+  assert restored.counters == {}  # saved without any
+  counters = {"bad_steps": 2, "reward_streaks": {"quality": 1}}
+  with checkpoint.Checkpointer(str(tmp_path)) as ckpt:
+    assert ckpt.save(4, state, position, counters)
+  assert checkpoint.restore(str(tmp_path), abstract).counters == counters
 
 
 def test_restore_errors_are_clear(tmp_path):

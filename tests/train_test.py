@@ -4,6 +4,7 @@ and damaged checkpoints (resume from the last good one, or stop with a clear err
 
 import hashlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -429,3 +430,70 @@ def test_damaged_checkpoints_resume_from_the_last_good_one_or_stop_clearly(tmp_p
   message = cli.assert_user_error(failed, f"no usable checkpoint in {ckpts}")
   assert message.startswith(f"grpo_jax: error: no usable checkpoint in {ckpts}")
   assert "resumed" not in failed.stdout and not (workdir / "checkpoints" / "0").exists()
+
+
+def _fails(workdir, *extra_flags):
+  return subprocess.run(_command(workdir, *extra_flags), cwd=REPO, env=cli.env(),
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_a_resume_with_another_config_stops_clearly_or_says_what_changed(tmp_path):
+  workdir, no_sft = tmp_path / "run", "--config.sft.steps=0"
+  _run(workdir, no_sft, "--config.train.steps=2")
+  step_2 = f"{workdir / 'checkpoints'}/2"
+  # A run cannot be made shorter than its workdir's: stop, rather than report step 2 as step 1's.
+  cli.assert_user_error(_fails(workdir, no_sft, "--config.train.steps=1"), step_2,
+                        "past train.steps=1")
+  assert json.loads((workdir / "summary.json").read_text())["end_step"] == 2
+  # Another seed deals the prompts in another order than the checkpoint's data position says.
+  cli.assert_user_error(_fails(workdir, no_sft, "--config.train.steps=2", "--config.seed=5"),
+                        step_2, "seed")
+  # Refused, they leave the config of the run that made the checkpoints.
+  config = json.loads((workdir / "config.json").read_text())
+  assert config["seed"] == 0 and config["train"]["steps"] == 2
+  # Extended, with another rate and warm-up: it goes on from step 2, and says what changed, with
+  # the cosine's length that follows train.steps (max(steps, warm-up + 1): 51 before, 3 now).
+  done = _run(workdir, no_sft, "--config.train.steps=3", "--config.optim.lr=0.0001",
+              "--config.optim.warmup_steps=1")
+  assert "resumed from step 2" in done.stdout
+  warning = [line for line in done.stderr.splitlines() if "settings changed" in line]
+  assert len(warning) == 1, done.stderr[-3000:]
+  for change in ("optim.lr: 0.0003 -> 0.0001", "optim.warmup_steps: 50 -> 1",
+                 "train.steps: 2 -> 3", "the cosine schedule's length", "51 -> 3 updates"):
+    assert change in warning[0], warning[0]
+  assert "seed" not in warning[0] and "compilation_cache" not in warning[0]
+  # The same command again (the run is finished): nothing changed, nothing said.
+  assert "settings changed" not in _run(workdir, no_sft, "--config.train.steps=3",
+                                        "--config.optim.lr=0.0001",
+                                        "--config.optim.warmup_steps=1").stderr
+
+
+def test_a_resumed_run_stops_on_non_finite_steps_where_an_uninterrupted_one_does(tmp_path):
+  nan = tmp_path / "nan.json"
+  nan.write_text('{"rewards.weights": [NaN]}')  # every step's loss is NaN: every update skipped
+  flags = ["--config.sft.steps=0", "--config.train.max_bad_steps=3", f"--overrides={nan}"]
+  straight = _fails(tmp_path / "straight", *flags)
+  cli.assert_user_error(straight, "3 consecutive non-finite steps up to step 3")
+  # Two bad steps, the run's end, then the same run extended: its third bad step stops it.
+  _run(tmp_path / "resumed", *flags, "--config.train.steps=2")
+  resumed = _fails(tmp_path / "resumed", *flags)
+  assert "resumed from step 2" in resumed.stdout
+  cli.assert_user_error(resumed, "3 consecutive non-finite steps up to step 3")
+
+
+def test_a_sigterm_during_the_step_0_eval_stops_before_a_step(tmp_path, monkeypatch):
+  config = gsm8k.get_config("tiny")
+  config.data.update(synthetic_train=400, synthetic_test=40)
+  config.sft.steps = 0
+  config.train.update(steps=3, eval_examples=8, eval_batch_size=8, tensorboard=False)
+  real = train.evaluate_group
+
+  def evaluate_then_preempted(*args):
+    os.kill(os.getpid(), signal.SIGTERM)  # the run's handler only records it
+    return real(*args)
+
+  monkeypatch.setattr(train, "evaluate_group", evaluate_then_preempted)
+  summary = train.run(config, str(tmp_path))
+  assert summary["stopped_early"] and summary["stopped_at_step"] == 0, summary
+  assert [r["step"] for r in logging_io.read_jsonl(str(tmp_path / "metrics.jsonl"))] == [0]
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["0"]

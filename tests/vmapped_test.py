@@ -141,9 +141,10 @@ def test_a_rerun_groups_only_members_that_resume_from_the_same_step(tmp_path):
   sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract = {"train": {"x": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sh)}}
   trainer = NS(abstract_checkpoint=lambda: abstract, lora=None)
-  config = NS(train=NS(prompts_per_step=2), seed=0, loss=None)
+  config = NS(train=NS(prompts_per_step=2, steps=200), seed=0, loss=None)
   for u, want in zip(units[:2], (50, 200)):
-    members = [NS(workdir=runner.run_dir(r), config=config, setup=NS(train_rows=[0] * 10))
+    members = [NS(workdir=runner.run_dir(r), config=config,
+                  setup=NS(train_rows=[0] * 10, previous_config=None))
                for r in runner._members(u)]
     start, states, _ = train._start(members, [trainer] * len(members))
     assert start == want
@@ -176,8 +177,9 @@ def test_a_group_resumes_below_a_members_damaged_latest_step(tmp_path, capsys):
   sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract = {"train": {"x": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sh)}}
   trainer = NS(abstract_checkpoint=lambda: abstract, lora=None)
-  config = NS(train=NS(prompts_per_step=2), seed=0, loss=None)
-  members = [NS(workdir=str(tmp_path / n), config=config, setup=NS(train_rows=[0] * 10))
+  config = NS(train=NS(prompts_per_step=2, steps=2), seed=0, loss=None)
+  members = [NS(workdir=str(tmp_path / n), config=config,
+                setup=NS(train_rows=[0] * 10, previous_config=None))
              for n in ("a", "b")]
   start, states, _ = train._start(members, [trainer] * 2)
   assert start == 1
