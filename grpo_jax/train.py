@@ -95,8 +95,9 @@ class Setup:
 
 def setup(config, workdir: str) -> Setup:
   """Validates the config, reads an earlier config.json, loads data and tokenizer, builds and
-  probes the rewards, reads the model config (no weights): one member's host side. config.json
-  is written once the run has started (resumed or warm-started: write_config).
+  probes the rewards, reads the model config (no weights): one member's host side. A first start
+  writes config.json here; a workdir that has one gets this run's once it has resumed
+  (write_config), so a refused resume leaves the config the checkpoints were trained with.
 
   With several processes, process 0 writes the workdir's files (a synthetic dataset, the tiny
   tokenizer) and the others read them once it has."""
@@ -110,6 +111,8 @@ def setup(config, workdir: str) -> Setup:
   if main:
     root.mkdir(parents=True, exist_ok=True)
     previous_config = _read_config_json(root / CONFIG_FILE)
+    if previous_config is None:  # a first start: written now, so a failed one still shows it
+      storage.write_text(root / CONFIG_FILE, config.to_json_best_effort(indent=2))
     train_rows, eval_rows = inputs.datasets(config, workdir)
     tokenizer, stop_ids = inputs.tokenizer(config, workdir, train_rows)
   hosts.barrier("setup: process 0 wrote the workdir's inputs")

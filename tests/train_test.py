@@ -468,17 +468,29 @@ def test_a_resume_with_another_config_stops_clearly_or_says_what_changed(tmp_pat
                                         "--config.optim.warmup_steps=1").stderr
 
 
-def test_a_resumed_run_stops_on_non_finite_steps_where_an_uninterrupted_one_does(tmp_path):
-  nan = tmp_path / "nan.json"
-  nan.write_text('{"rewards.weights": [NaN]}')  # every step's loss is NaN: every update skipped
-  flags = ["--config.sft.steps=0", "--config.train.max_bad_steps=3", f"--overrides={nan}"]
-  straight = _fails(tmp_path / "straight", *flags)
-  cli.assert_user_error(straight, "3 consecutive non-finite steps up to step 3")
+def test_a_resumed_run_stops_on_non_finite_steps_where_an_uninterrupted_one_does(tmp_path,
+                                                                                monkeypatch):
+  """NaN reward weights in the train step's settings (validate refuses them in a config, so
+  they enter through Trainer.hparams): every loss is NaN, every update skipped."""
+  real_hparams = train.Trainer.hparams
+  monkeypatch.setattr(train.Trainer, "hparams", lambda self, config: dict(
+      real_hparams(self, config),
+      reward_weights=np.full_like(real_hparams(self, config)["reward_weights"], np.nan)))
+
+  def config(steps):
+    c = gsm8k.get_config("tiny")
+    c.data.update(synthetic_train=400, synthetic_test=40)
+    c.sft.steps = 0
+    c.train.update(steps=steps, max_bad_steps=3, checkpoint_every=2, prompts_per_step=4,
+                   eval_examples=8, eval_every=0, tensorboard=False)
+    return c
+
+  with pytest.raises(train.TooManyBadSteps, match="3 consecutive non-finite steps up to step 3"):
+    train.run(config(6), str(tmp_path / "straight"))
   # Two bad steps, the run's end, then the same run extended: its third bad step stops it.
-  _run(tmp_path / "resumed", *flags, "--config.train.steps=2")
-  resumed = _fails(tmp_path / "resumed", *flags)
-  assert "resumed from step 2" in resumed.stdout
-  cli.assert_user_error(resumed, "3 consecutive non-finite steps up to step 3")
+  train.run(config(2), str(tmp_path / "resumed"))
+  with pytest.raises(train.TooManyBadSteps, match="3 consecutive non-finite steps up to step 3"):
+    train.run(config(6), str(tmp_path / "resumed"))
 
 
 def test_a_sigterm_during_the_step_0_eval_stops_before_a_step(tmp_path, monkeypatch):
