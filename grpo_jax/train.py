@@ -229,6 +229,9 @@ def check_vmappable(configs) -> None:
   if len(configs) > 1 and configs[0].agent.enabled:
     raise VmapError("config.agent.enabled: multi-turn agent rollouts are not vmapped; run them "
                     "without --vmap")
+  if len(configs) > 1 and hosts.count() > 1:  # the members' sampler gathers no process's rows
+    raise VmapError(f"a vmapped group runs in one process, and this is one of "
+                    f"{hosts.count()}: run its {len(configs)} runs without --vmap")
 
 
 def _check_shared(members):

@@ -79,7 +79,7 @@ def test_member_equals_its_separate_run(tmp_path):
   assert other[3]["loss/kl"] != pytest.approx(got[3]["loss/kl"], rel=0.5)
 
 
-def test_settings_that_change_the_program_are_rejected():
+def test_settings_that_change_the_program_are_rejected(monkeypatch):
   base = _config(FIXED)
   with pytest.raises(train.VmapError, match=r"config\.sampling\.temperature differs"):
     train.check_vmappable([base, _config({**FIXED, "sampling.temperature": 0.7})])
@@ -88,6 +88,11 @@ def test_settings_that_change_the_program_are_rejected():
   with pytest.raises(train.VmapError, match=r"config\.loss\.beta is 0 for some"):
     train.check_vmappable([base, _config({**FIXED, "loss.beta": 0.0})])
   train.check_vmappable([base, _config(OTHER), _config({**FIXED, "seed": 3})])
+  # Several processes: generate_members samples each process's rows as if they were all.
+  monkeypatch.setattr(train.hosts, "count", lambda: 2)
+  with pytest.raises(train.VmapError, match=r"runs in one process, and this is one of 2"):
+    train.check_vmappable([base, _config(OTHER)])
+  train.check_vmappable([base])  # one run: several processes share it (grpo_jax/hosts.py)
   # What members vary enters the program as arrays, formed in float64 and rounded once, as a
   # separate run's Python constants are (1.0 - epsilon folded, then float32).
   hp = [train_step.hparams(c.loss, c.optim, c.rewards.weights) for c in (base, _config(OTHER))]
