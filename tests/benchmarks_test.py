@@ -59,7 +59,33 @@ def test_sweep_gives_each_arm_a_fresh_compilation_cache(tmp_path):
   assert differ == {"optim.lr"} and differ <= set(sweep.VMAP_VARIABLE)
 
 
-def test_lora_decode_step_updates_the_cache_in_place():
+@pytest.fixture
+def own_flags():
+  """The test's benchmark imported with absl's flag registry as a fresh process has it, then
+  the registry put back. lora_decode.py imports lora_memory.py, whose --prompt_len
+  benchmarks/memory.py (memory_test.py) defines too: in one process, whichever came second
+  raised DuplicateFlagError. The flags defined before (absl's own aside) are set aside and
+  re-registered after; the test's flags and its benchmarks/ modules are removed."""
+  from absl import flags
+  registry = flags.FLAGS
+  earlier = {f.name: f for module, defined in registry.flags_by_module_dict().items()
+             if not module.startswith("absl.") for f in defined}
+  for name in earlier:
+    delattr(registry, name)
+  names, modules = set(registry), set(sys.modules)
+  yield
+  for name in set(registry) - names:
+    if name in registry:  # a short name goes with its flag
+      delattr(registry, name)
+  for flag in earlier.values():
+    flags.DEFINE_flag(flag, registry)
+  bench_dir = os.path.join(ROOT, "benchmarks")
+  for name in set(sys.modules) - modules:
+    if os.path.dirname(getattr(sys.modules[name], "__file__", None) or "") == bench_dir:
+      del sys.modules[name]
+
+
+def test_lora_decode_step_updates_the_cache_in_place(own_flags):
   """lora_decode.py's timed step, compiled at a tiny shape: the whole KV cache is aliased to
   the step's output (donated, written in place), so no step copies it."""
   lora_decode = _load("lora_decode", "lora_decode.py")
