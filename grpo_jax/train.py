@@ -443,10 +443,10 @@ def run_group(configs, workdirs) -> list[dict]:
                 flush=True)
       save(0, only=fresh)
     c = config.train
-    # A SIGTERM during the step-0 eval stops here, not after a whole step more.
+    # A SIGTERM during the step-0 eval stops here, not after a whole step more. Every member
+    # already has its checkpoint of `start` (saved just above, or the one it resumed from).
     stopped = hosts.any_(stop["requested"])
     if stopped:
-      save(start)
       print(f"grpo_jax: SIGTERM: saved step {start}, exiting", flush=True)
     bar = tqdm(range(start, start if stopped else c.steps), initial=start, total=c.steps,
                desc="grpo" if len(members) == 1 else f"grpo x{len(members)}",

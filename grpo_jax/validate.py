@@ -94,7 +94,7 @@ def validate(config, num_devices: int) -> None:
   _check(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
   _check(t.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
   _check(t.eval_every >= 0, "train.eval_every", "must be >= 0")
-  _check(isinstance(t.eval_examples, int) and t.eval_examples >= 0, "train.eval_examples",
+  _check(t.eval_examples >= 0, "train.eval_examples",  # an int: config.type_errors above
          f"must be an int >= 0 (0 = the whole eval split), got {t.eval_examples!r}")
   _check(t.samples_per_step >= 0, "train.samples_per_step",
          f"must be >= 0, got {t.samples_per_step}")
