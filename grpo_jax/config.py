@@ -216,6 +216,12 @@ def train() -> ConfigDict:
       # (grpo_jax.compile_cache): None = $JAX_COMPILATION_CACHE_DIR or ~/.cache/grpo_jax/xla;
       # a path (gs:// too); "" = off.
       compilation_cache=placeholder(str),
+      # How the K runs of a vmapped sweep group (python -m grpo_jax.sweep --vmap) share the
+      # sampler and the train step in their one program (MEMBERS): "vmap" batches them (K-wide
+      # kernels: for a GPU or TPU, where a small model's kernels are bound by launches); "map"
+      # runs each run's own program in turn inside it (what a CPU runs fastest: batching adds no
+      # arithmetic rate there); "auto" = map on CPU, else vmap. A plain run ignores it.
+      members="auto",
   ))
 
 
@@ -290,6 +296,15 @@ def hardware() -> ConfigDict:
 
 
 # --- accessors for settings read in many places, and derived values -------------------------------
+
+MEMBERS = ("auto", "vmap", "map")  # train.members
+
+
+def members_batched(config, platform: str) -> bool:
+  """Whether a vmapped group on `platform` (jax.default_backend()) batches its members under
+  jax.vmap (train.members "vmap", or "auto" off the CPU) rather than running them in turn."""
+  return config.train.members == "vmap" or (config.train.members == "auto" and platform != "cpu")
+
 
 def group_size(config) -> int:
   """G, the completions sampled per prompt (sampling.num_generations)."""

@@ -159,26 +159,27 @@ class SingleTurn:
     return batch_layout(self.config, self.tokenizer, rows, num_rewards)
 
 
-def sample_members(rollouts_K, params_K, rows_K, rewards_K, keys_K):
+def sample_members(rollouts_K, params_K, rows_K, rewards_K, keys_K, batched=True):
   """One round of SingleTurn.sample for each of K runs at once (a sweep's members, params
   stacked on a leading K axis), through the first one's sampler: rows_K[k] None for a member
   that sits this round out (its result None). Each member's prompts, tokenizer and rewards are
-  its own; what shapes the program is shared (grpo_jax.train.check_vmappable)."""
+  its own; what shapes the program is shared (grpo_jax.train.check_vmappable). batched: as
+  Sampler.generate_members."""
   t0 = time.perf_counter()
   prompts = [None if rows is None else encode(r.config, r.tokenizer, rows)
              for r, rows in zip(rollouts_K, rows_K)]
   first = rollouts_K[0]
   outs = first.sampler.generate_members(
       params_K, [None if p is None else p.ids for p in prompts],
-      num_samples=config_lib.group_size(first.config), keys_K=keys_K)
+      num_samples=config_lib.group_size(first.config), keys_K=keys_K, batched=batched)
   return [None if rows is None else score_samples(r.config, r.tokenizer, rows, p, out, rewards,
                                                   t0)
           for r, rows, p, out, rewards in zip(rollouts_K, rows_K, prompts, outs, rewards_K)]
 
 
-def evaluate_members(rollouts_K, params_K, rows_K, reward) -> list[float]:
+def evaluate_members(rollouts_K, params_K, rows_K, reward, batched=True) -> list[float]:
   """SingleTurn.evaluate for each of K runs at once, each on its own rows (of one length), with
-  its own tokenizer."""
+  its own tokenizer. batched: as Sampler.generate_members."""
   first = rollouts_K[0]
   bs = first.config.train.eval_batch_size
   correct = np.zeros(len(rows_K), int)
@@ -186,7 +187,7 @@ def evaluate_members(rollouts_K, params_K, rows_K, reward) -> list[float]:
     chunks = [rows[i:i + bs] for rows in rows_K]
     prompts = [encode(r.config, r.tokenizer, chunk) for r, chunk in zip(rollouts_K, chunks)]
     outs = first.sampler.generate_members(params_K, [p.ids for p in prompts], num_samples=1,
-                                          greedy=True)
+                                          greedy=True, batched=batched)
     for k, (r, chunk, p, out) in enumerate(zip(rollouts_K, chunks, prompts, outs)):
       texts = r.tokenizer.batch_decode([t[:n] for t, n in zip(out.tokens, out.lengths)],
                                        skip_special_tokens=True)

@@ -190,7 +190,7 @@ class Sampler:
                            compiler_options=opts)
     self._append = jax.jit(self._append_impl, donate_argnums=(1,), compiler_options=opts)
     self._next_logprobs = jax.jit(self._next_logprobs_impl, compiler_options=opts)
-    self._members = {}  # generate_members' programs (by whether a LoRA base is shared)
+    self._members = {}  # generate_members' programs (by a shared LoRA base, and batched)
 
   # --- device side -------------------------------------------------------------------------
 
@@ -393,6 +393,23 @@ class Sampler:
     results, new_state = jax.vmap(self._decode_results, in_axes=(s_axes, 0, None))(
         state_K, out_K, active_R)
     return results, cache_K, new_state
+
+  def _decode_members_in_turn_impl(self, params_K, cache_K, state_K, rng_K, row_ids_R2,
+                                   active_R, sp: sampling.SamplingParams, c: int):
+    """_decode_members_impl's results with the members' loops run one after another
+    (jax.lax.map) in the one program: member k's decode is its own run's _decode_impl, with no
+    batching across members (what a CPU runs fastest; train.members)."""
+    shared_base = "lora" in params_K
+    slot = state_K["slot"]
+
+    def one(x):
+      p, cache, state, rng = x
+      p = dict(params_K, lora=p) if shared_base else p
+      return self._decode_impl(p, cache, dict(state, slot=slot), rng, row_ids_R2, active_R, sp,
+                               c)[0]
+    state = {name: x for name, x in state_K.items() if name != "slot"}
+    own = params_K["lora"] if shared_base else params_K  # what differs per member
+    return jax.lax.map(one, (own, cache_K, state, rng_K))
 
   def _append_impl(self, params, cache, state, tokens_RO, mask_RO):
     """Feeds right-padded tokens (an observation) to every row at slots [slot, slot + O): the
@@ -621,11 +638,13 @@ class Sampler:
     return self._decode.lower(params, cache, state, key, row_ids_R2, active_R,
                               self._settings(settings), max_tokens)
 
-  def generate_members(self, params_K, prompts_K, *, num_samples, keys_K=None, greedy=False):
+  def generate_members(self, params_K, prompts_K, *, num_samples, keys_K=None, greedy=False,
+                       batched=True):
     """generate for K runs of a sweep at once: params_K stacked on a leading K axis (LoRA
     members: variables whose 'lora' adapters are stacked and whose 'params', the frozen base,
-    is one copy they share); the prefill and decode programs under jax.vmap over the members'
-    params and keys.
+    is one copy they share); the prefill under jax.vmap over the members' params, the decode
+    too (batched) or each member's own decode loop in turn in one program (batched=False,
+    jax.lax.map; config.members_batched says which a run uses).
 
     prompts_K: per member a list of token-id lists (all of one length B), or None for a member
     that sits this call out (it samples another member's prompts, thrown away). Returns per
@@ -634,18 +653,21 @@ class Sampler:
     (the largest any member needs), which changes no number. One process only."""
     g = int(num_samples)
     shared_base = isinstance(params_K, dict) and "lora" in params_K
-    if shared_base not in self._members:
+    if (shared_base, batched) not in self._members:
       opts = compile_cache.compiler_options(self.mesh)
       axes = {"params": None, "lora": 0} if shared_base else 0
       # Every member's prompts are padded to one bucket: one slot to write from, for all.
       prefill = lambda p, t, m, g, c: jax.vmap(
           lambda p, t, m: self._prefill_impl(p, t, m, g, c), in_axes=(axes, 0, 0),
           out_axes=(0, {"hidden": 0, "mask": 0, "pos": 0, "slot": None}))(p, t, m)
-      self._members[shared_base] = (
+      decode = self._decode_members_impl if batched else self._decode_members_in_turn_impl
+      self._members[shared_base, batched] = (
           jax.jit(prefill, static_argnums=(3, 4), compiler_options=opts),
-          jax.jit(self._decode_members_impl, static_argnums=(6, 7), donate_argnums=(1,),
+          # Batched, the loop updates the prefill's cache in place; in turn, each member's loop
+          # works on its own slice of it, and nothing is returned to alias the donation with.
+          jax.jit(decode, static_argnums=(6, 7), donate_argnums=(1,) if batched else (),
                   compiler_options=opts))
-    prefill, decode = self._members[shared_base]
+    prefill, decode = self._members[shared_base, batched]
     sits_out = [p is None for p in prompts_K]
     given = [p for p in prompts_K if p is not None]
     prompts_K = [p if p is not None else given[0] for p in prompts_K]
@@ -669,9 +691,10 @@ class Sampler:
                            bucket + self.max_new_tokens)
     jax.block_until_ready(state)
     prefill_s = time.perf_counter() - start
-    out, _, _ = decode(params_K, cache, state, jnp.stack(keys_K),
-                       jnp.asarray(row_ids.astype(np.int32)), jnp.asarray(active), sp,
-                       self.max_new_tokens)
+    out = decode(params_K, cache, state, jnp.stack(keys_K),
+                 jnp.asarray(row_ids.astype(np.int32)), jnp.asarray(active), sp,
+                 self.max_new_tokens)
+    out = out[0] if batched else out  # (results, cache, state) or the results
     out = jax.device_get(out)
     seconds = time.perf_counter() - start
     results = []

@@ -11,13 +11,16 @@ compiled train step (train_step.train_step: advantages, reference pass, μ updat
 samples, eval and checkpoints at their cadence; plots, summary and the exported model at the end.
 
 K runs share the device side: their states are stacked on a leading K axis and the sampler's
-prefill and decode and the train step run under jax.vmap, each member's lr, β, ε, ε_high and
-reward weights entering as arrays (train_step.hparams). A plain run (K = 1) keeps its state as
-it is, so it pays for no stacking. The host side stays per run: data order, rewards and their
-health, dynamic-sampling rounds (a round is sampled for every member when any needs one; each
-keeps only the rounds its own run would take), metrics, samples, checkpoints and final model in
-its own workdir, exactly as a separate run writes them. Members may differ only in VARIABLE
-(check_vmappable); a member's numbers equal its separate run's within rounding
+prefill and decode and the train step run as one program for all of them, each member's lr, β,
+ε, ε_high and reward weights entering as arrays (train_step.hparams). The decode and the train
+step batch the members under jax.vmap, or run each member's own program in turn inside it
+(jax.lax.map; train.members: by default in turn on a CPU, where batching adds no arithmetic
+rate, and batched elsewhere). A plain run (K = 1) keeps its state as it is, so it pays for no
+stacking. The host side stays per run: data order, rewards and their health, dynamic-sampling
+rounds (a round is sampled for every member when any needs one; each keeps only the rounds its
+own run would take), metrics, samples, checkpoints and final model in its own workdir, exactly
+as a separate run writes them. Members may differ only in VARIABLE (check_vmappable); a
+member's numbers equal its separate run's, bit for bit in turn and within rounding batched
 (tests/vmapped_test.py says how close). A member that fails alone (non-finite steps, a missing
 reward) is recorded as failed (FAILURE_FILE) and the others go on (docs/faults.md).
 
@@ -714,6 +717,8 @@ class Trainer:
         group_size=config_lib.group_size(config), reward_weights=config.rewards.weights,
         max_turns=self.rollout.max_turns, lora=self.lora)
     self.accuracy = rollout.accuracy_reward(config)
+    # A vmapped group's members: batched under jax.vmap, or each in turn (train.members).
+    self.members_batched = config_lib.members_batched(config, jax.default_backend())
 
   def for_member(self, config, tokenizer) -> Trainer:
     """This trainer for another member of a vmapped group: the same sampler and train step
@@ -796,7 +801,7 @@ def evaluate_group(trainers, group: Group, rows_K) -> list[float]:
   if group.k == 1:
     return [trainers[0].evaluate(policy, rows_K[0], group.ref)]
   return rollout.evaluate_members([t.rollout for t in trainers], policy, rows_K,
-                                  trainers[0].accuracy)
+                                  trainers[0].accuracy, batched=trainers[0].members_batched)
 
 
 def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
@@ -825,7 +830,7 @@ def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
                                     ref_params=group.ref)]
     else:
       parts = rollout.sample_members([t.rollout for t in trainers], params, rows, rewards_K,
-                                     round_keys)
+                                     round_keys, batched=first.members_batched)
     for c, part in zip(colls, parts):
       if part is not None:
         c.add(*part)
@@ -843,7 +848,8 @@ def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
     train_m, adv = [train_m], [adv]
   else:
     state, train_m, adv = first.step_fn.members(group.state, pad_batches(batches, pad_id),
-                                                group.hparams, group.ref)
+                                                group.hparams, group.ref,
+                                                batched=first.members_batched)
     train_m, adv = jax.device_get((train_m, adv))
     train_m = [{name: v[j] for name, v in train_m.items()} for j in range(k)]
   train_s = time.perf_counter() - t0

@@ -953,13 +953,15 @@ class TrainStep:
                 group_size=s.group_size, num_rewards=s.num_rewards, max_turns=s.max_turns,
                 valid=s.valid)
 
-  def program(self, batch, with_ref: bool, k: int | None = None):
-    """The jitted program for this batch layout (cached by keys, shapes, dtypes and K; k None:
-    one run, k ≥ 2: k runs under jax.vmap, every argument with a leading K axis)."""
-    key = _layout_key(batch, with_ref, k)
+  def program(self, batch, with_ref: bool, k: int | None = None, batched: bool = True):
+    """The jitted program for this batch layout (cached by keys, shapes, dtypes, K and
+    batched; k None: one run, k ≥ 2: k runs, every argument with a leading K axis, under
+    jax.vmap, or with batched False each member's own step in turn, under jax.lax.map)."""
+    key = _layout_key(batch, with_ref, k) + (batched,)
     if key not in self._programs:
+      vmapped = k is not None and batched
       spec = dataclasses.replace(self.spec, with_ref=with_ref,
-                                 members_axis=None if k is None else MEMBERS_AXIS)
+                                 members_axis=MEMBERS_AXIS if vmapped else None)
 
       def traced(state, hp, ref, b):
         self.num_traces += 1
@@ -968,6 +970,10 @@ class TrainStep:
           return one(state, b, hp, ref)
         # LoRA members share one frozen base: it enters unbatched.
         shared = ref is not None and spec.lora is not None
+        if not batched:
+          if shared:
+            return jax.lax.map(lambda x: one(*x, ref), (state, b, hp))
+          return jax.lax.map(lambda x: one(*x), (state, b, hp, ref))
         return jax.vmap(one, in_axes=(0, 0, 0, None if shared else 0),
                         axis_name=MEMBERS_AXIS)(state, b, hp, ref)
       if k is None:
@@ -991,17 +997,18 @@ class TrainStep:
     hp = self.hparams if hparams is None else hparams
     return self.program(batch, need_ref)(state, hp, ref_params if need_ref else None, batch)
 
-  def members(self, state_K, batches, hparams_K, ref_K=None):
+  def members(self, state_K, batches, hparams_K, ref_K=None, batched=True):
     """K runs at once: batches is K host batches of one layout (pad_batches), hparams_K the
     members' hparams stacked, state_K and ref_K their states stacked on a leading K axis (with
-    LoRA ref_K is the one frozen base they share, unstacked)."""
+    LoRA ref_K is the one frozen base they share, unstacked). batched: under jax.vmap, or each
+    member's own step in turn (config.members_batched)."""
     for b in batches:
       self.check(b, ref_K is not None)
     k = len(batches)
     batch_K = {name: np.stack([b[name] for b in batches]) for name in batches[0]}
     need_ref = self.needs_ref(batch_K)
-    return self.program(batch_K, need_ref, k)(state_K, hparams_K,
-                                              ref_K if need_ref else None, batch_K)
+    return self.program(batch_K, need_ref, k, batched)(state_K, hparams_K,
+                                                       ref_K if need_ref else None, batch_K)
 
   def precompile(self, state, batch_spec, ref_params=None):
     """Starts compiling, in a background thread, the program for batches of batch_spec's

@@ -166,9 +166,11 @@ def test_a_lora_step_without_its_base_is_refused(base):
     step(state, train_batch())
 
 
-def test_members_share_one_base_and_match_separate_steps(base):
-  """K = 2 LoRA members with different lr and β: the vmapped program takes the base once
-  (unstacked) and gives each member what its own step gives."""
+@pytest.mark.parametrize("batched", [True, False])
+def test_members_share_one_base_and_match_separate_steps(base, batched):
+  """K = 2 LoRA members with different lr and β: the members' program (vmapped, or each
+  member's step in turn) takes the base once (unstacked) and gives each member what its own
+  step gives."""
   mesh = sharding.make_mesh((1, 1, 1))
   optim = optim_config()
   cfgs = [(loss_config(beta=0.05), 1e-2), (loss_config(beta=0.2), 3e-3)]
@@ -182,7 +184,7 @@ def test_members_share_one_base_and_match_separate_steps(base):
   stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
   state_K = stack([train_step.create_train_state(a, MODEL, optim, mesh, LCFG)
                    for a in adapters])
-  got, got_m, _ = step.members(state_K, batches, stack(hps), frozen)
+  got, got_m, _ = step.members(state_K, batches, stack(hps), frozen, batched=batched)
   for k in range(2):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x[k], y, rtol=2e-5, atol=1e-7),
                  jax.device_get(got["params"]), jax.device_get(want[k][0]["params"]))

@@ -416,14 +416,15 @@ def test_many_calls_in_one_bucket_compile_once(checkpoints):
   assert compiled == first, compiled[len(first):]
 
 
-@pytest.mark.parametrize("unroll,decode", [(False, "xla"), (True, "xla"), (False, "pallas")])
-def test_members_equal_their_own_generate_calls(checkpoints, unroll, decode):
+@pytest.mark.parametrize("unroll,decode,batched", [(False, "xla", True), (True, "xla", True),
+                                                   (False, "pallas", True), (False, "xla", False)])
+def test_members_equal_their_own_generate_calls(checkpoints, unroll, decode, batched):
   """generate_members (K runs vmapped, one decode loop for all) gives each member what its own
   generate gives: tokens, lengths, truncation and step counts exactly, log-probs to fp32
   rounding. The members stop at different steps (stop ids cover 40% of the vocabulary, so rows
   stop within a few steps), so a member steps on after its own loop would have ended. With
-  cfg.unroll_decode too (the members' per-layer copies), and with the fused decode attention
-  (its kernel under jax.vmap)."""
+  cfg.unroll_decode too (the members' per-layer copies), with the fused decode attention
+  (its kernel under jax.vmap), and with each member's own loop in turn (batched=False)."""
   params, cfg = weights.load_checkpoint(checkpoints["qwen2_tied"])
   cfg = dataclasses.replace(cfg, unroll_decode=unroll, decode_attention=decode)
   members = [params] + [jax.tree.map(lambda x, k=k: x * (1.0 + 0.3 * k), params)
@@ -433,7 +434,7 @@ def test_members_equal_their_own_generate_calls(checkpoints, unroll, decode):
   prompts = [_prompts(seed) for seed in (0, 1, 2)]
   keys = [jax.random.key(k) for k in (5, 6, 7)]
   params_K = jax.tree.map(lambda *x: jnp.stack(x), *members)
-  got = smp.generate_members(params_K, prompts, num_samples=3, keys_K=keys)
+  got = smp.generate_members(params_K, prompts, num_samples=3, keys_K=keys, batched=batched)
   steps = set()
   for p, prompt, key, out in zip(members, prompts, keys, got):
     want = smp.generate(p, prompt, num_samples=3, key=key)
@@ -449,7 +450,8 @@ def test_members_equal_their_own_generate_calls(checkpoints, unroll, decode):
 
 def test_lora_members_unrolled_equal_the_layer_scan(checkpoints):
   """LoRA members (one shared base, stacked adapters): generate_members with cfg.unroll_decode
-  gives the layer scan's tokens and log-probs."""
+  gives the layer scan's tokens and log-probs, and so does each member's loop in turn
+  (batched=False, the base still one copy)."""
   params, cfg = weights.load_checkpoint(checkpoints["qwen3"])
   lcfg = lora.LoraConfig(rank=4, alpha=8.0)
   adapters = [jax.tree.map(lambda x, k=k: x + 0.2 * jax.random.normal(
@@ -462,11 +464,12 @@ def test_lora_members_unrolled_equal_the_layer_scan(checkpoints):
   keys = [jax.random.key(k) for k in (5, 6, 7)]
   outs = [sampler_lib.Sampler(dataclasses.replace(cfg, unroll_decode=u), max_new_tokens=9,
                               pad_id=PAD, buckets=(16,), vocab_chunk=CHUNK, temperature=1.5)
-          .generate_members(variables_K, prompts, num_samples=3, keys_K=keys)
-          for u in (False, True)]
-  for scan, unrolled in zip(*outs):
-    np.testing.assert_array_equal(unrolled.tokens, scan.tokens)
-    np.testing.assert_allclose(unrolled.logprobs, scan.logprobs, atol=1e-6, rtol=0)
+          .generate_members(variables_K, prompts, num_samples=3, keys_K=keys, batched=b)
+          for u, b in ((False, True), (True, True), (False, False))]
+  for scan, *others in zip(*outs):
+    for other in others:
+      np.testing.assert_array_equal(other.tokens, scan.tokens)
+      np.testing.assert_allclose(other.logprobs, scan.logprobs, atol=1e-6, rtol=0)
   assert len({tuple(t) for o in outs[0] for t in np.asarray(o.tokens)}) > 3
 
 

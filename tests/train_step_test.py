@@ -761,10 +761,12 @@ def test_reference_equal_to_the_policy_gives_exactly_zero_kl_and_gradient(params
   assert float(m2["loss/kl"]) > 0 and float(m2["grad_norm"]) > 0
 
 
-def test_members_program_is_each_members_own_step(params, data):
-  """step.members (train_step under jax.vmap over a leading K axis) gives member k what its own
-  step gives it: its rewards, lr, β and clip bounds enter as arrays (train_step.hparams). On
-  CPU the vmapped matmuls may round otherwise, so: within 1e-5 relative, params within 1e-6."""
+@pytest.mark.parametrize("batched", [True, False])
+def test_members_program_is_each_members_own_step(params, data, batched):
+  """step.members (train_step under jax.vmap over a leading K axis, or under jax.lax.map: each
+  member's step in turn) gives member k what its own step gives it: its rewards, lr, β and clip
+  bounds enter as arrays (train_step.hparams). On CPU the vmapped matmuls may round otherwise,
+  so: within 1e-5 relative, params within 1e-6."""
   batch = _shared_prompts(data[0])
   rng = np.random.default_rng(11)
   optim = optim_config(grad_accum_steps=1)
@@ -781,7 +783,7 @@ def test_members_program_is_each_members_own_step(params, data):
           for r, h in zip(rolls, hps)]
   state_K = train_step_stack([train_step.create_train_state(p, MODEL, optim, mesh)] * 2)
   got_state, got_m, got_adv = step.members(state_K, rolls, train_step_stack(hps),
-                                           train_step_stack([ref, ref]))
+                                           train_step_stack([ref, ref]), batched=batched)
   assert step.num_programs == 2  # one program for one run, one for two
   for k, (w_state, w_m, w_adv) in enumerate(want):
     np.testing.assert_allclose(np.asarray(got_adv)[k], np.asarray(w_adv), rtol=1e-6, atol=1e-7)

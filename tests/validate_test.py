@@ -50,6 +50,8 @@ def test_presets_are_valid(preset):
     # A NaN weight made every total reward, and so every advantage, NaN.
     ("rewards.weights", (1.0, float("nan")),
      r"config\.rewards\.weights: weight of 'format' must be a finite number, got nan"),
+    ("train.members", "pmap", r"config\.train\.members: 'pmap' is not one of 'auto', 'vmap'"),
+    ("train.members", "map", None),
 ])
 def test_bad_settings_are_named(field, value, message):
   config = gsm8k.get_config("default")
@@ -198,3 +200,12 @@ def test_settings_have_one_home_and_the_cosine_schedule_counts_mu():
 def test_unknown_preset():
   with pytest.raises(ValueError, match="unknown preset 'huge'"):
     gsm8k.get_config("huge")
+
+
+def test_members_run_in_turn_on_a_cpu_and_batched_elsewhere():
+  config = gsm8k.get_config("tiny")
+  assert [config_lib.members_batched(config, p) for p in ("cpu", "gpu", "tpu")] == [
+      False, True, True]
+  for setting, want in (("vmap", True), ("map", False)):
+    config.train.members = setting
+    assert {config_lib.members_batched(config, p) for p in ("cpu", "gpu")} == {want}
