@@ -2,6 +2,7 @@
 
     python3 benchmarks/lora_members_memory.py                     # K = 8, 1.5b_lora's shape
     python3 benchmarks/lora_members_memory.py --member_accum=8    # each member in 8 micro-batches
+    python3 benchmarks/lora_members_memory.py --members=map       # the members in turn
 
 AOT-compiles (abstract inputs, nothing allocated, one CPU device) the train-step program of the
 `configs/gsm8k.py:1.5b_lora` preset (Qwen2.5-1.5B, bf16 frozen base, rank-16 adapters on the
@@ -12,7 +13,9 @@ grad_accum_steps: one group of G = 8), twice:
           its batch;
   K       `TrainStep.program(batch_K, True, k=K)`: the same train_step under jax.vmap, the
           members' states, hparams and batches stacked on a leading K axis, the base unstacked
-          (one copy, in_axes None), as `python -m grpo_jax.sweep --vmap` runs LoRA members.
+          (one copy, in_axes None), as `python -m grpo_jax.sweep --vmap` runs LoRA members
+          with train.members 'vmap' (the default off the CPU); with --members=map each
+          member's step in turn under jax.lax.map ('map', the default on a CPU).
 
 With --member_accum=m each member splits its rows into m micro-batches (the K program only; the
 K = 1 baseline keeps the preset's micro-batch), trading steps of the accumulation loop for
@@ -66,7 +69,7 @@ def _plain(tree):
 
 
 def measure(preset: str, k: int, member_accum: int, prompt_len: int = 0,
-            one_predicate: bool = False) -> list[dict]:
+            one_predicate: bool = False, batched: bool = True) -> list[dict]:
   """[one run, K members]: each a dict of k, accum, peak (bytes), line (its breakdown),
   analysis (compiled.memory_analysis()) and the bytes of one member's base, state, batch and
   hparams, for the preset's micro-batch shape."""
@@ -112,7 +115,7 @@ def measure(preset: str, k: int, member_accum: int, prompt_len: int = 0,
       lowered = step.program(batch, True).lower(state, hp, base, batch)
     else:
       batch_k = _stacked(batch, kk)
-      lowered = step.program(batch_k, True, k=kk).lower(
+      lowered = step.program(batch_k, True, k=kk, batched=batched).lower(
           _stacked(state, kk), _stacked(hp, kk), _plain(base), batch_k)
     compiled = lowered.compile()
     peak, line = memory.peak_bytes(compiled)
@@ -135,6 +138,8 @@ def main():
                       help="micro-batches each member's rows are split into (K program only)")
   parser.add_argument("--prompt_len", type=int, default=0,
                       help="prompt width; 0 = the largest of data.prompt_buckets")
+  parser.add_argument("--members", default="vmap", choices=("vmap", "map"),
+                      help="the K program's train.members: batched, or each member in turn")
   parser.add_argument("--one_predicate", action="store_true",
                       help="diagnostic: one constant reference predicate (see the docstring)")
   parser.add_argument("--hoist_converts", action="store_true",
@@ -144,8 +149,9 @@ def main():
     parser.error("--k must be at least 2")
   if not a.hoist_converts:
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_disable_hlo_passes={LICM}"
-  one, many = measure(a.preset, a.k, a.member_accum, a.prompt_len, a.one_predicate)
-  print(f"{a.preset}, K={a.k} LoRA members on one base against one run "
+  one, many = measure(a.preset, a.k, a.member_accum, a.prompt_len, a.one_predicate,
+                      a.members == "vmap")
+  print(f"{a.preset}, K={a.k} LoRA members ({a.members}) on one base against one run "
         f"({'with' if a.hoist_converts else 'without'} XLA:CPU's {LICM}"
         f"{'; one constant reference predicate' if a.one_predicate else ''}):")
   print(one["line"] + "\n" + many["line"])

@@ -2,13 +2,16 @@
 
     python3 benchmarks/sweep.py [--steps=4] [--k=8] [--workdir=/tmp/grpo_jax_sweep_bench]
     python3 benchmarks/sweep.py --lora    # the same on tiny_lora: K adapters on one shared base
+    python3 benchmarks/sweep.py --members=vmap   # the group batched even on a CPU (train.members)
 
 The runs are an lr sweep (8 rates, seed 0) sharing one warm start, as `python -m grpo_jax.sweep
 --vmap` runs it: the warm start is computed once (a prefix run, not timed) and each run starts
 from a copy of its step-0 checkpoint. Timed: the 8 separate `python -m grpo_jax.main` processes
 one after another, then the one `python -m grpo_jax.train --spec` process running all 8; each arm
 includes its process start, compiles, sampling, rewards, updates, evals, checkpoints and the
-exported models. The vmapped process batches the members' small matmuls.
+exported models. The group runs its members as train.members says (--members): by default each
+member's programs in turn on a CPU (bit for bit its separate run), batched under jax.vmap
+elsewhere, where a tiny model's small kernels are bound by launches.
 
 Compiles: each arm has its own persistent compilation cache (`train.compilation_cache`), a
 directory under --workdir that is empty when the arm starts, so no figure depends on what the
@@ -30,7 +33,8 @@ members share the prefix's base (its base_model/, linked into every run's direct
 sweep_runner.start_from_prefix) and the vmapped process holds it once. It then also prints
 `lora_members_speedup=` (the end-to-end ratio above) and `lora_members_memory_ratio=`: the
 compiled peak of the K-member LoRA train step against one run's at the 1.5b_lora preset's shape
-(Qwen2.5-1.5B, one micro-batch of 8 rows per member), from benchmarks/lora_members_memory.py.
+(Qwen2.5-1.5B, one micro-batch of 8 rows per member), from benchmarks/lora_members_memory.py:
+batched, as that preset's GPU runs its members by default, or in turn with --members=map.
 """
 from __future__ import annotations
 
@@ -76,17 +80,19 @@ def _metrics(d):
     return [json.loads(line) for line in f if line.strip()]
 
 
-def plan(config: str, workdir: str, k: int, steps: int, lora: bool) -> dict:
+def plan(config: str, workdir: str, k: int, steps: int, lora: bool,
+         members: str = "auto") -> dict:
   """The sweep's runs, built but not run: the prefix (warm start) command, the K separate runs'
   (workdir, command) pairs and the vmapped group's spec, each arm with its own compilation cache
   under workdir (CACHES; main makes them empty): the separate runs share one, the group has
-  one, the prefix one."""
+  one, the prefix one. members: the group's train.members."""
   caches = {arm: os.path.join(workdir, "compilation_cache", arm) for arm in CACHES}
   fixed = {"sft.steps": 20, "sft.target_accuracy": 0.0, "train.steps": steps,
            "train.eval_examples": 32, "train.tensorboard": False}
   # Around each preset's own rate (tiny 3e-4 with its cosine, tiny_lora 3e-3).
   lrs = [(3e-4 if lora else 1e-5) * 1.5 ** i for i in range(k)]
-  members = [{**fixed, "optim.lr": lr} for lr in lrs]
+  how = members
+  runs = [{**fixed, "optim.lr": lr} for lr in lrs]
   cached = lambda args, arm: {**args, "train.compilation_cache": caches[arm]}
   prefix = os.path.join(workdir, "prefix")
   separate = [os.path.join(workdir, "separate", f"lr{i}") for i in range(k)]
@@ -95,9 +101,10 @@ def plan(config: str, workdir: str, k: int, steps: int, lora: bool) -> dict:
       "caches": caches, "prefix_dir": prefix,
       "prefix": _main_cmd(config, prefix, cached({**fixed, **sweep.PREFIX_OVERRIDES}, "prefix")),
       "separate": [(d, _main_cmd(config, d, cached(args, "separate")))
-                   for d, args in zip(separate, members)],
-      "group": {"config": config, "members": [{"workdir": d, "args": cached(args, "vmapped")}
-                                              for d, args in zip(vmapped, members)]},
+                   for d, args in zip(separate, runs)],
+      "group": {"config": config, "members": [
+          {"workdir": d, "args": {**cached(args, "vmapped"), "train.members": how}}
+          for d, args in zip(vmapped, runs)]},
   }
 
 
@@ -117,11 +124,14 @@ def main():
   parser.add_argument("--workdir", default="/tmp/grpo_jax_sweep_bench")
   parser.add_argument("--lora", action="store_true",
                       help="tiny_lora members on one shared base, and the memory ratio")
+  parser.add_argument("--members", default="auto", choices=("auto", "vmap", "map"),
+                      help="the group's train.members: auto (in turn on a CPU, else vmap), "
+                           "vmap (batched) or map (each member's programs in turn)")
   a = parser.parse_args()
   config = "configs/gsm8k.py:tiny_lora" if a.lora else "configs/gsm8k.py:tiny"
   workdir = os.path.abspath(a.workdir)  # the runs start in the repository
   shutil.rmtree(workdir, ignore_errors=True)
-  runs = plan(config, workdir, a.k, a.steps, a.lora)
+  runs = plan(config, workdir, a.k, a.steps, a.lora, a.members)
   for d in runs["caches"].values():
     os.makedirs(d)  # empty: nothing compiled before this sweep is loaded
   log = os.path.join(workdir, "log.txt")
@@ -171,7 +181,8 @@ def main():
         if diff > worst_abs:
           worst_abs, where = diff, (os.path.basename(ds), ws["step"], key)
         worst_rel = max(worst_rel, rel if diff > 1e-6 else 0.0)
-  print(f"load average at start {load:.1f} on {os.cpu_count()} cores; {a.steps} GRPO steps each")
+  print(f"load average at start {load:.1f} on {os.cpu_count()} cores; {a.steps} GRPO steps "
+        f"each; the group's train.members={a.members}")
   print(f"largest member-vs-separate metric difference: {worst_abs:.3g} absolute (at {where}); "
         f"largest relative where the absolute exceeds 1e-6: {worst_rel:.3g}")
   step_sep = sum(_median_step(d) for d in sep_dirs)
@@ -183,7 +194,9 @@ def main():
   if a.lora:
     print(f"lora_members_speedup={t_sep / t_v:.2f}")
     out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks",
-                                                       "lora_members_memory.py"), f"--k={a.k}"],
+                                                       "lora_members_memory.py"), f"--k={a.k}",
+                          # the 1.5b_lora preset's GPU runs its members as 'auto' does there
+                          f"--members={'map' if a.members == 'map' else 'vmap'}"],
                          cwd=REPO, capture_output=True, text=True, check=True,
                          env=_env()).stdout
     print(out, end="")
