@@ -91,7 +91,6 @@ def plan(config: str, workdir: str, k: int, steps: int, lora: bool,
            "train.eval_examples": 32, "train.tensorboard": False}
   # Around each preset's own rate (tiny 3e-4 with its cosine, tiny_lora 3e-3).
   lrs = [(3e-4 if lora else 1e-5) * 1.5 ** i for i in range(k)]
-  how = members
   runs = [{**fixed, "optim.lr": lr} for lr in lrs]
   cached = lambda args, arm: {**args, "train.compilation_cache": caches[arm]}
   prefix = os.path.join(workdir, "prefix")
@@ -103,7 +102,7 @@ def plan(config: str, workdir: str, k: int, steps: int, lora: bool,
       "separate": [(d, _main_cmd(config, d, cached(args, "separate")))
                    for d, args in zip(separate, runs)],
       "group": {"config": config, "members": [
-          {"workdir": d, "args": {**cached(args, "vmapped"), "train.members": how}}
+          {"workdir": d, "args": {**cached(args, "vmapped"), "train.members": members}}
           for d, args in zip(vmapped, runs)]},
   }
 

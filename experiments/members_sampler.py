@@ -1,11 +1,12 @@
 """The members' sampler against the separate runs' on the CPU: K = 8 tiny models' generate_members
-call against 8 generate calls, at the vmapped sweep's shapes (the tiny preset's model, 16 prompts
+call, batched and in turn (batched=False), against 8 generate calls, at the vmapped sweep's shapes (the tiny preset's model, 16 prompts
 x G = 8, 20 new tokens). Medians of 5 alternated calls after one warm-up each.
 
     PYTHONPATH=$PWD python3 experiments/members_sampler.py
 
 Measured on the 2-core machine (2026-11-27, experiments/one_loop.md, "The members' sampler and
-the KV cache copies"): 8 separate 0.179 s, members 0.306 s.
+the KV cache copies"): 8 separate 0.179 s, members 0.306 s. Again at 19:45 UTC with the members
+in turn ("The members in turn"): 8 separate 0.362 s, batched 0.565 s, in turn 0.373 s.
 """
 import statistics
 import time
@@ -36,6 +37,8 @@ def main():
       "8 separate": lambda: [s.generate(params[k], prompts[k], num_samples=G, key=keys[k])
                              for k in range(K)],
       "members": lambda: s.generate_members(params_K, prompts, num_samples=G, keys_K=keys),
+      "members in turn": lambda: s.generate_members(params_K, prompts, num_samples=G,
+                                                    keys_K=keys, batched=False),
   }
   times = {name: [] for name in arms}
   for f in arms.values():
@@ -47,8 +50,9 @@ def main():
       times[name].append(time.perf_counter() - t)
   for name, ts in times.items():
     print(f"{name}: median {statistics.median(ts):.3f} s ({', '.join(f'{t:.3f}' for t in ts)})")
-  sep, mem = (statistics.median(times[n]) for n in arms)
+  sep, mem, in_turn = (statistics.median(times[n]) for n in arms)
   print(f"members_over_separate={mem / sep:.2f}")
+  print(f"in_turn_over_separate={in_turn / sep:.2f}")
 
 
 if __name__ == "__main__":

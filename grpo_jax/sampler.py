@@ -398,7 +398,8 @@ class Sampler:
                                    active_R, sp: sampling.SamplingParams, c: int):
     """_decode_members_impl's results with the members' loops run one after another
     (jax.lax.map) in the one program: member k's decode is its own run's _decode_impl, with no
-    batching across members (what a CPU runs fastest; train.members)."""
+    batching across members (what a CPU runs fastest; train.members). No cache or state comes
+    back (None, None): generate_members uses neither."""
     shared_base = "lora" in params_K
     slot = state_K["slot"]
 
@@ -409,7 +410,7 @@ class Sampler:
                                c)[0]
     state = {name: x for name, x in state_K.items() if name != "slot"}
     own = params_K["lora"] if shared_base else params_K  # what differs per member
-    return jax.lax.map(one, (own, cache_K, state, rng_K))
+    return jax.lax.map(one, (own, cache_K, state, rng_K)), None, None
 
   def _append_impl(self, params, cache, state, tokens_RO, mask_RO):
     """Feeds right-padded tokens (an observation) to every row at slots [slot, slot + O): the
@@ -691,10 +692,9 @@ class Sampler:
                            bucket + self.max_new_tokens)
     jax.block_until_ready(state)
     prefill_s = time.perf_counter() - start
-    out = decode(params_K, cache, state, jnp.stack(keys_K),
-                 jnp.asarray(row_ids.astype(np.int32)), jnp.asarray(active), sp,
-                 self.max_new_tokens)
-    out = out[0] if batched else out  # (results, cache, state) or the results
+    out, _, _ = decode(params_K, cache, state, jnp.stack(keys_K),
+                       jnp.asarray(row_ids.astype(np.int32)), jnp.asarray(active), sp,
+                       self.max_new_tokens)
     out = jax.device_get(out)
     seconds = time.perf_counter() - start
     results = []

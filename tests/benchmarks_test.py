@@ -57,6 +57,10 @@ def test_sweep_gives_each_arm_a_fresh_compilation_cache(tmp_path):
   keys = set().union(*(m["args"] for m in members))
   differ = {key for key in keys if len({repr(m["args"].get(key)) for m in members}) > 1}
   assert differ == {"optim.lr"} and differ <= set(sweep.VMAP_VARIABLE)
+  # --members reaches the group's members only (a separate run has no group).
+  runs = bench.plan("configs/gsm8k.py:tiny", workdir, k=3, steps=2, lora=False, members="map")
+  assert {m["args"]["train.members"] for m in runs["group"]["members"]} == {"map"}
+  assert not any("train.members" in x for _, cmd in runs["separate"] for x in cmd)
 
 
 @pytest.fixture
