@@ -4,6 +4,11 @@
     tokenizer, stop_ids = inputs.tokenizer(config, workdir, train_rows)
     cfg, generation_config = inputs.model_config(config, tokenizer)
     params = inputs.initial_params(config, cfg, mesh)
+
+`shared` (a dict that the runs of one process pass along, as a vmapped sweep's members do):
+what an earlier run with the same data (or tokenizer) settings built or loaded is reused, and
+its files copied into this run's workdir, rather than built again. The rows and the tokenizer
+are only read, never changed, so the runs can hold the same objects.
 """
 
 from __future__ import annotations
@@ -17,9 +22,19 @@ from grpo_jax import data, sharding, storage, synthetic, tokenizer as tokenizer_
 from grpo_jax.models import qwen, weights
 
 
-def tokenizer(config, workdir, train_rows, build=True):
+def tokenizer(config, workdir, train_rows, build=True, shared=None):
   """build=False: load the tiny tokenizer that process 0 built into the workdir."""
   name = config.model.tokenizer or config.model.checkpoint
+  # The tiny tokenizer is learnt from the training rows (and the agent's tool descriptions).
+  key = shared is not None and ("tokenizer", name, build) + (
+      (_data_key(config), config.model.tiny.vocab_size, config.agent.enabled,
+       tuple(config.agent.tools)) if name == "tiny" else ())
+  if key and key in shared:
+    built, tok_and_ids = shared[key]
+    if built is not None:
+      storage.copy_files(built, storage.path(workdir) / "tokenizer")
+    return tok_and_ids
+  built = None
   if name == "tiny" and not build:
     name = storage.local_copy(storage.path(workdir) / "tokenizer")
   elif name == "tiny":
@@ -34,29 +49,50 @@ def tokenizer(config, workdir, train_rows, build=True):
       corpus += [env.toolset_text(toolset) + " " + ", ".join(names)] * 100
       tags = ("<tool>", "</tool>")
     with storage.local_dir(storage.path(workdir) / "tokenizer") as out:
-      name = tokenizer_lib.build_tiny_tokenizer(out, corpus, config.model.tiny.vocab_size,
-                                                extra_tags=tags)
+      name = built = tokenizer_lib.build_tiny_tokenizer(out, corpus,
+                                                        config.model.tiny.vocab_size,
+                                                        extra_tags=tags)
   field = "config.model.tokenizer" if config.model.tokenizer else "config.model.checkpoint"
   tok = tokenizer_lib.load_tokenizer(name, field)
-  return tok, tokenizer_lib.stop_ids(tok, name)
+  out = tok, tokenizer_lib.stop_ids(tok, name)
+  if shared is not None:
+    shared[key] = built, out
+  return out
 
 
-def datasets(config, workdir, build=True):
+def _data_key(config) -> tuple:
+  """What the rows depend on: the data settings (some of which only shape the prompts: erring
+  towards building again) and, for the synthetic problems, the seed."""
+  return (config.data.to_json_best_effort(sort_keys=True), config.seed)
+
+
+def datasets(config, workdir, build=True, shared=None):
   """build=False: read the synthetic splits that process 0 wrote into the workdir."""
   d = config.data
+  key = shared is not None and ("datasets", build) + _data_key(config)
+  if key and key in shared:
+    written, (train_rows, eval_rows) = shared[key]
+    if written is not None:
+      storage.copy_files(written, storage.path(workdir) / "data")
+    return list(train_rows), list(eval_rows)
+  written = None
   if d.source == "synthetic" and not build:
     source = storage.local_copy(storage.path(workdir) / "data")
   elif d.source == "synthetic":
     spec = synthetic.ProblemSpec(num_operands=d.synthetic_operands, digits=d.synthetic_digits,
                                  ops=tuple(d.synthetic_ops))
     with storage.local_dir(storage.path(workdir) / "data") as out:
-      source = synthetic.write_splits(out, d.synthetic_train, d.synthetic_test,
-                                      seed=config.seed, spec=spec)
+      source = written = synthetic.write_splits(out, d.synthetic_train, d.synthetic_test,
+                                                seed=config.seed, spec=spec)
   else:
     source = d.source
   kw = dict(config_name=d.config_name or None, question_field=d.question_field,
             answer_field=d.answer_field)
-  return data.load_train_eval(source, d.train_split, d.eval_split, **kw)
+  rows = data.load_train_eval(source, d.train_split, d.eval_split, **kw)
+  if shared is not None:
+    shared[key] = written, rows
+    return tuple(list(r) for r in rows)
+  return rows
 
 
 def model_config(config, tokenizer):

@@ -142,7 +142,7 @@ def local_dir(p):
     return
   local = tempfile.mkdtemp(prefix="grpo_jax_")
   yield local
-  _copy_files(local, p)
+  copy_files(local, p)
 
 
 def files(p) -> list[str]:
@@ -165,11 +165,11 @@ def local_copy(p) -> str:
   if not is_remote(p):
     return os.fspath(p)
   local = tempfile.mkdtemp(prefix="grpo_jax_")
-  _copy_files(p, local)
+  copy_files(p, local)
   return local
 
 
-def _copy_files(src, dst) -> None:
+def copy_files(src, dst) -> None:
   """Every file under directory src to the same relative path under dst (either may be remote)."""
   src, dst = path(src), path(dst)
   for name in files(src):

@@ -96,11 +96,13 @@ class Setup:
   previous_config: dict | None = None  # the workdir's config.json from an earlier start
 
 
-def setup(config, workdir: str) -> Setup:
+def setup(config, workdir: str, shared: dict | None = None) -> Setup:
   """Validates the config, reads an earlier config.json, loads data and tokenizer, builds and
   probes the rewards, reads the model config (no weights): one member's host side. A first start
   writes config.json here; a workdir that has one gets this run's once it has resumed
   (write_config), so a refused resume leaves the config the checkpoints were trained with.
+  shared: as grpo_jax.inputs takes it (a group's members build their common data and tokenizer
+  once).
 
   With several processes, process 0 writes the workdir's files (a synthetic dataset, the tiny
   tokenizer) and the others read them once it has."""
@@ -116,12 +118,13 @@ def setup(config, workdir: str) -> Setup:
     previous_config = _read_config_json(root / CONFIG_FILE)
     if previous_config is None:  # a first start: written now, so a failed one still shows it
       storage.write_text(root / CONFIG_FILE, config.to_json_best_effort(indent=2))
-    train_rows, eval_rows = inputs.datasets(config, workdir)
-    tokenizer, stop_ids = inputs.tokenizer(config, workdir, train_rows)
+    train_rows, eval_rows = inputs.datasets(config, workdir, shared=shared)
+    tokenizer, stop_ids = inputs.tokenizer(config, workdir, train_rows, shared=shared)
   hosts.barrier("setup: process 0 wrote the workdir's inputs")
   if not main:
-    train_rows, eval_rows = inputs.datasets(config, workdir, build=False)
-    tokenizer, stop_ids = inputs.tokenizer(config, workdir, train_rows, build=False)
+    train_rows, eval_rows = inputs.datasets(config, workdir, build=False, shared=shared)
+    tokenizer, stop_ids = inputs.tokenizer(config, workdir, train_rows, build=False,
+                                           shared=shared)
   if config.train.eval_examples:
     eval_rows = eval_rows[:config.train.eval_examples]
   # The warm start's stopping rule reads accuracy on training problems that neither phase trains
@@ -364,7 +367,8 @@ def run_group(configs, workdirs) -> list[dict]:
   """K >= 1 runs as one program; returns their summaries (see the module docstring)."""
   if len(configs) > 1:
     check_vmappable(configs)
-  members = [Member(setup(c, w), c) for c, w in zip(configs, workdirs)]
+  shared = {}  # what the members' setups have in common is built once
+  members = [Member(setup(c, w, shared), c) for c, w in zip(configs, workdirs)]
   if len(members) > 1:
     _check_shared([m.setup for m in members])
   m0, s0 = members[0], members[0].setup
@@ -770,22 +774,28 @@ class Trainer:
     """Greedy pass@1 on rows (ref_params: for an agent's 'reference' role)."""
     return self.rollout.evaluate(params, rows, self.accuracy, ref_params)
 
-  def compiling_ahead(self, next_rows, state, ref_params, num_rewards):
-    """next_rows, which also starts compiling the train program for its first rows' likely
-    batch (their longest completion at max_new_tokens) while they are sampled: the first
-    step then takes about the longer of sampling and compiling, not their sum."""
-    def first_rows():
-      rows = next_rows()
-      try:
-        layout = self.rollout.batch_layout(rows, num_rewards)
-      except Exception:  # noqa: BLE001 - a head start only: sampling these rows reports it
-        return rows
-      if layout is not None:
-        self.step_fn.precompile(state, layout, ref_params)
-      return rows
-
-    calls = iter([first_rows])
-    return lambda: next(calls, next_rows)()
+  def compile_ahead(self, trainers, group, rows_K, num_rewards):
+    """Starts compiling the group's train program for the first rows' likely batch (each
+    member's longest completion at max_new_tokens) while they are sampled: the first step then
+    takes about the longer of sampling and compiling, not their sum. A head start only: a
+    layout that cannot be predicted (an agent's) or raises is left to the step."""
+    try:
+      layouts = [t.rollout.batch_layout(rows, num_rewards) for t, rows in zip(trainers, rows_K)]
+    except Exception:  # noqa: BLE001 - sampling these rows reports it
+      return
+    if any(layout is None for layout in layouts):
+      return
+    if group.k == 1:
+      self.step_fn.precompile(group.state, layouts[0], group.ref)
+      return
+    # The members' batches as members() gets them: padded to one layout, then stacked.
+    empty = [{name: np.zeros(s.shape, s.dtype) for name, s in layout.items()}
+             for layout in layouts]
+    padded = pad_batches(empty, self.tokenizer.pad_token_id)
+    spec = {name: jax.ShapeDtypeStruct((group.k,) + b.shape, b.dtype)
+            for name, b in padded[0].items()}
+    self.step_fn.precompile(group.state, spec, group.ref, k=group.k,
+                            batched=self.members_batched, hparams=group.hparams)
 
   def grpo_step(self, state, ref_params, next_rows, rewards, step):
     """One run's GRPO step (group_step with K = 1): next_rows() returns the next
@@ -816,14 +826,14 @@ def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
   params = first.policy(group.state["params"], group.ref, members=k > 1)  # what the sampler runs
   colls = [rollout.Collection(c) for c in configs]
   keys = [jax.random.fold_in(jax.random.key(c.seed), step) for c in configs]
-  next_rows_K = list(next_rows_K)
-  if k == 1 and not first.step_fn.num_traces:
-    next_rows_K[0] = first.compiling_ahead(next_rows_K[0], group.state, group.ref,
-                                           len(rewards_K[0]))
   live = [f is not None for f in next_rows_K]
+  ahead = not first.step_fn.num_traces and all(live)  # the first step: compile while sampling
   while any(c.wants_round() for c, on in zip(colls, live) if on):
     want = [c.wants_round() and on for c, on in zip(colls, live)]
     rows = [f() if w else None for f, w in zip(next_rows_K, want)]
+    if ahead:
+      first.compile_ahead(trainers, group, rows, len(rewards_K[0]))
+      ahead = False
     round_keys = [c.round_key(key) for c, key in zip(colls, keys)]
     if k == 1:
       parts = [first.rollout.sample(params, rows[0], rewards_K[0], round_keys[0],

@@ -1010,24 +1010,27 @@ class TrainStep:
     return self.program(batch_K, need_ref, k, batched)(state_K, hparams_K,
                                                        ref_K if need_ref else None, batch_K)
 
-  def precompile(self, state, batch_spec, ref_params=None):
+  def precompile(self, state, batch_spec, ref_params=None, *, k=None, batched=True,
+                 hparams=None):
     """Starts compiling, in a background thread, the program for batches of batch_spec's
     layout (name -> jax.ShapeDtypeStruct, as __call__ will get them): a run's first step
     overlaps its compile with sampling this way. __call__ needs nothing more: jax.jit runs the
     executable that `.lower().compile()` made for the same program, and a call made while that
     compile runs waits for it instead of compiling again (tests/train_step_test.py counts the
     compiles). If the background compile fails, the call compiles and reports the error. A
-    layout no batch turns out to have costs that compile only."""
+    layout no batch turns out to have costs that compile only. k, batched and hparams: the
+    program of `members` (batch_spec, state, hparams and ref_params as it gets them, stacked
+    on a leading K axis but a LoRA base)."""
     need_ref = self.needs_ref(batch_spec)
-    key = _layout_key(batch_spec, need_ref, None)
+    key = _layout_key(batch_spec, need_ref, k) + (batched,)
     if key in self._ahead:
       return
     self._ahead.add(key)
-    fn = self.program(batch_spec, need_ref)
+    fn = self.program(batch_spec, need_ref, k, batched)
     # Abstract values: the thread holds no buffers (the step donates the state meanwhile).
     state, ref = jax.tree.map(_abstract, (state, ref_params if need_ref else None))
     hp = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
-                      self.hparams)
+                      self.hparams if hparams is None else hparams)
     _background().submit(lambda: fn.lower(state, hp, ref, batch_spec).compile())
 
 

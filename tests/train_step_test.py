@@ -801,5 +801,44 @@ def test_members_program_is_each_members_own_step(params, data, batched):
     assert m["loss"] - m["loss/policy"] == pytest.approx(beta * m["loss/kl"], rel=1e-4)
 
 
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_precompiled_members_layout_compiles_once(params, data, batched):
+  """precompile with k: the members' program, for the stacked layout members() makes of their
+  batches, compiles in the background; members() then runs it without compiling again and gets
+  what a step compiling on the call gets, to the bit."""
+  batch = _shared_prompts(data[0])
+  rng = np.random.default_rng(12)
+  optim = optim_config(grad_accum_steps=1)
+  mesh, p = _on_one_device(params, optim)
+  ref = jax.tree.map(lambda x: x * 0.9, p)
+  rolls = [_rollout_from(batch, rng.normal(size=(B, 2)).astype(np.float32)) for _ in range(2)]
+  hps = train_step_stack([train_step.hparams(loss_config(), optim, (1.0, 0.5)),
+                          train_step.hparams(loss_config(beta=0.1), optim, (2.0, 1.0))])
+  fresh = lambda: train_step_stack([train_step.create_train_state(p, MODEL, optim, mesh)] * 2)
+  make = lambda: train_step.make_train_step(MODEL, loss_config(), optim, mesh, group_size=G,
+                                            reward_weights=(1.0, 0.5))
+  ref_K = train_step_stack([ref, ref])
+  want_state, want_m, _ = make().members(fresh(), rolls, hps, ref_K, batched=batched)
+
+  step, state_K = make(), fresh()
+  spec = {name: jax.ShapeDtypeStruct((2,) + np.shape(v), np.asarray(v).dtype)
+          for name, v in rolls[0].items()}
+  compiled = []
+  listener = lambda name, secs, **_: compiled.append(name == _BACKEND_COMPILE)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    step.precompile(state_K, spec, ref_K, k=2, batched=batched, hparams=hps)
+    step.precompile(state_K, spec, ref_K, k=2, batched=batched, hparams=hps)  # nothing more
+    got_state, got_m, _ = step.members(state_K, rolls, hps, ref_K, batched=batched)
+    assert sum(compiled) == 1
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert step.num_traces == 1
+  np.testing.assert_array_equal(np.asarray(got_m["loss"]), np.asarray(want_m["loss"]))
+  for a, b in zip(jax.tree.leaves(host(got_state["params"])),
+                  jax.tree.leaves(host(want_state["params"]))):
+    np.testing.assert_array_equal(a, b)
+
 def train_step_stack(trees):
   return jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *trees)

@@ -319,8 +319,8 @@ def test_a_member_whose_reward_goes_missing_fails_alone(tmp_path, monkeypatch):
   from grpo_jax.rewards import Reward
   real_setup = train.setup
 
-  def setup(config, workdir):  # the second member's reward never scores
-    s = real_setup(config, workdir)
+  def setup(config, workdir, shared=None):  # the second member's reward never scores
+    s = real_setup(config, workdir, shared)
     if workdir.endswith("silent"):
       s.rewards = [Reward(r.name, r.weight, lambda p, c, **kw: [None] * len(c))
                    for r in s.rewards]
