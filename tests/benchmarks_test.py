@@ -1,7 +1,9 @@
 """Benchmarks' set-up, checked without running them: benchmarks/sweep.py's commands (each arm's
 own fresh compilation cache), benchmarks/lora_decode.py's timed step (the KV cache written in
 place), benchmarks/trl_step.py's reference params (stored as a run stores them) and the config
-it gives TRL (forced length in the generator's own field, no old-log-prob forward)."""
+it gives TRL (forced length in the generator's own field, no old-log-prob forward), and that
+benchmarks/group_phases.py times functions that exist."""
+import importlib
 import importlib.util
 import os
 import sys
@@ -87,6 +89,18 @@ def own_flags():
   for name in set(sys.modules) - modules:
     if os.path.dirname(getattr(sys.modules[name], "__file__", None) or "") == bench_dir:
       del sys.modules[name]
+
+
+def test_group_phases_names_functions_the_loop_has():
+  """Every phase group_phases.py wraps is a function of grpo_jax: a rename fails here, not
+  in the benchmark's run on a lent machine."""
+  phases = _load("group_phases", "group_phases.py").PHASES
+  assert ("grpo_jax.train", "group_step") in phases
+  for module_name, name in phases:
+    owner = importlib.import_module(module_name)
+    for part in name.split("."):
+      owner = getattr(owner, part)
+    assert callable(owner), (module_name, name)
 
 
 def test_lora_decode_step_updates_the_cache_in_place(own_flags):

@@ -1,0 +1,147 @@
+"""Where a vmapped group's wall time goes: benchmarks/sweep.py's group alone, with the time of
+each phase.
+
+    python3 benchmarks/group_phases.py [--steps=50] [--k=8] [--members=auto] [--workdir=DIR]
+    python3 benchmarks/group_phases.py --tree=OTHER_CHECKOUT ...   # the same for another version
+
+The group is sweep.py's (the tiny preset, an lr sweep of K members from one shared warm start),
+run as `python -m grpo_jax.train --spec` with its own compilation cache, emptied first, so its
+compiles count as they do in sweep.py. The warm start is computed once into --workdir and kept:
+a second call (or one with --tree, for a before/after comparison on one machine) reuses it.
+Prints the group's wall time, then the wall-clock totals of the loop's phases (setup, the first
+step, the other steps, evals, the runs' finish with plots and exports, imports), timed by
+wrapping the functions named in the table (calls nest: a row includes the rows it calls).
+Nothing is compared with a peer: the end-to-end ratio is sweep.py's.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# (module, attribute) pairs timed in the group process; "Class.method" names a method.
+PHASES = (
+    ("grpo_jax.train", "run_group"), ("grpo_jax.train", "setup"),
+    ("grpo_jax.inputs", "datasets"), ("grpo_jax.inputs", "tokenizer"),
+    ("grpo_jax.train", "Trainer.__init__"), ("grpo_jax.train", "_start"),
+    ("grpo_jax.train", "group_step"), ("grpo_jax.rollout", "sample_members"),
+    ("grpo_jax.sampler", "Sampler.generate_members"), ("grpo_jax.rollout", "score_samples"),
+    ("grpo_jax.train_step", "TrainStep.members"), ("grpo_jax.train", "evaluate_group"),
+    ("grpo_jax.checkpoint", "Checkpointer.save"), ("grpo_jax.logging_io", "MetricsWriter.write"),
+    ("grpo_jax.logging_io", "SamplesWriter.write"), ("grpo_jax.train", "_finish"),
+    ("grpo_jax.plots", "plot_metrics"), ("grpo_jax.models.weights", "save_checkpoint"),
+)
+
+
+def _child(spec: str) -> int:
+  """The group process, its phases timed; the table goes to stderr at exit."""
+  import importlib  # pylint: disable=import-outside-toplevel
+  totals, calls, steps = collections.defaultdict(float), collections.Counter(), []
+  t0 = time.perf_counter()
+  import jax  # pylint: disable=import-outside-toplevel
+  jax.devices()
+  totals["import jax, find the devices"] = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  from grpo_jax import train  # pylint: disable=import-outside-toplevel
+  totals["import grpo_jax"] = time.perf_counter() - t0
+
+  def timed(fn, label):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+      start = time.perf_counter()
+      try:
+        return fn(*args, **kwargs)
+      finally:
+        seconds = time.perf_counter() - start
+        totals[label] += seconds
+        calls[label] += 1
+        if label == "group_step":
+          steps.append(seconds)
+    return wrapper
+
+  for module_name, name in PHASES:
+    owner = importlib.import_module(module_name)
+    *cls, attr = name.split(".")
+    if cls:
+      owner = getattr(owner, cls[0])
+    setattr(owner, attr, timed(getattr(owner, attr), name))
+  start = time.perf_counter()
+  try:
+    return train.main([f"--spec={spec}"])
+  finally:
+    print(f"group process: {time.perf_counter() - start:.1f} s in grpo_jax.train.main",
+          file=sys.stderr)
+    for label, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
+      print(f"  {label:36s} {seconds:7.2f} s  {calls[label] or '':>5}", file=sys.stderr)
+    if steps:
+      print(f"  GRPO steps: the first {steps[0]:.2f} s, the other {len(steps) - 1} "
+            f"{sum(steps[1:]):.2f} s", file=sys.stderr)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--steps", type=int, default=50)
+  parser.add_argument("--k", type=int, default=8)
+  parser.add_argument("--members", default="auto", choices=("auto", "vmap", "map"))
+  parser.add_argument("--workdir", default="/tmp/grpo_jax_group_phases")
+  parser.add_argument("--tree", default=os.path.dirname(HERE),
+                      help="the checkout whose grpo_jax runs the group (default: this one)")
+  parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  a = parser.parse_args()
+  if a.child:
+    sys.exit(_child(a.child))
+  tree = os.path.abspath(a.tree)
+  sys.path[:0] = [os.path.join(tree, "benchmarks"), tree]
+  import sweep as sweep_bench  # pylint: disable=import-outside-toplevel  (benchmarks/sweep.py)
+  from grpo_jax import sweep_runner  # pylint: disable=import-outside-toplevel
+  workdir = os.path.abspath(a.workdir)
+  runs = sweep_bench.plan("configs/gsm8k.py:tiny", workdir, a.k, a.steps, False, a.members)
+  path = [tree] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+  log = os.path.join(workdir, "log.txt")
+  if not os.path.isdir(os.path.join(runs["prefix_dir"], "checkpoints")):
+    shutil.rmtree(workdir, ignore_errors=True)
+    os.makedirs(runs["caches"]["prefix"])
+    t0 = time.perf_counter()
+    with open(log, "a") as f:
+      subprocess.run(runs["prefix"], cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT,
+                     check=True)
+    print(f"warm start (kept in {runs['prefix_dir']}): {time.perf_counter() - t0:.1f} s",
+          flush=True)
+  cache = runs["caches"]["vmapped"]
+  shutil.rmtree(cache, ignore_errors=True)
+  os.makedirs(cache)  # empty: the group compiles as it does in sweep.py
+  for member in runs["group"]["members"]:
+    shutil.rmtree(member["workdir"], ignore_errors=True)
+    os.makedirs(member["workdir"])
+    sweep_runner.start_from_prefix(runs["prefix_dir"], member["workdir"])
+  spec = os.path.join(workdir, "spec.json")
+  with open(spec, "w") as f:
+    json.dump(runs["group"], f)
+  load = os.getloadavg()[0]
+  t0 = time.perf_counter()
+  done = subprocess.run([sys.executable, os.path.abspath(__file__), f"--child={spec}"], cwd=tree,
+                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  seconds = time.perf_counter() - t0
+  with open(log, "a") as f:
+    f.write(done.stderr)
+  table = done.stderr[done.stderr.rfind("group process:"):]
+  if done.returncode:
+    sys.exit(f"the group failed (rc {done.returncode}); its output is in {log}")
+  print(f"the group of {a.k} ({a.steps} steps, train.members={a.members}, grpo_jax from {tree}): "
+        f"{seconds:.1f} s end to end; load average at start {load:.1f} on {os.cpu_count()} "
+        f"cores")
+  print(table, end="")
+
+
+if __name__ == "__main__":
+  main()
