@@ -1,6 +1,7 @@
 """The members' sampler against the separate runs' on the CPU: K = 8 tiny models' generate_members
-call, batched and in turn (batched=False), against 8 generate calls, at the vmapped sweep's shapes (the tiny preset's model, 16 prompts
-x G = 8, 20 new tokens). Medians of 5 alternated calls after one warm-up each.
+call, batched and in turn (batched=False), against 8 generate calls, at the vmapped sweep's
+shapes (the tiny preset's model, 16 prompts x G = 8, 20 new tokens). Medians of 5 alternated
+calls after one warm-up each.
 
     PYTHONPATH=$PWD python3 experiments/members_sampler.py
 

@@ -26,14 +26,14 @@ def tokenizer(config, workdir, train_rows, build=True, shared=None):
   """build=False: load the tiny tokenizer that process 0 built into the workdir."""
   name = config.model.tokenizer or config.model.checkpoint
   # The tiny tokenizer is learnt from the training rows (and the agent's tool descriptions).
-  key = shared is not None and ("tokenizer", name, build) + (
-      (_data_key(config), config.model.tiny.vocab_size, config.agent.enabled,
-       tuple(config.agent.tools)) if name == "tiny" else ())
-  if key and key in shared:
-    built, tok_and_ids = shared[key]
+  key = ("tokenizer", name, build) + ((_data_key(config), config.model.tiny.vocab_size,
+                                       config.agent.enabled, tuple(config.agent.tools))
+                                      if name == "tiny" and shared is not None else ())
+  if shared is not None and key in shared:
+    built, out = shared[key]
     if built is not None:
       storage.copy_files(built, storage.path(workdir) / "tokenizer")
-    return tok_and_ids
+    return out
   built = None
   if name == "tiny" and not build:
     name = storage.local_copy(storage.path(workdir) / "tokenizer")
@@ -69,30 +69,29 @@ def _data_key(config) -> tuple:
 def datasets(config, workdir, build=True, shared=None):
   """build=False: read the synthetic splits that process 0 wrote into the workdir."""
   d = config.data
-  key = shared is not None and ("datasets", build) + _data_key(config)
-  if key and key in shared:
-    written, (train_rows, eval_rows) = shared[key]
+  key = ("datasets", build) + (_data_key(config) if shared is not None else ())
+  if shared is not None and key in shared:
+    written, rows = shared[key]
     if written is not None:
       storage.copy_files(written, storage.path(workdir) / "data")
-    return list(train_rows), list(eval_rows)
-  written = None
-  if d.source == "synthetic" and not build:
-    source = storage.local_copy(storage.path(workdir) / "data")
-  elif d.source == "synthetic":
-    spec = synthetic.ProblemSpec(num_operands=d.synthetic_operands, digits=d.synthetic_digits,
-                                 ops=tuple(d.synthetic_ops))
-    with storage.local_dir(storage.path(workdir) / "data") as out:
-      source = written = synthetic.write_splits(out, d.synthetic_train, d.synthetic_test,
-                                                seed=config.seed, spec=spec)
   else:
-    source = d.source
-  kw = dict(config_name=d.config_name or None, question_field=d.question_field,
-            answer_field=d.answer_field)
-  rows = data.load_train_eval(source, d.train_split, d.eval_split, **kw)
-  if shared is not None:
-    shared[key] = written, rows
-    return tuple(list(r) for r in rows)
-  return rows
+    written = None
+    if d.source == "synthetic" and not build:
+      source = storage.local_copy(storage.path(workdir) / "data")
+    elif d.source == "synthetic":
+      spec = synthetic.ProblemSpec(num_operands=d.synthetic_operands,
+                                   digits=d.synthetic_digits, ops=tuple(d.synthetic_ops))
+      with storage.local_dir(storage.path(workdir) / "data") as out:
+        source = written = synthetic.write_splits(out, d.synthetic_train, d.synthetic_test,
+                                                  seed=config.seed, spec=spec)
+    else:
+      source = d.source
+    kw = dict(config_name=d.config_name or None, question_field=d.question_field,
+              answer_field=d.answer_field)
+    rows = data.load_train_eval(source, d.train_split, d.eval_split, **kw)
+    if shared is not None:
+      shared[key] = written, rows
+  return tuple(list(r) for r in rows)  # the run's own lists, when others hold the same rows
 
 
 def model_config(config, tokenizer):

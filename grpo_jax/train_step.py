@@ -893,8 +893,9 @@ def train_step(state, batch, hparams, ref_params=None, *, spec: StepSpec):
 # --- host side: checks, placement, one compiled program per layout ------------------------------
 
 
-def _layout_key(batch, with_ref: bool, k):
-  return (with_ref, k) + tuple(sorted((name, _shape(v), str(v.dtype) if hasattr(v, "dtype")
+def _layout_key(batch, with_ref: bool, k, batched: bool):
+  """What tells one program of TrainStep.program from another."""
+  return (with_ref, k, batched) + tuple(sorted((name, _shape(v), str(v.dtype) if hasattr(v, "dtype")
                                        else str(np.asarray(v).dtype))
                                       for name, v in batch.items()))
 
@@ -957,7 +958,7 @@ class TrainStep:
     """The jitted program for this batch layout (cached by keys, shapes, dtypes, K and
     batched; k None: one run, k ≥ 2: k runs, every argument with a leading K axis, under
     jax.vmap, or with batched False each member's own step in turn, under jax.lax.map)."""
-    key = _layout_key(batch, with_ref, k) + (batched,)
+    key = _layout_key(batch, with_ref, k, batched)
     if key not in self._programs:
       vmapped = k is not None and batched
       spec = dataclasses.replace(self.spec, with_ref=with_ref,
@@ -1022,7 +1023,7 @@ class TrainStep:
     program of `members` (batch_spec, state, hparams and ref_params as it gets them, stacked
     on a leading K axis but a LoRA base)."""
     need_ref = self.needs_ref(batch_spec)
-    key = _layout_key(batch_spec, need_ref, k) + (batched,)
+    key = _layout_key(batch_spec, need_ref, k, batched)
     if key in self._ahead:
       return
     self._ahead.add(key)
