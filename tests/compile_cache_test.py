@@ -4,13 +4,12 @@ and the XLA options of CPU programs (LLVM -O1), read by XLA and computing what N
 import os
 from types import SimpleNamespace
 
-import fsspec
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fsspec.implementations.memory import MemoryFileSystem
 
+import fixtures
 from grpo_jax import compile_cache, sharding
 
 
@@ -86,20 +85,9 @@ def test_a_compiled_program_is_loaded_by_the_next_compile(tmp_path, hits,
   assert set(os.listdir(tmp_path / "xla")) == entries
 
 
-class FakeGCS(MemoryFileSystem):
-  """An in-memory gs:// store, as in storage_test.py."""
-  protocol = ("gs", "gcs")
-  store: dict = {}
-  pseudo_dirs = [""]
-
-
 def test_a_bucket_cache_writes_every_program_there_and_nothing_on_the_local_disk(
     tmp_path, restore_session_cache, monkeypatch):
-  monkeypatch.setattr(FakeGCS, "store", {})
-  monkeypatch.setattr(FakeGCS, "pseudo_dirs", [""])
-  for protocol in FakeGCS.protocol:
-    fsspec.register_implementation(protocol, FakeGCS, clobber=True)
-  FakeGCS.clear_instance_cache()
+  fixtures.use_fake_gcs(monkeypatch)
   monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
   monkeypatch.chdir(tmp_path)
   jax.config.update("jax_compilation_cache_max_size", -1)
@@ -110,7 +98,7 @@ def test_a_bucket_cache_writes_every_program_there_and_nothing_on_the_local_disk
   jax.clear_caches()  # compiled again, not taken from memory
   jax.jit(_program)(x).block_until_ready()
   jax.jit(lambda y: _program(y) - 1)(x).block_until_ready()
-  cached = [k for k in FakeGCS.store if k.endswith("-cache")]
+  cached = [k for k in fixtures.FakeGCS.store if k.endswith("-cache")]
   assert any("jit__program" in k for k in cached) and any("jit__lambda" in k for k in cached), (
       cached)
   assert os.listdir(tmp_path) == []  # no lock file under ./gs:/

@@ -1,4 +1,5 @@
-"""Tiny Qwen checkpoints built offline with transformers (random init), for tests.
+"""Tiny Qwen checkpoints built offline with transformers (random init), for tests; and an
+in-memory gs:// store (FakeGCS, use_fake_gcs).
 
 Each kind exercises one switch of the model code: tied vs untied head, Qwen3's q/k norms with
 head_dim != hidden / heads, a checkpoint saved in several shards, bidirectional attention
@@ -8,6 +9,9 @@ head_dim != hidden / heads, a checkpoint saved in several shards, bidirectional 
 from __future__ import annotations
 
 from pathlib import Path
+
+import fsspec
+from fsspec.implementations.memory import MemoryFileSystem
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 REAL_TOKENIZER = SHARED / "qwen2-tokenizer"
@@ -77,3 +81,25 @@ def hf_model_with_info(path):
 
   return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                            output_loading_info=True)
+
+
+class FakeGCS(MemoryFileSystem):
+  """An in-memory object store that fsspec serves for gs://: like Cloud Storage it has no
+  append and no rename."""
+  protocol = ("gs", "gcs")  # epath asks fsspec for 'gcs'
+  store: dict = {}
+  pseudo_dirs = [""]
+
+  def mv(self, *args, **kwargs):  # Cloud Storage has no rename
+    raise NotImplementedError("no rename on an object store")
+
+
+def use_fake_gcs(monkeypatch) -> None:
+  """gs:// served from an empty FakeGCS for the rest of the test. Every test's store is this
+  one class's: etils.epath keeps the first gs:// filesystem a process gets, so another class
+  registered later would never be asked (one test then saw another's files)."""
+  monkeypatch.setattr(FakeGCS, "store", {})
+  monkeypatch.setattr(FakeGCS, "pseudo_dirs", [""])
+  for protocol in FakeGCS.protocol:
+    fsspec.register_implementation(protocol, FakeGCS, clobber=True)
+  FakeGCS.clear_instance_cache()

@@ -8,34 +8,20 @@ which no fake here reaches; our part of a checkpoint (SHA256SUMS, verify) is cov
 import hashlib
 import json
 
-import fsspec
 import jax
 import numpy as np
 import pytest
-from fsspec.implementations.memory import MemoryFileSystem
 
+import fixtures
 from configs import gsm8k
 from grpo_jax import checkpoint, inputs, logging_io, plots, storage
 from grpo_jax.errors import UserError
 from grpo_jax.models import qwen, weights
 
 
-class FakeGCS(MemoryFileSystem):
-  protocol = ("gs", "gcs")  # epath asks fsspec for 'gcs'
-  store: dict = {}
-  pseudo_dirs = [""]
-
-  def mv(self, *args, **kwargs):  # Cloud Storage has no rename
-    raise NotImplementedError("no rename on an object store")
-
-
 @pytest.fixture
 def gcs(monkeypatch):
-  monkeypatch.setattr(FakeGCS, "store", {})
-  monkeypatch.setattr(FakeGCS, "pseudo_dirs", [""])
-  for protocol in FakeGCS.protocol:
-    fsspec.register_implementation(protocol, FakeGCS, clobber=True)
-  FakeGCS.clear_instance_cache()
+  fixtures.use_fake_gcs(monkeypatch)
   return "gs://bucket/runs/run"
 
 
@@ -74,7 +60,7 @@ def test_a_gs_workdir_gets_the_files_a_local_one_gets(gcs, tmp_path):
   assert steps == [0, 1, 2, 3]  # the resume dropped the first step 2, as on a local disk
   assert json.loads((storage.path(gcs) / "summary.json").read_text())["end_step"] == 3
   assert (storage.path(gcs) / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  assert not any(k.endswith(".tmp") for k in FakeGCS.store)
+  assert not any(k.endswith(".tmp") for k in fixtures.FakeGCS.store)
 
 
 def test_checksums_of_a_step_on_gs(gcs):
