@@ -23,6 +23,12 @@ jax_persistent_cache_min_compile_time_secs (JAX's default, 1 s) are not written.
 directory is capped at MAX_BYTES, least recently used entries going first, unless
 JAX_COMPILATION_CACHE_MAX_SIZE sets another cap; a gs:// one is not capped (see enable).
 
+Compiling ahead: `in_background(fn)` runs fn (a `.lower(...).compile()` of a jitted program, on
+abstract arguments) in this process's one compile thread. jax.jit keeps the executable, so the
+call that needs it later runs it without compiling, or waits for the compile still under way
+(train_step.TrainStep.precompile, sampler.Sampler.precompile_members). XLA compiles without
+holding the GIL: the host goes on sampling, scoring or training meanwhile.
+
 The options: `compiler_options(mesh)` goes to every jax.jit of a large program (sampler, train
 step, log-prob and reward-model passes). On the CPU it compiles with LLVM at -O1 instead of XLA's
 -O3: the matmuls are library calls either way, and what LLVM optimises is the fusions around
@@ -33,6 +39,8 @@ their defaults.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import os
 
 import jax
@@ -89,3 +97,13 @@ def compiler_options(mesh=None) -> dict | None:
   """The `compiler_options` for jax.jit of a program that runs on `mesh`'s devices (None: JAX's
   default devices): CPU_OPTIONS on the CPU, else None."""
   return dict(CPU_OPTIONS) if platform(mesh) == "cpu" else None
+
+
+def in_background(fn) -> concurrent.futures.Future:
+  """Runs fn() in the compile thread (one a process: compiles queue in the order given)."""
+  return _compile_thread().submit(fn)
+
+
+@functools.cache
+def _compile_thread() -> concurrent.futures.ThreadPoolExecutor:
+  return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo_jax-compile")

@@ -181,11 +181,8 @@ def evaluate_members(rollouts_K, params_K, rows_K, reward, batched=True) -> list
   """SingleTurn.evaluate for each of K runs at once, each on its own rows (of one length), with
   its own tokenizer. batched: as Sampler.generate_members."""
   first = rollouts_K[0]
-  bs = first.config.train.eval_batch_size
   correct = np.zeros(len(rows_K), int)
-  for i in range(0, len(rows_K[0]), bs):
-    chunks = [rows[i:i + bs] for rows in rows_K]
-    prompts = [encode(r.config, r.tokenizer, chunk) for r, chunk in zip(rollouts_K, chunks)]
+  for chunks, prompts in _eval_chunks(rollouts_K, rows_K):
     outs = first.sampler.generate_members(params_K, [p.ids for p in prompts], num_samples=1,
                                           greedy=True, batched=batched)
     for k, (r, chunk, p, out) in enumerate(zip(rollouts_K, chunks, prompts, outs)):
@@ -194,6 +191,23 @@ def evaluate_members(rollouts_K, params_K, rows_K, reward, batched=True) -> list
       scores = reward.fn(p.texts, texts, group_size=1, **reward_columns(chunk, 1))
       correct[k] += sum(s == 1.0 for s in scores)
   return [c / max(len(rows), 1) for c, rows in zip(correct, rows_K)]
+
+
+def precompile_evaluate_members(rollouts_K, params_K, rows_K, batched=True) -> None:
+  """Starts compiling, in the background, the programs evaluate_members will run on these rows
+  (Sampler.precompile_members, once per distinct chunk layout)."""
+  for _, prompts in _eval_chunks(rollouts_K, rows_K):
+    rollouts_K[0].sampler.precompile_members(params_K, [p.ids for p in prompts], num_samples=1,
+                                             greedy=True, batched=batched)
+
+
+def _eval_chunks(rollouts_K, rows_K):
+  """evaluate_members' chunks of train.eval_batch_size rows: (each member's rows, their
+  encoded prompts)."""
+  bs = rollouts_K[0].config.train.eval_batch_size
+  for i in range(0, len(rows_K[0]), bs):
+    chunks = [rows[i:i + bs] for rows in rows_K]
+    yield chunks, [encode(r.config, r.tokenizer, chunk) for r, chunk in zip(rollouts_K, chunks)]
 
 
 def batch_layout(config, tokenizer, rows, num_rewards: int) -> dict[str, jax.ShapeDtypeStruct]:

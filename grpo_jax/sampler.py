@@ -59,6 +59,7 @@ top-p redraws ran out and took the row's top token instead (0 unless top_p is ti
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from typing import NamedTuple, Sequence
@@ -191,6 +192,7 @@ class Sampler:
     self._append = jax.jit(self._append_impl, donate_argnums=(1,), compiler_options=opts)
     self._next_logprobs = jax.jit(self._next_logprobs_impl, compiler_options=opts)
     self._members = {}  # generate_members' programs (by a shared LoRA base, and batched)
+    self._members_ahead = {}  # precompile_members' compiles, by their programs' layout
 
   # --- device side -------------------------------------------------------------------------
 
@@ -653,47 +655,18 @@ class Sampler:
     row's key fold_in(fold_in(key, b), g); every member's prompts left-padded to one bucket
     (the largest any member needs), which changes no number. One process only."""
     g = int(num_samples)
-    shared_base = isinstance(params_K, dict) and "lora" in params_K
-    if (shared_base, batched) not in self._members:
-      opts = compile_cache.compiler_options(self.mesh)
-      axes = {"params": None, "lora": 0} if shared_base else 0
-      # Every member's prompts are padded to one bucket: one slot to write from, for all.
-      prefill = lambda p, t, m, g, c: jax.vmap(
-          lambda p, t, m: self._prefill_impl(p, t, m, g, c), in_axes=(axes, 0, 0),
-          out_axes=(0, {"hidden": 0, "mask": 0, "pos": 0, "slot": None}))(p, t, m)
-      decode = self._decode_members_impl if batched else self._decode_members_in_turn_impl
-      self._members[shared_base, batched] = (
-          jax.jit(prefill, static_argnums=(3, 4), compiler_options=opts),
-          # Batched, the loop updates the prefill's cache in place; in turn, each member's loop
-          # works on its own slice of it, and nothing is returned to alias the donation with.
-          jax.jit(decode, static_argnums=(6, 7), donate_argnums=(1,) if batched else (),
-                  compiler_options=opts))
-    prefill, decode = self._members[shared_base, batched]
+    prefill, decode = self._members_programs(params_K, batched)
     sits_out = [p is None for p in prompts_K]
-    given = [p for p in prompts_K if p is not None]
-    prompts_K = [p if p is not None else given[0] for p in prompts_K]
-    rows_K = [self._as_token_lists(p, None) for p in prompts_K]
-    b = len(rows_K[0])
-    own_buckets = [data.bucket_length(max(len(r) for r in rows), self.buckets)
-                   for rows in rows_K]
-    bucket = max(own_buckets)
-    b_pad = -(-b // self._batch_multiple()) * self._batch_multiple()
-    tokens, masks = zip(*[data.pad_to_bucket([rows[min(i, b - 1)] for i in range(b_pad)],
-                                             (bucket,), self.pad_id) for rows in rows_K])
-    row_ids = np.stack([np.repeat(np.arange(b_pad), g), np.tile(np.arange(g), b_pad)], 1)
-    active = np.zeros((b_pad * g,), bool)
-    active[:b * g] = True
-    sp = self._settings({"greedy": True} if greedy else {})
-    if keys_K is None:
-      keys_K = [jax.random.key(0)] * len(prompts_K)
+    x = self._members_inputs(prompts_K, g, greedy, keys_K)
+    b, own_buckets = x.b, x.own_buckets
+    ahead = self._members_ahead.get(_members_key(params_K, batched, x, g))
+    if ahead is not None:  # compiled ahead: wait for it rather than compile the same again
+      concurrent.futures.wait([ahead])  # (had it failed, the call compiles and raises)
     start = time.perf_counter()
-    cache, state = prefill(params_K, jnp.asarray(np.stack(tokens)),
-                           jnp.asarray(np.stack(masks).astype(np.int32)), g,
-                           bucket + self.max_new_tokens)
+    cache, state = prefill(params_K, x.tokens, x.masks, g, x.capacity)
     jax.block_until_ready(state)
     prefill_s = time.perf_counter() - start
-    out, _, _ = decode(params_K, cache, state, jnp.stack(keys_K),
-                       jnp.asarray(row_ids.astype(np.int32)), jnp.asarray(active), sp,
+    out, _, _ = decode(params_K, cache, state, x.keys, x.row_ids, x.active, x.settings,
                        self.max_new_tokens)
     out = jax.device_get(out)
     seconds = time.perf_counter() - start
@@ -711,3 +684,105 @@ class Sampler:
           "sampler/prompt_bucket": own_buckets[k],  # what the member's own run pads to
       }))
     return [None if out_k else r for r, out_k in zip(results, sits_out)]
+
+  def precompile_members(self, params_K, prompts_K, *, num_samples, greedy=False,
+                         batched=True):
+    """Starts compiling, in the background (compile_cache.in_background), the two programs
+    that generate_members runs for prompts of this layout: their number and prompt bucket (the
+    token values do not matter) and the same num_samples, greedy and batched. A later
+    generate_members call runs them without compiling, or waits for the compile under way. A
+    vmapped group compiles its evals' programs this way while it trains."""
+    g = int(num_samples)
+    prefill, decode = self._members_programs(params_K, batched)
+    x = self._members_inputs(prompts_K, g, greedy, None)
+    key = _members_key(params_K, batched, x, g)
+    if key in self._members_ahead:
+      return
+    # Abstract params (the thread holds no buffers of the run's), placed as the call's are: jit
+    # compiles for the shardings of committed arrays, and for none of uncommitted ones.
+    params = jax.tree.map(_abstract, params_K)
+    committed = any(leaf.committed for leaf in jax.tree.leaves(params_K))
+
+    def compile_both():
+      # The prefill's outputs as the compiled program lays them out: what the decode gets
+      # (committed as its inputs were).
+      out = prefill.lower(params, x.tokens, x.masks, g, x.capacity).compile().out_info
+      cache, state = jax.tree.map(lambda o: _abstract(o, committed), out)
+      decode.lower(params, cache, state, x.keys, x.row_ids, x.active, x.settings,
+                   self.max_new_tokens).compile()
+    self._members_ahead[key] = compile_cache.in_background(compile_both)
+
+  def _members_programs(self, params_K, batched):
+    """generate_members' jitted (prefill, decode) for these params (a shared LoRA base or
+    not) and batched."""
+    shared_base = _shared_base(params_K)
+    if (shared_base, batched) not in self._members:
+      opts = compile_cache.compiler_options(self.mesh)
+      axes = {"params": None, "lora": 0} if shared_base else 0
+      # Every member's prompts are padded to one bucket: one slot to write from, for all.
+      prefill = lambda p, t, m, g, c: jax.vmap(
+          lambda p, t, m: self._prefill_impl(p, t, m, g, c), in_axes=(axes, 0, 0),
+          out_axes=(0, {"hidden": 0, "mask": 0, "pos": 0, "slot": None}))(p, t, m)
+      decode = self._decode_members_impl if batched else self._decode_members_in_turn_impl
+      self._members[shared_base, batched] = (
+          jax.jit(prefill, static_argnums=(3, 4), compiler_options=opts),
+          # Batched, the loop updates the prefill's cache in place; in turn, each member's loop
+          # works on its own slice of it, and nothing is returned to alias the donation with.
+          jax.jit(decode, static_argnums=(6, 7), donate_argnums=(1,) if batched else (),
+                  compiler_options=opts))
+    return self._members[shared_base, batched]
+
+  def _members_inputs(self, prompts_K, g, greedy, keys_K) -> _MembersInputs:
+    """generate_members' arguments on the host: every member's prompts left-padded to one
+    bucket (a member sitting out, None, takes the first given member's) and the batch padded
+    to the mesh; the decode's row ids, active rows, settings and keys."""
+    given = [p for p in prompts_K if p is not None]
+    rows_K = [self._as_token_lists(p if p is not None else given[0], None) for p in prompts_K]
+    b = len(rows_K[0])
+    own_buckets = [data.bucket_length(max(len(r) for r in rows), self.buckets)
+                   for rows in rows_K]
+    bucket = max(own_buckets)
+    b_pad = -(-b // self._batch_multiple()) * self._batch_multiple()
+    tokens, masks = zip(*[data.pad_to_bucket([rows[min(i, b - 1)] for i in range(b_pad)],
+                                             (bucket,), self.pad_id) for rows in rows_K])
+    row_ids = np.stack([np.repeat(np.arange(b_pad), g), np.tile(np.arange(g), b_pad)], 1)
+    active = np.zeros((b_pad * g,), bool)
+    active[:b * g] = True
+    if keys_K is None:
+      keys_K = [jax.random.key(0)] * len(prompts_K)
+    return _MembersInputs(
+        jnp.asarray(np.stack(tokens)), jnp.asarray(np.stack(masks).astype(np.int32)),
+        bucket + self.max_new_tokens, jnp.asarray(row_ids.astype(np.int32)),
+        jnp.asarray(active), self._settings({"greedy": True} if greedy else {}),
+        jnp.stack(keys_K), b, own_buckets)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MembersInputs:
+  tokens: jax.Array    # [K, B_pad, bucket]
+  masks: jax.Array     # [K, B_pad, bucket] int32
+  capacity: int        # the cache's slots: the bucket and max_new_tokens
+  row_ids: jax.Array   # [B_pad * G, 2]: (prompt, sample) of each row, folded into its key
+  active: jax.Array    # [B_pad * G]: False for the rows padding the batch to the mesh
+  settings: sampling.SamplingParams
+  keys: jax.Array      # [K] PRNG keys
+  b: int               # the prompts a member gave
+  own_buckets: list    # the bucket each member's own prompts need
+
+
+def _members_key(params_K, batched, x: _MembersInputs, g: int) -> tuple:
+  """What tells generate_members' programs apart, but the params' shapes (one run's)."""
+  return _shared_base(params_K), batched, tuple(x.tokens.shape), g, x.settings
+
+
+def _shared_base(params_K) -> bool:
+  """Whether params_K are LoRA members' variables: stacked adapters on one base."""
+  return isinstance(params_K, dict) and "lora" in params_K
+
+
+def _abstract(x, committed=None):
+  """x's shape and dtype, and its sharding if it is committed to its devices (committed: say
+  so for an abstract x)."""
+  committed = x.committed if committed is None else committed
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None,
+                              weak_type=getattr(x, "weak_type", False))

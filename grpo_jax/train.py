@@ -475,6 +475,8 @@ def run_group(configs, workdirs) -> list[dict]:
         print(f"grpo_jax: SIGTERM: saved step {step}, exiting", flush=True)
         break
       done = step + 1
+      if step == start and len(members) > 1 and not fresh:  # (fresh: the step-0 eval compiled)
+        trainer.compile_evals_ahead(trainers, group, [m.setup.eval_rows for m in members])
       for m, m_k in zip(members, ms):
         if m not in live:
           continue
@@ -796,6 +798,17 @@ class Trainer:
             for name, b in padded[0].items()}
     self.step_fn.precompile(group.state, spec, group.ref, k=group.k,
                             batched=self.members_batched, hparams=group.hparams)
+
+  def compile_evals_ahead(self, trainers, group, rows_K):
+    """Starts compiling, in the background, the programs evaluate_group will run on rows_K: a
+    vmapped group (K > 1) that did not evaluate at its start calls it after its first step, so
+    that its first eval (at the latest, the final one) finds them compiled. One run (K = 1)
+    compiles its eval's programs at its first eval."""
+    if group.k == 1:
+      return
+    policy = self.policy(group.state["params"], group.ref, members=True)
+    rollout.precompile_evaluate_members([t.rollout for t in trainers], policy, rows_K,
+                                        batched=self.members_batched)
 
   def grpo_step(self, state, ref_params, next_rows, rewards, step):
     """One run's GRPO step (group_step with K = 1): next_rows() returns the next

@@ -78,7 +78,6 @@ background thread ahead of the batch (a run's first step: while it samples).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 from typing import Any
@@ -1032,16 +1031,11 @@ class TrainStep:
     state, ref = jax.tree.map(_abstract, (state, ref_params if need_ref else None))
     hp = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                       self.hparams if hparams is None else hparams)
-    _background().submit(lambda: fn.lower(state, hp, ref, batch_spec).compile())
+    compile_cache.in_background(lambda: fn.lower(state, hp, ref, batch_spec).compile())
 
 
 def _abstract(x):
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
-
-
-@functools.cache
-def _background() -> concurrent.futures.ThreadPoolExecutor:
-  return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo_jax-compile")
 
 
 def make_grad_fn(model_cfg, loss_cfg, optim_cfg, mesh, batch, **step_kw):

@@ -448,6 +448,38 @@ def test_members_equal_their_own_generate_calls(checkpoints, unroll, decode, bat
   assert len(steps) > 1, steps  # the members' own loops really end at different steps
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_precompiled_members_layout_compiles_once_and_samples_the_same(checkpoints, batched):
+  """precompile_members compiles generate_members' two programs for a layout (the number of
+  prompts and their bucket) in the background; a call with other prompts of that layout waits
+  for them and runs them, compiling nothing more, and gets what a sampler compiling on the
+  call gets."""
+  from grpo_jax import compile_cache
+  params, cfg = weights.load_checkpoint(checkpoints["qwen2_tied"])
+  params_K = jax.tree.map(lambda *x: jnp.stack(x), params, jax.tree.map(lambda x: 1.2 * x, params))
+  make = lambda: sampler_lib.Sampler(cfg, max_new_tokens=6, stop_ids=(VOCAB - 1,), pad_id=PAD,
+                                     buckets=(8, 16), vocab_chunk=CHUNK)
+  first = [_prompts(seed, lengths=(3, 9, 5)) for seed in (0, 1)]  # bucket 16, 3 prompts
+  later = [_prompts(seed, lengths=(10, 2, 12)) for seed in (2, 3)]
+  want = make().generate_members(params_K, later, num_samples=1, greedy=True, batched=batched)
+  smp, compiled = make(), []
+  listener = lambda name, secs, **_: compiled.append(name)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    smp.precompile_members(params_K, first, num_samples=1, greedy=True, batched=batched)
+    smp.precompile_members(params_K, later, num_samples=1, greedy=True, batched=batched)  # same
+    # Called at once, while the programs compile: the call waits for them.
+    got = smp.generate_members(params_K, later, num_samples=1, greedy=True, batched=batched)
+    compile_cache.in_background(lambda: None).result()  # the compile thread's queue is done
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert compiled.count("/jax/core/compile/backend_compile_duration") == 2, compiled
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.lengths, b.lengths)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+
+
 def test_lora_members_unrolled_equal_the_layer_scan(checkpoints):
   """LoRA members (one shared base, stacked adapters): generate_members with cfg.unroll_decode
   gives the layer scan's tokens and log-probs, and so does each member's loop in turn

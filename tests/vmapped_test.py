@@ -20,8 +20,10 @@ that, its rounding noise was a whole gradient, and differences reached 5e-4.
 
 import json
 import os
+import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -56,13 +58,39 @@ def _metrics_match(sep, member):
   return want, got
 
 
-def test_member_equals_its_separate_run(tmp_path):
+def test_member_equals_its_separate_run(tmp_path, monkeypatch):
   sep, a, b = (str(tmp_path / n) for n in ("separate", "other", "member"))
   train.run(_config(SEPARATE), sep)
   for d in (a, b):
     os.makedirs(d)
     sweep_runner.start_from_prefix(sep, d)  # as `sweep --vmap` hands each member its prefix
-  train.run_group([_config(OTHER), _config(SEPARATE)], [a, b])
+  # The group's evals (steps 2 and 3) run programs compiled in the background while it
+  # trained: during them this thread compiles nothing, and loads nothing from the persistent
+  # cache either.
+  during_evals, compiles = [], []
+
+  def count(event, *_, **kw):
+    if event in ("/jax/core/compile/backend_compile_duration",
+                 "/jax/compilation_cache/cache_hits"):
+      compiles.append((threading.current_thread().name, kw.get("fun_name")))
+  evaluate_group = train.evaluate_group
+
+  def counted(*args):
+    before = len(compiles)
+    try:
+      return evaluate_group(*args)
+    finally:
+      during_evals.append([c for c in compiles[before:] if c[0] == "MainThread"])
+  monkeypatch.setattr(train, "evaluate_group", counted)
+  jax.monitoring.register_event_listener(count)
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    train.run_group([_config(OTHER), _config(SEPARATE)], [a, b])
+  finally:
+    jax.monitoring.unregister_event_listener(count)
+    jax.monitoring.unregister_event_duration_listener(count)
+  assert during_evals == [[], []], during_evals
+  assert ("grpo_jax-compile_0", "jit(_decode_members_in_turn_impl)") in compiles, compiles
 
   want, got = _metrics_match(sep, b)
   assert "eval/accuracy" in got[2] and "eval/accuracy" in got[3]
