@@ -1,8 +1,9 @@
 """PNG plots of a run's metrics.jsonl: rewards (total and each component), held-out accuracy,
 KL, policy loss, entropy, gradient norm, completion length and clipping, one metric a panel.
 
-    python -m grpo_jax.plots WORKDIR            # writes WORKDIR/metrics.png
-    plots.plot_metrics(workdir)                 # the same, at the end of a run
+    python -m grpo_jax.plots WORKDIR [WORKDIR ...]   # writes each WORKDIR/metrics.png
+    plots.plot_metrics(workdir)                      # the same, at the end of a run
+    with plots.drawing(workdirs): ...                # a vmapped group's, while it exports
 
 Panels, in this order, each drawn only when its key has at least one finite value:
 
@@ -31,12 +32,14 @@ Missing values (null in the JSONL: NaN or inf was logged) are skipped, not drawn
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import io
 import json
 import math
 import os
 import re
+import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -201,22 +204,60 @@ def plot_metrics(workdir: str, out_path: str | None = None,
   return out_path
 
 
+@contextlib.contextmanager
+def drawing(workdirs: Sequence[str], workers: int | None = None):
+  """plot_metrics for each of several runs (a vmapped group's members), drawn while the block
+  runs by up to `workers` (default: the CPUs this process may use) `python -m grpo_jax.plots`
+  processes: the figures are CPU-bound Python, which threads would draw one at a time. The
+  block's end waits for them; a run whose process failed is drawn again here, which raises
+  its error. One run, or one worker: drawn here, at the block's end.
+
+      with plots.drawing(workdirs):
+        ...  # the exports
+  """
+  workdirs = [os.fspath(w) for w in workdirs]
+  workers = min(len(workdirs), workers or len(os.sched_getaffinity(0)))
+  shares = [workdirs[i::workers] for i in range(workers)] if workers > 1 else []
+  # The workers import this grpo_jax, wherever it was imported from.
+  package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  procs = [subprocess.Popen([sys.executable, "-m", "grpo_jax.plots", "--quiet", *share],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+           for share in shares]
+  try:
+    yield
+  finally:
+    failed = [w for share, proc in zip(shares, procs) if proc.wait() != 0 for w in share]
+  for w in failed if shares else workdirs:
+    plot_metrics(w)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m grpo_jax.plots", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("workdir", help="run directory holding metrics.jsonl")
-  parser.add_argument("--out", default=None, help=f"PNG path (default WORKDIR/{PLOT_FILE})")
+  parser.add_argument("workdirs", nargs="+", metavar="WORKDIR",
+                      help="run directory holding metrics.jsonl")
+  parser.add_argument("--out", default=None,
+                      help=f"PNG path, with one WORKDIR (default WORKDIR/{PLOT_FILE})")
   parser.add_argument("--smoothing", type=float, default=None,
                       help="EMA weight in [0, 1), 0 = none (default: from the run's length)")
+  parser.add_argument("--quiet", action="store_true", help="print nothing (drawing's workers)")
   args = parser.parse_args(argv)
   if args.smoothing is not None and not 0 <= args.smoothing < 1:
     parser.error(f"--smoothing {args.smoothing} must be in [0, 1)")
-  path = plot_metrics(args.workdir, args.out, args.smoothing)
-  if path is None:
-    print(f"nothing to plot in {args.workdir}/{logging_io.METRICS_FILE}", file=sys.stderr)
-    return 1
-  print(path)
-  return 0
+  if args.out is not None and len(args.workdirs) > 1:
+    parser.error(f"--out names one PNG, and {len(args.workdirs)} WORKDIRs were given")
+  status = 0
+  for workdir in args.workdirs:
+    path = plot_metrics(workdir, args.out, args.smoothing)
+    if path is None:
+      if not args.quiet:
+        print(f"nothing to plot in {workdir}/{logging_io.METRICS_FILE}", file=sys.stderr)
+      status = 1
+    elif not args.quiet:
+      print(path)
+  return status
 
 
 if __name__ == "__main__":

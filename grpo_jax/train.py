@@ -528,12 +528,16 @@ def run_group(configs, workdirs) -> list[dict]:
 
   finished = done >= config.train.steps  # a SIGTERM in the last step still finishes the run
   summaries = []
-  for k, m in enumerate(members):
-    if m.workdir in failures:
-      summaries.append({"failed": str(failures[m.workdir])} if main else {})
-      continue
-    state, ref = group.member(k)
-    summaries.append(_finish(m, trainers[k], state["params"], ref, finished, done, main))
+  # The plots (on SIGTERM every second counts: `python -m grpo_jax.plots` draws them later),
+  # a group's drawn by other processes while the models are exported.
+  plotted = [m.workdir for m in members if m.workdir not in failures] if finished and main else []
+  with plots.drawing(plotted):
+    for k, m in enumerate(members):
+      if m.workdir in failures:
+        summaries.append({"failed": str(failures[m.workdir])} if main else {})
+        continue
+      state, ref = group.member(k)
+      summaries.append(_finish(m, trainers[k], state["params"], ref, finished, done, main))
   return summaries
 
 
@@ -549,8 +553,8 @@ def _postfix(ms) -> dict:
 
 
 def _finish(m: Member, trainer, params, ref, finished: bool, done: int, main: bool) -> dict:
-  """The run's summary, plots and exported model (LoRA: the merged model, and the adapter in
-  PEFT's format)."""
+  """The run's summary and exported model (LoRA: the merged model, and the adapter in PEFT's
+  format)."""
   s, lcfg = m.setup, trainer.lora
   # What is exported: the params, or with LoRA the adapters and the base they merge into.
   # Several processes: every one takes part in gathering them, process 0 writes.
@@ -560,8 +564,7 @@ def _finish(m: Member, trainer, params, ref, finished: bool, done: int, main: bo
     return {}
   summary = logging_io.write_summary(s.workdir, stopped_at=None if finished else done,
                                      eval_examples=len(s.eval_rows))
-  if finished:  # on SIGTERM every second counts; `python -m grpo_jax.plots` draws it later
-    plots.plot_metrics(s.workdir)
+  if finished:
     gen = s.generation_config or {"eos_token_id": s.stop_ids,
                                   "pad_token_id": s.tokenizer.pad_token_id}
     root = storage.path(s.workdir)

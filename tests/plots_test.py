@@ -168,3 +168,33 @@ def test_nothing_to_plot_and_no_log(tmp_path, capsys):
     plots.plot_metrics(str(tmp_path / "nowhere"))
   with pytest.raises(SystemExit):
     plots.main([str(tmp_path), "--smoothing", "1"])
+
+
+def test_a_groups_plots_drawn_by_worker_processes_are_the_runs_own(tmp_path, monkeypatch):
+  """plots.drawing: runs' plots drawn by 2 worker processes while the block runs, byte for
+  byte what plot_metrics draws here; a run whose worker fails is drawn again here, which
+  raises its error naming the run."""
+  runs = [tmp_path / f"run{i}" for i in range(3)]
+  for i, run in enumerate(runs):
+    run.mkdir()
+    _write_run(run, steps=30 + 10 * i, beta=0.04)
+  here = plots.plot_metrics
+  with monkeypatch.context() as patch:
+    patch.setattr(plots, "plot_metrics", lambda *_: pytest.fail("drawn in this process"))
+    with plots.drawing(runs, workers=2):
+      pass
+  assert plots.plot_metrics is here
+  drawn = [(run / plots.PLOT_FILE).read_bytes() for run in runs]
+  for run, png in zip(runs, drawn):
+    (run / plots.PLOT_FILE).unlink()
+    plots.plot_metrics(str(run))
+    assert (run / plots.PLOT_FILE).read_bytes() == png, run
+  assert len(set(drawn)) == 3
+
+  missing = tmp_path / "no_metrics"
+  missing.mkdir()
+  with pytest.raises(FileNotFoundError, match=f"no metrics.jsonl in '{missing}'"):
+    with plots.drawing([runs[0], missing], workers=2):
+      pass
+  with pytest.raises(SystemExit):  # --out names one PNG
+    plots.main([str(runs[0]), str(runs[1]), "--out", str(tmp_path / "x.png")])
