@@ -74,10 +74,8 @@ def _log(workdir: Path, pid: int) -> str:
   return Path(f"{workdir}.process{pid}.log").read_text()[-4000:]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  """(single-process workdir, two-process workdir, process 0's output of the resumed leg)."""
-  root = tmp_path_factory.mktemp("multihost")
+def _runs(root: Path):
+  """(single-process workdir, two-process workdir, process 0's output of the first leg)."""
   single, multi = root / "single", root / "multi"
   # The two-host run first, stopped by SIGTERM once its step-1 checkpoint is on disk (three
   # steps to spare: under load orbax commits a checkpoint a little after it was started); the
@@ -102,8 +100,11 @@ def runs(tmp_path_factory):
   return single, multi, first_leg
 
 
-def test_two_processes_resume_and_train_as_one_process_on_8_devices(runs):
-  single, multi, first_leg = runs
+def test_two_processes_resume_and_train_as_one_process_on_8_devices(tmp_path):
+  """The comparison of the module docstring; and only process 0 writes the run's files. (One
+  test for both: the runs take minutes, and a fixture shared by two tests is made once per
+  pytest-xdist worker that runs one of them.)"""
+  single, multi, first_leg = _runs(tmp_path)
   assert "mesh {'data': 1, 'fsdp': 8, 'tensor': 1}" in first_leg
   resumed_leg = _log(multi, 0)
   assert "resumed from step" in resumed_leg, resumed_leg
@@ -134,10 +135,10 @@ def test_two_processes_resume_and_train_as_one_process_on_8_devices(runs):
       assert tokens(rb) == pytest.approx(tokens(ra), rel=1e-9) and tokens(ra) > 0
   assert json.loads((multi / "summary.json").read_text()) == json.loads(
       (single / "summary.json").read_text())
+  _only_process_0_writes_the_run_files(single, multi)
 
 
-def test_only_process_0_writes_the_run_files(runs):
-  single, multi, _ = runs
+def _only_process_0_writes_the_run_files(single: Path, multi: Path):
   # Outside checkpoints/ the two-process workdir holds exactly what one process writes: no
   # second metrics, samples or plots. In checkpoints/ each process writes its own shards
   # (orbax's ocdbt.process_<i>), which is what a multi-host checkpoint is.
