@@ -216,7 +216,8 @@ def drawing(workdirs: Sequence[str], workers: int | None = None):
         ...  # the exports
   """
   workdirs = [os.fspath(w) for w in workdirs]
-  workers = min(len(workdirs), workers or len(os.sched_getaffinity(0)))
+  usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  workers = min(len(workdirs), workers or usable or 1)
   shares = [workdirs[i::workers] for i in range(workers)] if workers > 1 else []
   # The workers import this grpo_jax, wherever it was imported from.
   package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
