@@ -99,6 +99,16 @@ def compiler_options(mesh=None) -> dict | None:
   return dict(CPU_OPTIONS) if platform(mesh) == "cpu" else None
 
 
+def abstract(x, committed: bool | None = None) -> jax.ShapeDtypeStruct:
+  """x's shape, dtype and weak type, for `.lower` in the compile thread (which then holds no
+  buffer of x's), and its sharding where x is committed to its devices: jit compiles for the
+  shardings of committed arrays and for none of uncommitted ones, so only then is the program
+  the one a later call with x runs. committed: say so for an x that is itself abstract."""
+  committed = x.committed if committed is None else committed
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None,
+                              weak_type=getattr(x, "weak_type", False))
+
+
 def in_background(fn) -> concurrent.futures.Future:
   """Runs fn() in the compile thread (one a process: compiles queue in the order given)."""
   return _compile_thread().submit(fn)

@@ -698,16 +698,14 @@ class Sampler:
     key = _members_key(params_K, batched, x, g)
     if key in self._members_ahead:
       return
-    # Abstract params (the thread holds no buffers of the run's), placed as the call's are: jit
-    # compiles for the shardings of committed arrays, and for none of uncommitted ones.
-    params = jax.tree.map(_abstract, params_K)
+    params = jax.tree.map(compile_cache.abstract, params_K)
     committed = any(leaf.committed for leaf in jax.tree.leaves(params_K))
 
     def compile_both():
       # The prefill's outputs as the compiled program lays them out: what the decode gets
       # (committed as its inputs were).
       out = prefill.lower(params, x.tokens, x.masks, g, x.capacity).compile().out_info
-      cache, state = jax.tree.map(lambda o: _abstract(o, committed), out)
+      cache, state = jax.tree.map(lambda o: compile_cache.abstract(o, committed), out)
       decode.lower(params, cache, state, x.keys, x.row_ids, x.active, x.settings,
                    self.max_new_tokens).compile()
     self._members_ahead[key] = compile_cache.in_background(compile_both)
@@ -778,11 +776,3 @@ def _members_key(params_K, batched, x: _MembersInputs, g: int) -> tuple:
 def _shared_base(params_K) -> bool:
   """Whether params_K are LoRA members' variables: stacked adapters on one base."""
   return isinstance(params_K, dict) and "lora" in params_K
-
-
-def _abstract(x, committed=None):
-  """x's shape and dtype, and its sharding if it is committed to its devices (committed: say
-  so for an abstract x)."""
-  committed = x.committed if committed is None else committed
-  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None,
-                              weak_type=getattr(x, "weak_type", False))

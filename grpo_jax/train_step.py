@@ -894,9 +894,9 @@ def train_step(state, batch, hparams, ref_params=None, *, spec: StepSpec):
 
 def _layout_key(batch, with_ref: bool, k, batched: bool):
   """What tells one program of TrainStep.program from another."""
-  return (with_ref, k, batched) + tuple(sorted((name, _shape(v), str(v.dtype) if hasattr(v, "dtype")
-                                       else str(np.asarray(v).dtype))
-                                      for name, v in batch.items()))
+  return (with_ref, k, batched) + tuple(sorted(
+      (name, _shape(v), str(v.dtype) if hasattr(v, "dtype") else str(np.asarray(v).dtype))
+      for name, v in batch.items()))
 
 
 class TrainStep:
@@ -1028,14 +1028,11 @@ class TrainStep:
     self._ahead.add(key)
     fn = self.program(batch_spec, need_ref, k, batched)
     # Abstract values: the thread holds no buffers (the step donates the state meanwhile).
-    state, ref = jax.tree.map(_abstract, (state, ref_params if need_ref else None))
+    state, ref = jax.tree.map(compile_cache.abstract,
+                              (state, ref_params if need_ref else None))
     hp = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                       self.hparams if hparams is None else hparams)
     compile_cache.in_background(lambda: fn.lower(state, hp, ref, batch_spec).compile())
-
-
-def _abstract(x):
-  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
 
 
 def make_grad_fn(model_cfg, loss_cfg, optim_cfg, mesh, batch, **step_kw):
