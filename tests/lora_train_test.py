@@ -254,14 +254,23 @@ def test_a_tiny_lora_run_resumes_bit_for_bit_and_exports_what_peft_loads(tmp_pat
   """The loop with model.lora: small checkpoints (adapters and their moments, no base), the
   warm-started base written once, a SIGTERM-and-resume run equal to a straight one to the bit,
   and at the end a PEFT adapter that peft loads onto that base with the merged export's
-  logits and greedy tokens."""
+  logits and greedy tokens.
+
+  The warm start runs once, in the first leg of the interrupted run: its steps 1-2 train on the
+  base in memory. The other run starts from that leg's step-0 checkpoint and written base, as a
+  sweep's members start from their prefix, and trains steps 1-8 on the base read back (as the
+  second leg does for steps 3-8): equal adapters at the end also show that the written base is
+  the one in memory, to the bit."""
   import peft
   import torch
   import fixtures
+  from grpo_jax import sweep_runner
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  _lora_run(straight)
   out = _lora_run(resumed, stop_at=2)
   assert "SIGTERM: saved step" in out
+  assert sweep_runner.start_from_prefix(str(resumed), str(straight))
+  out = _lora_run(straight)
+  assert "resumed from step 0" in out
   out = _lora_run(resumed)
   assert "resumed from step" in out
   for d in (straight, resumed):
