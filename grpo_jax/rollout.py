@@ -285,9 +285,10 @@ def score_samples(config, tokenizer, rows, prompts, out, rewards, t0):
   return part, reward_metrics, out.metrics, (t1 - t0, time.perf_counter() - t1)
 
 
-# One compiled program, not ~20 eager ops each compiled on first use (~0.5 s) and dispatched
-# every round.
+# One compiled program each, not ~20 eager ops each compiled on first use (~0.5 s) and
+# dispatched every round.
 _informative_groups = jax.jit(grpo.informative_groups, static_argnums=(1, 3))
+_weighted_total = jax.jit(grpo.weighted_total, static_argnums=(3,))
 
 
 def collect(config, sample_fn, next_rows, key):
@@ -357,8 +358,8 @@ class Collection:
     # The weighted total the advantages see (a missing component counts as its group's mean),
     # over the rows with any reward.
     present = ~np.all(np.isnan(first.reward_BR), axis=1)
-    total = np.asarray(grpo.weighted_total(first.reward_BR, ~np.isnan(first.reward_BR),
-                                           self.weights_R, g))[present]
+    total = np.asarray(_weighted_total(first.reward_BR, ~np.isnan(first.reward_BR),
+                                       self.weights_R, g))[present]
     m.update({
         "reward/total/mean": float(total.mean()) if total.size else float("nan"),
         "reward/total/std": float(total.std()) if total.size else float("nan"),
