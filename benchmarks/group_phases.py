@@ -10,7 +10,8 @@ compiles count as they do in sweep.py. The warm start is computed once into --wo
 a second call (or one with --tree, for a before/after comparison on one machine) reuses it.
 Prints the group's wall time, then the wall-clock totals of the loop's phases (setup, the first
 step, the other steps, evals, the runs' finish with plots and exports, imports), timed by
-wrapping the functions named in the table (calls nest: a row includes the rows it calls).
+wrapping the functions named in the table (calls nest: a row includes the rows it calls), and
+the part of each spent in the first GRPO step (where the sampler compiles).
 Nothing is compared with a peer: the end-to-end ratio is sweep.py's.
 """
 from __future__ import annotations
@@ -40,6 +41,12 @@ PHASES = (
     ("grpo_jax.logging_io", "SamplesWriter.write"), ("grpo_jax.train", "_finish"),
     ("grpo_jax.plots", "plot_metrics"), ("grpo_jax.models.weights", "save_checkpoint"),
     ("grpo_jax.plots", "drawing"),  # a context manager: its block (the exports) and the wait
+    # The rest of a step: what its first one spends besides the sampler's compile.
+    ("grpo_jax.train", "Trainer.compile_ahead"), ("grpo_jax.train", "Trainer.policy"),
+    ("grpo_jax.rollout", "encode"), ("grpo_jax.rollout", "Rollouts.train_batch"),
+    ("grpo_jax.rollout", "Collection.result"),
+    ("grpo_jax.train", "pad_batches"), ("grpo_jax.train", "_samples"),
+    ("grpo_jax.train", "Trainer.compile_evals_ahead"),
 )
 
 
@@ -47,6 +54,8 @@ def _child(spec: str) -> int:
   """The group process, its phases timed; the table goes to stderr at exit."""
   import importlib  # pylint: disable=import-outside-toplevel
   totals, calls, steps = collections.defaultdict(float), collections.Counter(), []
+  first = collections.defaultdict(float)  # the part of each total spent in the first step
+  in_first = [False]
   t0 = time.perf_counter()
   import jax  # pylint: disable=import-outside-toplevel
   jax.devices()
@@ -71,14 +80,22 @@ def _child(spec: str) -> int:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
       start = time.perf_counter()
+      if label == "group_step":
+        in_first[0] = not steps
       try:
-        return fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
+        if label == "TrainStep.members":  # dispatched: wait for it (its compile included),
+          jax.block_until_ready(out)       # as the step's fetch of its metrics does next
+        return out
       finally:
         seconds = time.perf_counter() - start
         totals[label] += seconds
         calls[label] += 1
+        if in_first[0]:
+          first[label] += seconds
         if label == "group_step":
           steps.append(seconds)
+          in_first[0] = False
     return wrapper
 
   for module_name, name in PHASES:
@@ -94,8 +111,12 @@ def _child(spec: str) -> int:
   finally:
     print(f"group process: {time.perf_counter() - start:.1f} s in grpo_jax.train.main",
           file=sys.stderr)
+    print(f"  {'phase':36s} {'total':>9s}  {'calls':>5}  {'in the first step':>17s}",
+          file=sys.stderr)
     for label, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
-      print(f"  {label:36s} {seconds:7.2f} s  {calls[label] or '':>5}", file=sys.stderr)
+      part = f"{first[label]:7.2f} s" if label in first else ""
+      print(f"  {label:36s} {seconds:7.2f} s  {calls[label] or '':>5}  {part:>17s}",
+            file=sys.stderr)
     if steps:
       print(f"  GRPO steps: the first {steps[0]:.2f} s, the other {len(steps) - 1} "
             f"{sum(steps[1:]):.2f} s", file=sys.stderr)
