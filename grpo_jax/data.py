@@ -266,6 +266,14 @@ class PromptIterator:
     self._epoch, self._index = epoch, index
     self._order = self._permutation(epoch)
 
+  def peek_indices(self) -> np.ndarray:
+    """The indices next_indices returns next, without moving on."""
+    position = self.position()
+    try:
+      return self.next_indices()
+    finally:
+      self.restore(position)
+
   def next_indices(self) -> np.ndarray:
     """The next batch_size row indices (int64 array)."""
     out = []

@@ -441,6 +441,10 @@ def run_group(configs, workdirs) -> list[dict]:
   try:
     fresh = [m for m in members if m.fresh]
     if fresh:  # the step-0 eval of runs warm-started here
+      # The first step's train program compiles meanwhile, in the background (else it starts
+      # when the first rows are drawn: group_step).
+      trainer.compile_ahead(trainers, group, [[m.setup.train_rows[i] for i in m.it.peek_indices()]
+                                              for m in members], len(s0.rewards))
       accs = evaluate_group(trainers, group, [m.setup.eval_rows for m in members])
       for m, acc in zip(members, accs):
         if m.fresh:

@@ -198,6 +198,17 @@ def test_iterator_epochs_are_permutations_and_seeded():
   assert not np.array_equal(np.concatenate([other.next_indices() for _ in range(5)]), flat)
 
 
+def test_peek_shows_the_next_batch_without_moving_on_also_across_an_epoch():
+  it = data.PromptIterator(num_rows=10, batch_size=4, seed=3)
+  straight = data.PromptIterator(num_rows=10, batch_size=4, seed=3)
+  for _ in range(5):  # batch 3 (indices 8-11) straddles epochs 0 and 1
+    position = it.position()
+    peeked = it.peek_indices()
+    assert it.position() == position
+    assert np.array_equal(peeked, it.next_indices())
+    assert np.array_equal(peeked, straight.next_indices())
+
+
 @pytest.mark.parametrize("steps_before_save", [3, 467, 468])  # mid-epoch, at and past a boundary
 def test_resume_reproduces_batch_order_on_real_train_size(steps_before_save):
   num_rows, batch = 7473, 16  # 7473 = 467*16 + 1: batch 468 straddles epochs 0 and 1

@@ -509,3 +509,37 @@ def test_a_sigterm_during_the_step_0_eval_stops_before_a_step(tmp_path, monkeypa
   assert summary["stopped_early"] and summary["stopped_at_step"] == 0, summary
   assert [r["step"] for r in logging_io.read_jsonl(str(tmp_path / "metrics.jsonl"))] == [0]
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["0"]
+
+
+def test_a_fresh_run_queues_its_first_steps_train_program_before_the_step_0_eval(tmp_path,
+                                                                                  monkeypatch):
+  """A run warm-started here evaluates step 0 before its first step: the first step's train
+  program is handed to the compile thread before that eval starts (Trainer.compile_ahead), for
+  the prompts the first step then samples, so the compile overlaps the eval."""
+  config = gsm8k.get_config("tiny")
+  config.data.update(synthetic_train=400, synthetic_test=40)
+  config.sft.steps = 0
+  config.train.update(steps=1, prompts_per_step=4, eval_examples=8, eval_batch_size=8,
+                      samples_per_step=4, tensorboard=False,
+                      dynamic_sampling=False)  # one round: the first rows are the step's rows
+  events = []
+  real_ahead, real_eval = train.Trainer.compile_ahead, train.evaluate_group
+
+  def ahead(self, trainers, group, rows_K, num_rewards):
+    events.append(("compile_ahead", [r["question"] for r in rows_K[0]]))
+    return real_ahead(self, trainers, group, rows_K, num_rewards)
+
+  def evaluate(*args):
+    events.append(("eval",))
+    return real_eval(*args)
+  monkeypatch.setattr(train.Trainer, "compile_ahead", ahead)
+  monkeypatch.setattr(train, "evaluate_group", evaluate)
+  train.run(config, str(tmp_path))
+  assert [e[0] for e in events[:2]] == ["compile_ahead", "eval"], events
+  questions = events[0][1]
+  # The samples file has each of the step's prompts, in the order the step drew them.
+  prompts = [s["prompt"] for s in logging_io.read_jsonl(str(tmp_path / "samples.jsonl"))
+             if s["step"] == 1]
+  assert len(prompts) == len(questions) == 4
+  for q, p in zip(questions, prompts):
+    assert q in p, (q, p)
