@@ -15,6 +15,7 @@ Rows are plain dicts in GSM8K's schema, whatever the source's field names were:
 """
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import os
@@ -268,11 +269,7 @@ class PromptIterator:
 
   def peek_indices(self) -> np.ndarray:
     """The indices next_indices returns next, without moving on."""
-    position = self.position()
-    try:
-      return self.next_indices()
-    finally:
-      self.restore(position)
+    return copy.copy(self).next_indices()  # (next_indices rebinds the order, never edits it)
 
   def next_indices(self) -> np.ndarray:
     """The next batch_size row indices (int64 array)."""

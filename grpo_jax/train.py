@@ -300,6 +300,12 @@ class Member:
   def workdir(self):
     return self.setup.workdir
 
+  def next_rows(self, peek: bool = False) -> list:
+    """The dataset rows of the run's next train.prompts_per_step prompts (peek: without moving
+    its data order on)."""
+    indices = self.it.peek_indices() if peek else self.it.next_indices()
+    return [self.setup.train_rows[i] for i in indices]
+
   def counters(self) -> dict:
     """What the stopping rules have counted so far (bad steps, reward streaks), checkpointed so
     that a resumed run stops where the uninterrupted one would."""
@@ -443,8 +449,8 @@ def run_group(configs, workdirs) -> list[dict]:
     if fresh:  # the step-0 eval of runs warm-started here
       # The first step's train program compiles meanwhile, in the background (else it starts
       # when the first rows are drawn: group_step).
-      trainer.compile_ahead(trainers, group, [[m.setup.train_rows[i] for i in m.it.peek_indices()]
-                                              for m in members], len(s0.rewards))
+      trainer.compile_ahead(trainers, group, [m.next_rows(peek=True) for m in members],
+                            len(s0.rewards))
       accs = evaluate_group(trainers, group, [m.setup.eval_rows for m in members])
       for m, acc in zip(members, accs):
         if m.fresh:
@@ -469,8 +475,7 @@ def run_group(configs, workdirs) -> list[dict]:
       try:
         group, ms, samples = group_step(
             trainers, group, [m.setup.rewards for m in members],
-            [None if m not in live else
-             lambda m=m: [m.setup.train_rows[i] for i in m.it.next_indices()] for m in members],
+            [m.next_rows if m in live else None for m in members],
             step)
       except Interrupted:  # SIGTERM while a reward waited on its scorer: drop this step
         for m, p in zip(members, positions):
