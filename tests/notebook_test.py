@@ -38,9 +38,9 @@ def test_notebook_runs_the_tiny_preset_and_shows_gain_plot_and_completions(tmp_p
   nb = nbformat.read(NOTEBOOK, as_version=4)
   workdir = str(tmp_path / "tiny")
   # Papermill's way: a cell after the parameter cell overrides it. Seed 0's warm start (340
-  # steps), then 100 GRPO steps with one held-out evaluation on 256 problems at the end: 29.3%
-  # -> 60.5%, +31.2 points, at commit 1caca6e (in experiments/tiny_seeds.md, every run with the
-  # warm-start rule gained 10.6 points or more by step 100).
+  # steps), then 100 GRPO steps with one held-out evaluation on 256 problems at the end: 27.3%
+  # -> 39.8%, +12.5 points, at commit b3a38a8 (+31.2 at 1caca6e, before the preset's warm
+  # start and learning-rate schedule changed).
   at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
   nb.cells.insert(at + 1, nbformat.v4.new_code_cell(
       f"REPO_DIR = {str(cli.REPO)!r}\nWORKDIR = {workdir!r}\n"
