@@ -287,8 +287,11 @@ def math_accuracy(
   if len(golds) != len(completions):
     raise ValueError(f"{opts.gold_column} has {len(golds)} rows but completions has {len(completions)}")
   out: list[float | None] = []
+  gold_of = {}  # a group's G rows share their gold text: parsed once
   for gold_text, response in zip(golds, completions):
-    gold = gold_value(text_lib.tail(gold_text, opts.max_chars))
+    if gold_text not in gold_of:
+      gold_of[gold_text] = gold_value(text_lib.tail(gold_text, opts.max_chars))
+    gold = gold_of[gold_text]
     if gold is None:
       out.append(None)
       continue
