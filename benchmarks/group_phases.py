@@ -47,6 +47,8 @@ PHASES = (
     ("grpo_jax.rollout", "Collection.result"),
     ("grpo_jax.train", "pad_batches"), ("grpo_jax.train", "_samples"),
     ("grpo_jax.train", "Trainer.compile_evals_ahead"),
+    # A group's own device work: stacking the members' states, taking one out (checkpoints).
+    ("grpo_jax.train", "stack"), ("grpo_jax.train", "unstack"),
 )
 
 

@@ -271,11 +271,16 @@ def pad_batches(batches, pad_id):
   return out
 
 
+# One program each, not one op per leaf run eagerly (each compiled on its first shape): a group
+# stacks its members' states at its start and takes each member's out at every checkpoint.
+@jax.jit
 def stack(trees):
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
+@jax.jit
 def unstack(tree, k):
+  """Member k's slice of a stacked tree (k traced: one program for every member)."""
   return jax.tree.map(lambda x: x[k], tree)
 
 
