@@ -100,8 +100,13 @@ def _runs(root: Path):
     one = subprocess.Popen([sys.executable, "-m", "grpo_jax.main", f"--workdir={single}",
                             *OVERRIDES], cwd=cli.REPO, env=_env(8), stdout=out,
                            stderr=subprocess.STDOUT, text=True)
-  assert _wait(resumed) == [0, 0], (_log(multi, 0), _log(multi, 1))
-  assert one.wait(timeout=600) == 0, Path(f"{single}.log").read_text()[-4000:]
+  try:
+    assert _wait(resumed) == [0, 0], (_log(multi, 0), _log(multi, 1))
+    assert one.wait(timeout=600) == 0, Path(f"{single}.log").read_text()[-4000:]
+  finally:  # a failed leg leaves no process running on into the next tests
+    for p in (*resumed, one):
+      if p.poll() is None:
+        p.kill()
   return single, multi, first_leg
 
 
