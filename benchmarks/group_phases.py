@@ -86,8 +86,10 @@ def _child(spec: str) -> int:
         in_first[0] = not steps
       try:
         out = fn(*args, **kwargs)
-        if label == "TrainStep.members":  # dispatched: wait for it (its compile included),
-          jax.block_until_ready(out)       # as the step's fetch of its metrics does next
+        # Dispatched programs: waited for, so that their device time counts in their own row
+        # (the step's fetch of its metrics would wait next; a checkpoint save might).
+        if label in ("TrainStep.members", "stack", "unstack"):
+          jax.block_until_ready(out)
         return out
       finally:
         seconds = time.perf_counter() - start
