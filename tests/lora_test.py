@@ -45,11 +45,13 @@ def _logits_fn(model, lcfg):
 
 
 def _trained_like(adapters, seed, std):
-  """Adapters with b (and a) moved off their init, as training would leave them."""
+  """Adapters with b (and a) moved off their init, as training would leave them. (NumPy's
+  generator, in float64, then each leaf's dtype: an eager jax.random.normal per leaf shape was
+  a compile each, 6 s of this file's first call.)"""
   leaves, tree = jax.tree.flatten(adapters)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return tree.unflatten([x + std * jax.random.normal(k, x.shape, x.dtype)
-                         for k, x in zip(keys, leaves)])
+  rng = np.random.default_rng(seed)
+  moved = [np.asarray(x, np.float64) + std * rng.standard_normal(x.shape) for x in leaves]
+  return tree.unflatten([jnp.asarray(m, x.dtype) for m, x in zip(moved, leaves)])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
