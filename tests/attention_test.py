@@ -217,12 +217,12 @@ def test_forward_prefill_and_decode_match_the_einsum_reference(params, monkeypat
   pos = qwen.positions_from_mask(mask)
   prompt = 7
 
-  def run():
-    full, _ = model.apply({"params": params}, tokens, pos, mask)
-    cache = qwen.init_cache(CFG, 4, 12)
+  def run():  # each call compiled whole (traced under the attention run() is called with)
+    full, _ = jax.jit(model.apply)({"params": params}, tokens, pos, mask)
     step = jax.jit(lambda c, tok, p, i: model.apply({"params": params}, tok, p, mask, c, i))
-    hidden, cache = model.apply({"params": params}, tokens[:, :prompt], pos[:, :prompt],
-                                mask[:, :prompt], qwen.init_cache(CFG, 4, prompt), 0)
+    hidden, cache = jax.jit(model.apply, static_argnums=5)(
+        {"params": params}, tokens[:, :prompt], pos[:, :prompt], mask[:, :prompt],
+        qwen.init_cache(CFG, 4, prompt), 0)
     # The prefill filled a prompt-sized cache; decode from a 12-slot copy of it, one token at a
     # time at a traced slot, as the sampler does.
     cache = jax.tree.map(lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, 12 - prompt), (0, 0))), cache)
@@ -268,7 +268,7 @@ def test_packed_training_forward_and_gradient_match_the_einsum_reference(params,
       hidden, _ = model.apply({"params": params}, pack(full_tokens), pack(full_pos),
                               (pmask, full_mask))
       return jnp.sum(hidden * weight), hidden
-    (_, hidden), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    (_, hidden), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
     return hidden, grads
 
   (hidden, grads), (hidden_ref, grads_ref) = _both(monkeypatch, run)
