@@ -87,7 +87,7 @@ def _child(spec: str) -> int:
       try:
         out = fn(*args, **kwargs)
         # Dispatched programs: waited for, so that their device time counts in their own row
-        # (the step's fetch of its metrics would wait next; a checkpoint save might).
+        # and not in whatever waits for their output next.
         if label in ("TrainStep.members", "stack", "unstack"):
           jax.block_until_ready(out)
         return out
