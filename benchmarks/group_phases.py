@@ -11,7 +11,10 @@ a second call (or one with --tree, for a before/after comparison on one machine)
 Prints the group's wall time, then the wall-clock totals of the loop's phases (setup, the first
 step, the other steps, evals, the runs' finish with plots and exports, imports), timed by
 wrapping the functions named in the table (calls nest: a row includes the rows it calls), and
-the part of each spent in the first GRPO step (where the sampler compiles).
+the part of each spent in the first GRPO step (where the sampler compiles), then the XLA
+compiles that took 0.2 s or more: when each started and ended (seconds from the start of the
+first GRPO step), its length and its thread (a compile ahead runs in `grpo_jax-compile`), from
+jax.monitoring's compile events: which compile the first step waits on.
 Nothing is compared with a peer: the end-to-end ratio is sweep.py's.
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -58,8 +62,15 @@ def _child(spec: str) -> int:
   totals, calls, steps = collections.defaultdict(float), collections.Counter(), []
   first = collections.defaultdict(float)  # the part of each total spent in the first step
   in_first = [False]
+  first_span = []  # the first GRPO step's (start, end), time.time() as the compile events
+  compiles = []  # (start, end, program, thread) of each XLA compile (or cache load)
   t0 = time.perf_counter()
   import jax  # pylint: disable=import-outside-toplevel
+
+  def on_span(event, start, end, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append((start, end, kwargs.get("fun_name", "?"), threading.current_thread().name))
+  jax.monitoring.register_event_time_span_listener(on_span)
   jax.devices()
   totals["import jax, find the devices"] = time.perf_counter() - t0
   t0 = time.perf_counter()
@@ -84,6 +95,8 @@ def _child(spec: str) -> int:
       start = time.perf_counter()
       if label == "group_step":
         in_first[0] = not steps
+        if in_first[0]:
+          first_span.append(time.time())
       try:
         out = fn(*args, **kwargs)
         # Dispatched programs: waited for, so that their device time counts in their own row
@@ -98,6 +111,8 @@ def _child(spec: str) -> int:
         if in_first[0]:
           first[label] += seconds
         if label == "group_step":
+          if not steps:
+            first_span.append(time.time())
           steps.append(seconds)
           in_first[0] = False
     return wrapper
@@ -124,6 +139,30 @@ def _child(spec: str) -> int:
     if steps:
       print(f"  GRPO steps: the first {steps[0]:.2f} s, the other {len(steps) - 1} "
             f"{sum(steps[1:]):.2f} s", file=sys.stderr)
+    _print_compiles(compiles, first_span)
+
+
+def _print_compiles(compiles, first_span):
+  """The compile timeline: every compile of 0.2 s or more, in start order, its times from the
+  first GRPO step's start; then the totals (all compiles, those under 0.2 s included)."""
+  if not compiles:
+    return
+  origin = first_span[0] if first_span else compiles[0][0]
+  where = "the first GRPO step" if first_span else "the first compile"
+  print(f"  XLA compiles of 0.2 s or more (seconds from the start of {where}"
+        + (f", which ended at {first_span[1] - origin:.2f}" if len(first_span) > 1 else "")
+        + "):", file=sys.stderr)
+  print(f"    {'start':>8s} {'end':>8s} {'length':>7s}  {'thread':18s} program", file=sys.stderr)
+  for start, end, name, thread in sorted(compiles):
+    if end - start >= 0.2:
+      print(f"    {start - origin:8.2f} {end - origin:8.2f} {end - start:7.2f}  {thread[:18]:18s} "
+            f"{name}", file=sys.stderr)
+  by_thread = collections.defaultdict(float)
+  for start, end, _, thread in compiles:
+    by_thread["main" if thread == "MainThread" else thread.rsplit("_", 1)[0]] += end - start
+  print(f"    {len(compiles)} compiles (or loads from the cache), "
+        f"{sum(by_thread.values()):.2f} s: "
+        + ", ".join(f"{t} {s:.2f} s" for t, s in sorted(by_thread.items())), file=sys.stderr)
 
 
 def main():
