@@ -103,7 +103,10 @@ def abstract(x, committed: bool | None = None) -> jax.ShapeDtypeStruct:
   """x's shape, dtype and weak type, for `.lower` in the compile thread (which then holds no
   buffer of x's), and its sharding where x is committed to its devices: jit compiles for the
   shardings of committed arrays and for none of uncommitted ones, so only then is the program
-  the one a later call with x runs. committed: say so for an x that is itself abstract."""
+  the one a later call with x runs. committed: say so for an x that is itself abstract (an x
+  that is a jax.ShapeDtypeStruct already is returned as it is, without committed)."""
+  if isinstance(x, jax.ShapeDtypeStruct) and committed is None:
+    return x
   committed = x.committed if committed is None else committed
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None,
                               weak_type=getattr(x, "weak_type", False))

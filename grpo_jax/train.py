@@ -273,9 +273,47 @@ def pad_batches(batches, pad_id):
 
 # One program each, not one op per leaf run eagerly (each compiled on its first shape): a group
 # stacks its members' states at its start and takes each member's out at every checkpoint.
-@jax.jit
 def stack(trees):
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+  """The trees' leaves stacked on a new leading (members) axis, each placed as stacked_spec
+  says (so a program compiled for that spec before the stack runs is the one its output
+  calls)."""
+  leaves_K = [jax.tree.leaves(t) for t in trees]
+  shardings = [_stacked_sharding(x) for x in leaves_K[0]]
+  placed = [i for i, s in enumerate(shardings) if s is not None]
+  out = dict(zip(placed, _stack_program(tuple(shardings[i] for i in placed))(
+      [[leaves[i] for i in placed] for leaves in leaves_K])))
+  for i, s in enumerate(shardings):  # host (or uncommitted) leaves: left for jit to place
+    if s is None:
+      out[i] = jnp.asarray(np.stack([np.asarray(leaves[i]) for leaves in leaves_K]))
+  return jax.tree.unflatten(jax.tree.structure(trees[0]), [out[i] for i in range(len(out))])
+
+
+def stacked_spec(trees):
+  """What stack(trees) gives, as jax.ShapeDtypeStructs (computed without running it): each
+  leaf's shape with a leading len(trees), its dtype, and a committed leaf's sharding, not split
+  on the new axis."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      (len(trees),) + tuple(np.shape(x)), x.dtype, sharding=_stacked_sharding(x),
+      weak_type=getattr(x, "weak_type", False)), trees[0])
+
+
+def _stacked_sharding(x):
+  """A committed array's sharding with a leading axis that is not split; None for the rest
+  (host arrays, uncommitted ones: jit places those)."""
+  if not getattr(x, "committed", False):
+    return None
+  s = x.sharding
+  if isinstance(s, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(None, *s.spec),
+                                      memory_kind=s.memory_kind)
+  return s  # one device: the stack stays on it
+
+
+@functools.cache
+def _stack_program(shardings):
+  """One program stacking K lists of leaves into one list, placed by `shardings`."""
+  return jax.jit(lambda leaves_K: [jnp.stack(xs) for xs in zip(*leaves_K)],
+                 out_shardings=list(shardings))
 
 
 @jax.jit
@@ -355,10 +393,20 @@ class Group:
 
   @staticmethod
   def of(states, refs, hparams, shared_ref=False):
+    return Group._of(stack, states, refs, hparams, shared_ref)
+
+  @staticmethod
+  def spec(states, refs, hparams, shared_ref=False):
+    """What Group.of will hold, its stacked parts as jax.ShapeDtypeStructs (stacked_spec),
+    computed without stacking anything: what its programs compile ahead for."""
+    return Group._of(stacked_spec, states, refs, hparams, shared_ref)
+
+  @staticmethod
+  def _of(put, states, refs, hparams, shared_ref):
     if len(states) == 1:
       return Group(1, states[0], refs[0], hparams[0], shared_ref)
-    ref = refs[0] if shared_ref or refs[0] is None else stack(refs)
-    return Group(len(states), stack(states), ref, stack(hparams), shared_ref)
+    ref = refs[0] if shared_ref or refs[0] is None else put(refs)
+    return Group(len(states), put(states), ref, put(hparams), shared_ref)
 
   def member(self, k):
     """Member k's (state, frozen params)."""
@@ -401,6 +449,14 @@ def run_group(configs, workdirs) -> list[dict]:
   # Each member's own view of the shared compiled pieces: its config, tokenizer and rollout.
   trainers = [trainer] + [trainer.for_member(m.config, m.setup.tokenizer) for m in members[1:]]
   start, states, refs = _start(members, trainers)
+  hparams = [trainer.hparams(m.config) for m in members]
+  shared_ref = trainer.lora is not None
+  # The first step's train program compiles from here on, in the background, for the first rows'
+  # likely batch: beside the stacking, the step-0 eval (runs warm-started here) and the first
+  # rows' sampling, not after them.
+  if start < config.train.steps:
+    trainer.compile_ahead(trainers, Group.spec(states, refs, hparams, shared_ref),
+                          [m.next_rows(peek=True) for m in members], len(s0.rewards))
   main = hosts.is_main()  # the one process that writes the runs' files
   for m in members:
     if main:
@@ -408,8 +464,7 @@ def run_group(configs, workdirs) -> list[dict]:
     m.open(start, main)
     if len(members) > 1:  # a member that got further than the others redoes those steps
       m.ckpt.delete_after(start)
-  group = Group.of(states, refs, [trainer.hparams(m.config) for m in members],
-                   shared_ref=trainer.lora is not None)
+  group = Group.of(states, refs, hparams, shared_ref)
   del states, refs  # the group's copies are the live ones
   stop = {"requested": False}
   previous = signal.signal(signal.SIGTERM, lambda *_: (
@@ -452,10 +507,6 @@ def run_group(configs, workdirs) -> list[dict]:
   try:
     fresh = [m for m in members if m.fresh]
     if fresh:  # the step-0 eval of runs warm-started here
-      # The first step's train program compiles meanwhile, in the background (else it starts
-      # when the first rows are drawn: group_step).
-      trainer.compile_ahead(trainers, group, [m.next_rows(peek=True) for m in members],
-                            len(s0.rewards))
       accs = evaluate_group(trainers, group, [m.setup.eval_rows for m in members])
       for m, acc in zip(members, accs):
         if m.fresh:

@@ -1030,7 +1030,7 @@ class TrainStep:
     # Abstract values: the thread holds no buffers (the step donates the state meanwhile).
     state, ref = jax.tree.map(compile_cache.abstract,
                               (state, ref_params if need_ref else None))
-    hp = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+    hp = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                       self.hparams if hparams is None else hparams)
     compile_cache.in_background(lambda: fn.lower(state, hp, ref, batch_spec).compile())
 

@@ -91,6 +91,10 @@ def test_member_equals_its_separate_run(tmp_path, monkeypatch):
     jax.monitoring.unregister_event_duration_listener(count)
   assert during_evals == [[], []], during_evals
   assert ("grpo_jax-compile_0", "jit(_decode_members_in_turn_impl)") in compiles, compiles
+  # The members' train program compiled once, ahead, for the stacked states' placement
+  # (train.stacked_spec, before they were stacked): every step ran that executable.
+  assert [c for c in compiles if c[1] == "jit(traced)"] == [
+      ("grpo_jax-compile_0", "jit(traced)")], compiles
 
   want, got = _metrics_match(sep, b)
   assert "eval/accuracy" in got[2] and "eval/accuracy" in got[3]
@@ -112,6 +116,49 @@ def test_member_equals_its_separate_run(tmp_path, monkeypatch):
   assert other[1]["lr"] == pytest.approx(1e-5) and got[1]["lr"] == pytest.approx(1e-4)
   assert other[1]["grad_norm"] == got[1]["grad_norm"] == 0.0
   assert other[3]["loss/kl"] != pytest.approx(got[3]["loss/kl"], rel=0.5)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 2, 2)])
+def test_a_program_compiled_for_stacked_spec_runs_on_the_stacked_states(mesh_shape):
+  """train.stacked_spec describes train.stack's output before it exists (what a group's train
+  program compiles ahead for): the members' leaves stacked as np.stack stacks them, placed as
+  the spec says, so that the program compiled for the spec runs on them without compiling."""
+  from grpo_jax import sharding  # pylint: disable=import-outside-toplevel
+  mesh = sharding.make_mesh(mesh_shape)
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp", "tensor"))
+  rng = np.random.default_rng(0)
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  # (One device: a leaf placed on the device itself, as jax.device_put(x, device) places it.)
+  step_at = jax.devices()[0] if mesh.size == 1 else whole
+  members = [{"w": jax.device_put(rng.normal(size=(4, 6)).astype(np.float32), split),
+              "step": jax.device_put(np.int32(k), step_at),
+              "lr": np.float32(10.0 ** -k)} for k in range(3)]  # a host leaf too
+  spec = train.stacked_spec(members)
+  double = jax.jit(lambda t: jax.tree.map(lambda x: x * 2, t))
+  double.lower(spec).compile()
+  compiles = []
+
+  def count(event, *_, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(kw.get("fun_name"))
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    stacked = train.stack(members)
+    jax.block_until_ready(stacked)
+    before = list(compiles)
+    doubled = double(stacked)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)
+  assert compiles == before, compiles  # the call ran the executable compiled for the spec
+  for name in ("w", "step", "lr"):
+    want = np.stack([np.asarray(m[name]) for m in members])
+    np.testing.assert_array_equal(np.asarray(stacked[name]), want)
+    np.testing.assert_array_equal(np.asarray(doubled[name]), want * 2)
+    assert (spec[name].shape, spec[name].dtype) == (want.shape, want.dtype), name
+  assert stacked["w"].sharding == spec["w"].sharding
+  assert stacked["w"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+  assert stacked["step"].sharding == spec["step"].sharding
+  assert spec["lr"].sharding is None  # a host leaf: placed by the program
 
 
 def test_settings_that_change_the_program_are_rejected(monkeypatch):
