@@ -7,9 +7,10 @@
 #         decode attention first: its on-device check prints FAILED if the kernel is off),
 #         cuDNN's attention, and the fewest-kernel decode under XLA's command buffers; about
 #         5-6 minutes.
-# PART 2: the vmapped sweep at 50 steps (up to 7 minutes) and its group's phases, the layers
-#         written out alone, the 0.5B step against TRL with remat on both sides, the log-prob
-#         block sizes, XLA's dynamic-slice fusion, the 1.5B step against TRL, the LoRA presets.
+# PART 2: the vmapped sweep at 50 steps (up to 7 minutes) and its group's phases (with and
+#         without XLA's autotuning), the layers written out alone, the 0.5B step against TRL
+#         with remat on both sides, the log-prob block sizes, XLA's dynamic-slice fusion, the
+#         1.5B step against TRL, the LoRA presets.
 #
 # Each command gets at most its own limit and never runs past SECONDS (default 540) from the
 # start; one with under 25 s left is skipped. Logs go to $OUT/<name>.log (OUT defaults to
@@ -71,6 +72,10 @@ case "$PART" in
     run sweep50 420 python3 benchmarks/sweep.py --steps=50 --workdir=/tmp/sweep50
     # the group's phases, from sweep50's warm start (same plan, same workdir)
     run group_phases 120 python3 benchmarks/group_phases.py --steps=50 --workdir=/tmp/sweep50
+    # the same without XLA's autotuning: how much of the group's compiles (its first step took
+    # 23.4 s on an H200, mostly the sampler's compile) is autotuning; a diagnosis, not a setting
+    run group_phases_autotune0 110 env XLA_FLAGS=--xla_gpu_autotune_level=0 \
+      python3 benchmarks/group_phases.py --steps=50 --workdir=/tmp/sweep50
     # without part 1 before it, this first 0.5B command also prepares the inputs (~30 s)
     step05 unroll 110 --unroll_decode --no_kernels            # 364 kernels
     run trl05 170 python3 benchmarks/gpu_step.py --sizes 0.5b --remat 0.5b --sides grpo_jax,trl \

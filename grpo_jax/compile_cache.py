@@ -24,7 +24,8 @@ directory is capped at MAX_BYTES, least recently used entries going first, unles
 JAX_COMPILATION_CACHE_MAX_SIZE sets another cap; a gs:// one is not capped (see enable).
 
 Compiling ahead: `in_background(fn)` runs fn (a `.lower(...).compile()` of a jitted program, on
-abstract arguments) in this process's one compile thread. jax.jit keeps the executable, so the
+abstract arguments) in a compile thread (the train step's, or the sampler's: a group's first
+step compiles both at once). jax.jit keeps the executable, so the
 call that needs it later runs it without compiling, or waits for the compile still under way
 (train_step.TrainStep.precompile, sampler.Sampler.precompile_members). XLA compiles without
 holding the GIL: the host goes on sampling, scoring or training meanwhile.
@@ -112,11 +113,13 @@ def abstract(x, committed: bool | None = None) -> jax.ShapeDtypeStruct:
                               weak_type=getattr(x, "weak_type", False))
 
 
-def in_background(fn) -> concurrent.futures.Future:
-  """Runs fn() in the compile thread (one a process: compiles queue in the order given)."""
-  return _compile_thread().submit(fn)
+def in_background(fn, lane: str = "") -> concurrent.futures.Future:
+  """Runs fn() in a compile thread: one a process for each lane ('': the train step's programs,
+  'sampler': the sampler's), in which compiles queue in the order given."""
+  return _compile_thread(lane).submit(fn)
 
 
 @functools.cache
-def _compile_thread() -> concurrent.futures.ThreadPoolExecutor:
-  return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo_jax-compile")
+def _compile_thread(lane: str) -> concurrent.futures.ThreadPoolExecutor:
+  return concurrent.futures.ThreadPoolExecutor(
+      1, thread_name_prefix="grpo_jax-compile" + (f"-{lane}" if lane else ""))

@@ -193,6 +193,16 @@ def evaluate_members(rollouts_K, params_K, rows_K, reward, batched=True) -> list
   return [c / max(len(rows), 1) for c, rows in zip(correct, rows_K)]
 
 
+def precompile_sample_members(rollouts_K, params_K, rows_K, batched=True) -> None:
+  """Starts compiling, in the background, the programs sample_members will run on these rows
+  (Sampler.precompile_members)."""
+  first = rollouts_K[0]
+  prompts = [encode(r.config, r.tokenizer, rows).ids for r, rows in zip(rollouts_K, rows_K)]
+  first.sampler.precompile_members(params_K, prompts,
+                                   num_samples=config_lib.group_size(first.config),
+                                   batched=batched)
+
+
 def precompile_evaluate_members(rollouts_K, params_K, rows_K, batched=True) -> None:
   """Starts compiling, in the background, the programs evaluate_members will run on these rows
   (Sampler.precompile_members, once per distinct chunk layout)."""

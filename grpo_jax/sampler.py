@@ -687,11 +687,12 @@ class Sampler:
 
   def precompile_members(self, params_K, prompts_K, *, num_samples, greedy=False,
                          batched=True):
-    """Starts compiling, in the background (compile_cache.in_background), the two programs
-    that generate_members runs for prompts of this layout: their number and prompt bucket (the
-    token values do not matter) and the same num_samples, greedy and batched. A later
-    generate_members call runs them without compiling, or waits for the compile under way. A
-    vmapped group compiles its evals' programs this way while it trains."""
+    """Starts compiling, in the sampler's compile thread (compile_cache.in_background), the two
+    programs that generate_members runs for prompts of this layout: their number and prompt
+    bucket (the token values do not matter) and the same num_samples, greedy and batched. A
+    later generate_members call runs them without compiling, or waits for the compile under
+    way. A vmapped group compiles its first step's sampling programs this way from its start,
+    and its evals' while it trains. params_K may be abstract (train.stacked_spec)."""
     g = int(num_samples)
     prefill, decode = self._members_programs(params_K, batched)
     x = self._members_inputs(prompts_K, g, greedy, None)
@@ -699,7 +700,9 @@ class Sampler:
     if key in self._members_ahead:
       return
     params = jax.tree.map(compile_cache.abstract, params_K)
-    committed = any(leaf.committed for leaf in jax.tree.leaves(params_K))
+    # (Abstract params, train.stacked_spec's, are committed where they have a sharding.)
+    committed = any(getattr(leaf, "committed", getattr(leaf, "sharding", None) is not None)
+                    for leaf in jax.tree.leaves(params_K))
 
     def compile_both():
       # The prefill's outputs as the compiled program lays them out: what the decode gets
@@ -708,7 +711,7 @@ class Sampler:
       cache, state = jax.tree.map(lambda o: compile_cache.abstract(o, committed), out)
       decode.lower(params, cache, state, x.keys, x.row_ids, x.active, x.settings,
                    self.max_new_tokens).compile()
-    self._members_ahead[key] = compile_cache.in_background(compile_both)
+    self._members_ahead[key] = compile_cache.in_background(compile_both, lane="sampler")
 
   def _members_programs(self, params_K, batched):
     """generate_members' jitted (prefill, decode) for these params (a shared LoRA base or

@@ -847,8 +847,10 @@ class Trainer:
   def compile_ahead(self, trainers, group, rows_K, num_rewards):
     """Starts compiling the group's train program for the first rows' likely batch (each
     member's longest completion at max_new_tokens) while they are sampled: the first step then
-    takes about the longer of sampling and compiling, not their sum. A head start only: a
-    layout that cannot be predicted (an agent's) or raises is left to the step."""
+    takes about the longer of sampling and compiling, not their sum. A group (K > 1) without
+    LoRA also compiles its sampling programs for those rows, in the sampler's compile thread.
+    group may be abstract (Group.spec). A head start only: a layout that cannot be predicted
+    (an agent's) or raises is left to the step."""
     try:
       layouts = [t.rollout.batch_layout(rows, num_rewards) for t, rows in zip(trainers, rows_K)]
     except Exception:  # noqa: BLE001 - sampling these rows reports it
@@ -866,6 +868,9 @@ class Trainer:
             for name, b in padded[0].items()}
     self.step_fn.precompile(group.state, spec, group.ref, k=group.k,
                             batched=self.members_batched, hparams=group.hparams)
+    if self.lora is None:  # (a LoRA policy is built from the arrays: compiled when sampled)
+      rollout.precompile_sample_members([t.rollout for t in trainers], group.state["params"],
+                                        rows_K, batched=self.members_batched)
 
   def compile_evals_ahead(self, trainers, group, rows_K):
     """Starts compiling, in the background, the programs evaluate_group will run on rows_K: a

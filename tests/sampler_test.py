@@ -470,7 +470,8 @@ def test_precompiled_members_layout_compiles_once_and_samples_the_same(checkpoin
     smp.precompile_members(params_K, later, num_samples=1, greedy=True, batched=batched)  # same
     # Called at once, while the programs compile: the call waits for them.
     got = smp.generate_members(params_K, later, num_samples=1, greedy=True, batched=batched)
-    compile_cache.in_background(lambda: None).result()  # the compile thread's queue is done
+    # the sampler's compile thread's queue is done
+    compile_cache.in_background(lambda: None, lane="sampler").result()
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
   assert compiled.count("/jax/core/compile/backend_compile_duration") == 2, compiled
