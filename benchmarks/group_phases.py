@@ -70,7 +70,8 @@ def _child(spec: str) -> int:
   def on_span(event, start, end, **kwargs):
     if event == "/jax/core/compile/backend_compile_duration":
       compiles.append((start, end, kwargs.get("fun_name", "?"), threading.current_thread().name))
-  jax.monitoring.register_event_time_span_listener(on_span)
+  if hasattr(jax.monitoring, "register_event_time_span_listener"):  # else: no timeline
+    jax.monitoring.register_event_time_span_listener(on_span)
   jax.devices()
   totals["import jax, find the devices"] = time.perf_counter() - t0
   t0 = time.perf_counter()
