@@ -13,8 +13,9 @@ step, the other steps, evals, the runs' finish with plots and exports, imports),
 wrapping the functions named in the table (calls nest: a row includes the rows it calls), and
 the part of each spent in the first GRPO step (where the sampler compiles), then the XLA
 compiles that took 0.2 s or more: when each started and ended (seconds from the start of the
-first GRPO step), its length and its thread (a compile ahead runs in `grpo_jax-compile`), from
-jax.monitoring's compile events: which compile the first step waits on.
+first GRPO step), its length and its thread (compiles ahead run in `grpo_jax-compile` for the
+train step, `grpo_jax-compile-sampler` for the sampler), from jax.monitoring's compile events:
+which compile the first step waits on.
 Nothing is compared with a peer: the end-to-end ratio is sweep.py's.
 """
 from __future__ import annotations
@@ -153,10 +154,10 @@ def _print_compiles(compiles, first_span):
   print(f"  XLA compiles of 0.2 s or more (seconds from the start of {where}"
         + (f", which ended at {first_span[1] - origin:.2f}" if len(first_span) > 1 else "")
         + "):", file=sys.stderr)
-  print(f"    {'start':>8s} {'end':>8s} {'length':>7s}  {'thread':18s} program", file=sys.stderr)
+  print(f"    {'start':>8s} {'end':>8s} {'length':>7s}  {'thread':26s} program", file=sys.stderr)
   for start, end, name, thread in sorted(compiles):
     if end - start >= 0.2:
-      print(f"    {start - origin:8.2f} {end - origin:8.2f} {end - start:7.2f}  {thread[:18]:18s} "
+      print(f"    {start - origin:8.2f} {end - origin:8.2f} {end - start:7.2f}  {thread[:26]:26s} "
             f"{name}", file=sys.stderr)
   by_thread = collections.defaultdict(float)
   for start, end, _, thread in compiles:

@@ -280,12 +280,16 @@ def stack(trees):
   leaves_K = [jax.tree.leaves(t) for t in trees]
   shardings = [_stacked_sharding(x) for x in leaves_K[0]]
   placed = [i for i, s in enumerate(shardings) if s is not None]
-  out = dict(zip(placed, _stack_program(tuple(shardings[i] for i in placed))(
-      [[leaves[i] for i in placed] for leaves in leaves_K]))) if placed else {}
+  out = [None] * len(shardings)
+  if placed:  # committed leaves: one program
+    stacked = _stack_program(tuple(shardings[i] for i in placed))(
+        [[leaves[i] for i in placed] for leaves in leaves_K])
+    for i, x in zip(placed, stacked):
+      out[i] = x
   for i, s in enumerate(shardings):  # host (or uncommitted) leaves: left for jit to place
     if s is None:  # (device_put: a copy, where jnp.asarray compiles a program per leaf)
       out[i] = jax.device_put(np.stack([np.asarray(leaves[i]) for leaves in leaves_K]))
-  return jax.tree.unflatten(jax.tree.structure(trees[0]), [out[i] for i in range(len(out))])
+  return jax.tree.unflatten(jax.tree.structure(trees[0]), out)
 
 
 def stacked_spec(trees):
