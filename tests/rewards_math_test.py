@@ -1,5 +1,7 @@
 """math_accuracy against the real GSM8K gold solutions and a table of hand-checked tricky cases."""
 import json
+import random
+import re
 from fractions import Fraction
 from pathlib import Path
 
@@ -178,3 +180,63 @@ def test_bad_settings_and_inputs_name_the_field():
     ma.math_accuracy(["q", "q"], ["1", None], answer=["#### 1"] * 2)
   with pytest.raises(ValueError, match="1 rows"):
     ma.math_accuracy(["q", "q"], ["1", "2"], answer=["#### 1"])
+
+
+# --- the parser's fast paths are the plain ones --------------------------------------------------
+
+# Pieces of text where numbers, LaTeX and answer markers meet; random strings of them exercise
+# the number pattern's optional groups and the LaTeX rewrites together.
+_PIECES = list("0123456789,.-−+$€£¥₹\\{}%/ #=\n!?:;()[]_x٣") + [
+    "<answer>", "</answer>", r"\boxed{", r"\frac{", r"\dfrac", r"\text{", "{,}", r"\,", r"\!",
+    r"\%", r"\$", " percent", "answer is", "####", r"\left", r"\(", r"\]", "1,000",
+    "12,345,678", "3.50", ".5", "1e3", " or "]
+
+
+def _fuzz(n: int, seed: int = 0) -> list[str]:
+  rng = random.Random(seed)
+  return ["".join(rng.choice(_PIECES) for _ in range(rng.randint(0, 40))) for _ in range(n)]
+
+
+def _reference_value(m: re.Match, text: str) -> Fraction | None:
+  """A NUMBER_RE match's value by Fraction's own parse of its decimal digits; None where
+  math_accuracy declines the number (no digits, over MAX_DIGITS, a zero or overlong
+  denominator). A sign right after a word character or a closing bracket joins two tokens."""
+  int_part, dec, den = (m.group("int") or "").replace(",", ""), m.group("dec") or "", m.group("den")
+  digits = len(int_part) + len(dec[1:])
+  if not 0 < digits <= ma.MAX_DIGITS or (den and (len(den) > ma.MAX_DIGITS or int(den) == 0)):
+    return None
+  value = Fraction((int_part or "0") + dec) / int(den or 1)
+  before = text[m.start() - 1] if m.start() else ""
+  joined = bool(before) and (before.isalnum() or before in "_)]}")
+  negative = (m.group("sign") in ("-", "−") and not joined) or bool(m.group("sign2"))
+  return -value if negative else value
+
+
+def test_number_pattern_finds_what_it_finds_without_its_lookahead():
+  """NUMBER_RE opens with NUMBER_START, a lookahead that only skips positions where no number
+  can start: the pattern without it finds the same matches, with the same groups."""
+  assert ma.NUMBER_RE.pattern.startswith(ma.NUMBER_START)
+  plain = re.compile(ma.NUMBER_RE.pattern[len(ma.NUMBER_START):])
+  texts = _fuzz(20_000) + [r["answer"] for r in _rows()[:2000]]
+  seen = 0
+  for text in texts:
+    want = [(m.span(), m.groupdict()) for m in plain.finditer(text)]
+    assert [(m.span(), m.groupdict()) for m in ma.NUMBER_RE.finditer(text)] == want, text
+    assert bool(ma.NUMBER_RE.fullmatch(text)) == bool(plain.fullmatch(text)), text
+    seen += len(want)
+  assert seen > 50_000
+
+
+def test_number_values_and_latex_clean_up_against_plain_references():
+  """Each match's value against Fraction's parse of its decimal digits; and delatex, which
+  skips text without '\\', '$', '{' or '}', against its rewrites applied to every text."""
+  values = 0
+  for text in _fuzz(20_000, seed=1):
+    for m in ma.NUMBER_RE.finditer(text):
+      got = ma._match_value(m, text)
+      assert got == _reference_value(m, text), (text, m.group(0))
+      values += got is not None
+    assert ma.delatex(text) == ma._rewrite_latex(text), text
+    plain = "".join(ch for ch in text if ch not in "\\${}")
+    assert ma.delatex(plain) == ma._rewrite_latex(plain) == plain, plain
+  assert values > 20_000

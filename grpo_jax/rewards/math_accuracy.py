@@ -50,7 +50,13 @@ from grpo_jax.rewards.options import MathAccuracyOptions
 # Longer digit strings are not answers; also keeps int() below Python's 4,300-digit limit.
 MAX_DIGITS = 40
 
+# Every match starts with one of these characters (a sign, a currency sign or LaTeX's \\$, a
+# digit, or the '.' of ".5"). Stated first as a lookahead, it fails the other positions of a
+# search at once instead of after the pattern's optional groups: the same matches, about twice
+# as fast (tests/rewards_math_test.py compares the two patterns).
+NUMBER_START = r"(?=[-−+$€£¥₹\\\d.])"
 NUMBER_RE = re.compile(
+    NUMBER_START +
     r"(?P<sign>[-−+])?"
     r"(?P<cur>[$€£¥₹]|\\\$)?"
     r"(?P<sign2>[-−])?"
@@ -64,6 +70,7 @@ NUMBER_RE = re.compile(
 _FRAC_RE = re.compile(r"\\[dt]?frac\s*\{([^{}]{1,64})\}\s*\{([^{}]{1,64})\}")
 _TEXT_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]{0,200})\}")
 _LATEX_NOISE_RE = re.compile(r"\\[!,;: ]|\\left|\\right|\\\(|\\\)|\\\[|\\\]")
+_LATEX_CHARS_RE = re.compile(r"[\\${}]")
 
 
 def _is_word_char(ch: str) -> bool:
@@ -77,14 +84,14 @@ def _match_value(m: re.Match, text: str) -> Fraction | None:
   digits = len(int_part) + max(len(dec) - 1, 0)
   if digits == 0 or digits > MAX_DIGITS:
     return None
-  num = Fraction(int(int_part or "0"))
-  if dec:
-    num += Fraction(int(dec[1:]), 10 ** (len(dec) - 1))
+  # One Fraction from integers (12.50 -> 1250/100): it reduces once, where adding and dividing
+  # Fractions reduces at every operation.
+  num, scale = int(int_part + dec[1:]), 10 ** max(len(dec) - 1, 0)
   den = m.group("den")
   if den is not None:
     if len(den) > MAX_DIGITS or int(den) == 0:
       return None
-    num /= int(den)
+    scale *= int(den)
   sign = m.group("sign")
   start = m.start()
   # "3-5" and "x-2": the dash joins two tokens, so it is not a minus sign.
@@ -92,7 +99,7 @@ def _match_value(m: re.Match, text: str) -> Fraction | None:
     sign = None
   if sign in ("-", "−") or m.group("sign2"):
     num = -num
-  return num
+  return Fraction(num, scale)
 
 
 def first_number(text: str) -> Fraction | None:
@@ -114,6 +121,11 @@ def last_number(text: str) -> Fraction | None:
 
 def delatex(span: str) -> str:
   """Rewrites the LaTeX wrappers models put around numbers into plain text."""
+  # Every rewrite needs a '\\', '$', '{' or '}': text without them (most of it) is skipped.
+  return _rewrite_latex(span) if _LATEX_CHARS_RE.search(span) else span
+
+
+def _rewrite_latex(span: str) -> str:
   span = _FRAC_RE.sub(r"\1/\2", span)
   span = _TEXT_RE.sub(r" \1", span)
   # '$' is either currency or a math delimiter; the value is the same without it.
