@@ -166,8 +166,7 @@ def sample_members(rollouts_K, params_K, rows_K, rewards_K, keys_K, batched=True
   its own; what shapes the program is shared (grpo_jax.train.check_vmappable). batched: as
   Sampler.generate_members."""
   t0 = time.perf_counter()
-  prompts = [None if rows is None else encode(r.config, r.tokenizer, rows)
-             for r, rows in zip(rollouts_K, rows_K)]
+  prompts = encode_members(rollouts_K, rows_K)
   first = rollouts_K[0]
   outs = first.sampler.generate_members(
       params_K, [None if p is None else p.ids for p in prompts],
@@ -175,6 +174,23 @@ def sample_members(rollouts_K, params_K, rows_K, rewards_K, keys_K, batched=True
   return [None if rows is None else score_samples(r.config, r.tokenizer, rows, p, out, rewards,
                                                   t0)
           for r, rows, p, out, rewards in zip(rollouts_K, rows_K, prompts, outs, rewards_K)]
+
+
+def encode_members(rollouts_K, rows_K) -> list[Prompts | None]:
+  """encode for each member's rows (None for a member without rows), run once for members whose
+  rows, tokenizer and prompt settings agree, as a sweep's members from one seed draw the same
+  rows: those members hold the same Prompts."""
+  done, out = {}, []
+  for r, rows in zip(rollouts_K, rows_K):
+    if rows is None:
+      out.append(None)
+      continue
+    d = r.config.data
+    key = (id(r.tokenizer), d.system_prompt, d.user_template, tuple(x["question"] for x in rows))
+    if key not in done:
+      done[key] = encode(r.config, r.tokenizer, rows)
+    out.append(done[key])
+  return out
 
 
 def evaluate_members(rollouts_K, params_K, rows_K, reward, batched=True) -> list[float]:
@@ -197,7 +213,7 @@ def precompile_sample_members(rollouts_K, params_K, rows_K, batched=True) -> Non
   """Starts compiling, in the background, the programs sample_members will run on these rows
   (Sampler.precompile_members)."""
   first = rollouts_K[0]
-  prompts = [encode(r.config, r.tokenizer, rows).ids for r, rows in zip(rollouts_K, rows_K)]
+  prompts = [p.ids for p in encode_members(rollouts_K, rows_K)]
   first.sampler.precompile_members(params_K, prompts,
                                    num_samples=config_lib.group_size(first.config),
                                    batched=batched)
@@ -217,7 +233,7 @@ def _eval_chunks(rollouts_K, rows_K):
   bs = rollouts_K[0].config.train.eval_batch_size
   for i in range(0, len(rows_K[0]), bs):
     chunks = [rows[i:i + bs] for rows in rows_K]
-    yield chunks, [encode(r.config, r.tokenizer, chunk) for r, chunk in zip(rollouts_K, chunks)]
+    yield chunks, encode_members(rollouts_K, chunks)
 
 
 def batch_layout(config, tokenizer, rows, num_rewards: int) -> dict[str, jax.ShapeDtypeStruct]:

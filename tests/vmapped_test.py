@@ -322,6 +322,31 @@ def test_each_member_samples_and_scores_with_its_own_tokenizer(tmp_path):
   assert parts[1][0].reward_BR[0, 0] == 1.0
 
 
+def test_members_that_draw_the_same_rows_encode_them_once(tmp_path, monkeypatch):
+  """A sweep's members from one seed draw the same rows each round: encode_members runs the chat
+  template and the tokenizer once for them, and each member gets what its own encode gives.
+  Members with other rows, another tokenizer or another user template are encoded apart."""
+  from grpo_jax import inputs, rollout
+  c = _config({"data.synthetic_train": 2000, "data.synthetic_test": 10})
+  train_rows, _ = inputs.datasets(c, str(tmp_path / "a"))
+  tok, _ = inputs.tokenizer(c, str(tmp_path / "a"), train_rows)
+  other_tok, _ = inputs.tokenizer(c, str(tmp_path / "b"), train_rows)  # the same, another object
+  templated = _config({"data.user_template": "Solve: {question}"})
+  same, other = train_rows[:4], train_rows[4:8]
+  members = [(c, tok, same), (c, tok, same), (c, tok, None), (c, tok, other),
+             (c, other_tok, same), (templated, tok, same), (c, tok, same)]
+  want = [None if r is None else rollout.encode(m, t, r) for m, t, r in members]
+  calls = []
+  encode = rollout.encode
+  monkeypatch.setattr(rollout, "encode", lambda *a: calls.append(a) or encode(*a))
+  got = rollout.encode_members([rollout.SingleTurn(m, t, None) for m, t, _ in members],
+                               [r for _, _, r in members])
+  assert got == want
+  assert got[0] is got[1] is got[6]  # one encode for the three
+  assert len(calls) == 4  # same (x3), other rows, other tokenizer, other template
+  assert got[5].texts != got[0].texts and all("Solve: " in t for t in got[5].texts)
+
+
 def test_a_failing_member_is_recorded_as_failed_and_its_group_goes_on(tmp_path, monkeypatch):
   """A member whose steps are all non-finite (NaN reward weights in its train step's hparams:
   NaN advantages, NaN loss, so train_step skips every step) fails at step 1 with

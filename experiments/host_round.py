@@ -1,14 +1,17 @@
-"""What scoring one sampling round costs the host: rollout.score_samples (decoding 128
-completions and scoring them with the run's rewards) on a tiny-preset run's own completions, for
-this checkout and, with --tree, another one, alternated in one process each. In a vmapped
-group this runs once per member and round, one member after another, while the device waits.
+"""What one sampling round of a vmapped group costs the host, for this checkout and, with
+--tree, another one, side by side: encoding the prompts of K = 8 members that drew the same 16
+rows (rollout.encode_members, or 8 rollout.encode calls in a checkout without it), and scoring
+one member's 128 completions (rollout.score_samples: decoding them and running the run's
+rewards). A group does both every round while the device waits, scoring the members one after
+another.
 
-    PYTHONPATH=$PWD python3 experiments/score_time.py RUN_WORKDIR [--tree=OTHER_CHECKOUT]
+    PYTHONPATH=$PWD python3 experiments/host_round.py RUN_WORKDIR [--tree=OTHER_CHECKOUT]
 
 RUN_WORKDIR: a finished tiny-preset run with completions in samples.jsonl (for example one made
 with --config.train.samples_per_step=128). Its completions fill 16 prompts x G = 8 rows (20
-tokens at most, as the sweep's runs sample); prints the median of 20 rounds of 10 calls.
-Measured in experiments/group_cuts.md ("The members' scoring").
+tokens at most, as the sweep's runs sample). Prints medians of 20 rounds of 10 calls each.
+Measured in experiments/group_cuts.md ("The members' scoring", "One encode for members that
+draw the same rows").
 """
 import argparse
 import json
@@ -18,7 +21,7 @@ import subprocess
 import sys
 import time
 
-ROUNDS, CALLS, ROWS, WIDTH = 20, 10, 128, 20
+ROUNDS, CALLS, ROWS, WIDTH, K = 20, 10, 128, 20, 8
 
 
 def _time_calls(workdir: str) -> None:
@@ -43,13 +46,22 @@ def _time_calls(workdir: str) -> None:
     out.tokens[i, :len(row)], out.lengths[i] = row, len(row)
   prompts = rollout.encode(config, tok, rows)
   rewards = build_rewards(config.rewards)
-  call = lambda: rollout.score_samples(config, tok, rows, prompts, out, rewards, 0.0)
-  call()
+  members = [rollout.SingleTurn(config, tok, None)] * K
+  calls = {
+      "encode": ((lambda: rollout.encode_members(members, [rows] * K))
+                 if hasattr(rollout, "encode_members") else
+                 (lambda: [rollout.encode(config, tok, rows) for _ in range(K)])),
+      "score": lambda: rollout.score_samples(config, tok, rows, prompts, out, rewards, 0.0)}
+  for call in calls.values():
+    call()
   for _ in range(ROUNDS):
-    t = time.perf_counter()
-    for _ in range(CALLS):
-      call()
-    print(json.dumps((time.perf_counter() - t) / CALLS), flush=True)
+    seconds = {}
+    for name, call in calls.items():
+      t = time.perf_counter()
+      for _ in range(CALLS):
+        call()
+      seconds[name] = (time.perf_counter() - t) / CALLS
+    print(json.dumps(seconds), flush=True)
 
 
 def main():
@@ -70,10 +82,12 @@ def main():
   times = {name: [] for name in procs}
   for _ in range(ROUNDS):
     for name, proc in procs.items():
-      times[name].append(float(proc.stdout.readline()))
+      times[name].append(json.loads(proc.stdout.readline()))
   for name, proc in procs.items():
     proc.wait()
-    print(f"{name}: score_samples on {ROWS} completions, median {1e3 * statistics.median(times[name]):.2f} ms")
+    median = lambda key: 1e3 * statistics.median(t[key] for t in times[name])
+    print(f"{name}: encoding {K} members' {ROWS // 8} prompts {median('encode'):.2f} ms, "
+          f"scoring one member's {ROWS} completions {median('score'):.2f} ms")
 
 
 if __name__ == "__main__":
