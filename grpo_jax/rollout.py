@@ -42,9 +42,14 @@ class Prompts:
   ids: list[list[int]]
 
 
+def _prompt_settings(config) -> tuple:
+  """What prompt_texts reads of a run's config (encode_members keys on it too)."""
+  return config.data.system_prompt, config.data.user_template
+
+
 def prompt_texts(config, tokenizer, rows) -> list[str]:
-  d = config.data
-  return [data.build_prompt(tokenizer, r["question"], d.system_prompt, d.user_template)
+  system_prompt, user_template = _prompt_settings(config)
+  return [data.build_prompt(tokenizer, r["question"], system_prompt, user_template)
           for r in rows]
 
 
@@ -185,8 +190,7 @@ def encode_members(rollouts_K, rows_K) -> list[Prompts | None]:
     if rows is None:
       out.append(None)
       continue
-    d = r.config.data
-    key = (id(r.tokenizer), d.system_prompt, d.user_template, tuple(x["question"] for x in rows))
+    key = (id(r.tokenizer), _prompt_settings(r.config), tuple(x["question"] for x in rows))
     if key not in done:
       done[key] = encode(r.config, r.tokenizer, rows)
     out.append(done[key])

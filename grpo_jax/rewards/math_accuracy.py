@@ -50,7 +50,7 @@ from grpo_jax.rewards.options import MathAccuracyOptions
 # Longer digit strings are not answers; also keeps int() below Python's 4,300-digit limit.
 MAX_DIGITS = 40
 
-# Every match starts with one of these characters (a sign, a currency sign or LaTeX's \\$, a
+# Every match starts with one of these characters (a sign, a currency sign or LaTeX's \$, a
 # digit, or the '.' of ".5"). Stated first as a lookahead, it fails the other positions of a
 # search at once instead of after the pattern's optional groups: the same matches, about twice
 # as fast (tests/rewards_math_test.py compares the two patterns).
