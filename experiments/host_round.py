@@ -10,8 +10,7 @@ another.
 RUN_WORKDIR: a finished tiny-preset run with completions in samples.jsonl (for example one made
 with --config.train.samples_per_step=128). Its completions fill 16 prompts x G = 8 rows (20
 tokens at most, as the sweep's runs sample). Prints medians of 20 rounds of 10 calls each.
-Measured in experiments/group_cuts.md ("The members' scoring", "One encode for members that
-draw the same rows").
+Measured in experiments/group_cuts.md ("Both host cuts, measured").
 """
 import argparse
 import json
@@ -25,11 +24,11 @@ ROUNDS, CALLS, ROWS, WIDTH, K = 20, 10, 128, 20, 8
 
 
 def _time_calls(workdir: str) -> None:
-  """In the child: one median per round, printed as JSON lines."""
+  """In the child: each round's seconds per call of both, printed as a JSON line."""
   import ml_collections  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
-  from grpo_jax import rollout  # pylint: disable=import-outside-toplevel
+  from grpo_jax import rollout, sampler  # pylint: disable=import-outside-toplevel
   from grpo_jax.rewards import build_rewards  # pylint: disable=import-outside-toplevel
   with open(os.path.join(workdir, "config.json")) as f:
     config = ml_collections.ConfigDict(json.load(f))
@@ -38,12 +37,11 @@ def _time_calls(workdir: str) -> None:
     ids = [tok(json.loads(line)["completion"])["input_ids"][:WIDTH] for line in f]
   with open(os.path.join(workdir, "data", "train.jsonl")) as f:
     rows = [json.loads(line) for _, line in zip(range(ROWS // 8), f)]
-  out = type("Out", (), {})()
-  out.tokens, out.lengths = np.zeros((ROWS, WIDTH), np.int32), np.zeros(ROWS, np.int32)
-  out.truncated, out.metrics = np.zeros(ROWS, bool), {}
+  tokens, lengths = np.zeros((ROWS, WIDTH), np.int32), np.zeros(ROWS, np.int32)
   for i in range(ROWS):
     row = ids[i % len(ids)]
-    out.tokens[i, :len(row)], out.lengths[i] = row, len(row)
+    tokens[i, :len(row)], lengths[i] = row, len(row)
+  out = sampler.SampleOutput(tokens, lengths, np.zeros(ROWS, bool), None, None, None, {})
   prompts = rollout.encode(config, tok, rows)
   rewards = build_rewards(config.rewards)
   members = [rollout.SingleTurn(config, tok, None)] * K

@@ -80,13 +80,13 @@ def _is_word_char(ch: str) -> bool:
 def _match_value(m: re.Match, text: str) -> Fraction | None:
   """The value of a NUMBER_RE match in `text`, or None if it is not a usable number."""
   int_part = (m.group("int") or "").replace(",", "")
-  dec = m.group("dec") or ""
-  digits = len(int_part) + max(len(dec) - 1, 0)
+  decimals = (m.group("dec") or ".")[1:]  # the digits after the point
+  digits = len(int_part) + len(decimals)
   if digits == 0 or digits > MAX_DIGITS:
     return None
   # One Fraction from integers (12.50 -> 1250/100): it reduces once, where adding and dividing
   # Fractions reduces at every operation.
-  num, scale = int(int_part + dec[1:]), 10 ** max(len(dec) - 1, 0)
+  num, scale = int(int_part + decimals), 10 ** len(decimals)
   den = m.group("den")
   if den is not None:
     if len(den) > MAX_DIGITS or int(den) == 0:
