@@ -7,10 +7,11 @@
 #         decode attention first: its on-device check prints FAILED if the kernel is off),
 #         cuDNN's attention, and the fewest-kernel decode under XLA's command buffers; about
 #         5-6 minutes.
-# PART 2: the vmapped sweep at 50 steps (up to 7 minutes) and its group's phases (with and
-#         without XLA's autotuning), the layers written out alone, the 0.5B step against TRL
-#         with remat on both sides, the log-prob block sizes, XLA's dynamic-slice fusion, the
-#         1.5B step against TRL, the LoRA presets.
+# PART 2: the layers written out alone, the 0.5B step against TRL with remat on both sides, the
+#         log-prob block sizes, XLA's dynamic-slice fusion, the 1.5B step against TRL, the LoRA
+#         presets and the LoRA sweep, then again the vmapped sweep at 50 steps (up to 7 minutes;
+#         measured on an H200 on 2026-11-28, experiments/gpu_2026-11-28.md) and its group's
+#         phases.
 #
 # Each command gets at most its own limit and never runs past SECONDS (default 540) from the
 # start; one with under 25 s left is skipped. Logs go to $OUT/<name>.log (OUT defaults to
@@ -68,16 +69,8 @@ case "$PART" in
       --unroll_decode --decode_attention pallas --no_kernels "${DATA[@]}"
     ;;
   2)
-    # issue 32: 8 tiny runs one after another, then vmapped; it prints nothing until both end
-    run sweep50 420 python3 benchmarks/sweep.py --steps=50 --workdir=/tmp/sweep50
-    # the group's phases, from sweep50's warm start (same plan, same workdir)
-    run group_phases 120 python3 benchmarks/group_phases.py --steps=50 --workdir=/tmp/sweep50
-    # the same without XLA's autotuning: how much of the group's compiles (its first step took
-    # 23.4 s on an H200, mostly the sampler's compile) is autotuning; a diagnosis, not a setting
-    run group_phases_autotune0 110 env XLA_FLAGS=--xla_gpu_autotune_level=0 \
-      python3 benchmarks/group_phases.py --steps=50 --workdir=/tmp/sweep50
     # without part 1 before it, this first 0.5B command also prepares the inputs (~30 s)
-    step05 unroll 110 --unroll_decode --no_kernels            # 364 kernels
+    step05 unroll 150 --unroll_decode --no_kernels            # 364 kernels
     run trl05 170 python3 benchmarks/gpu_step.py --sizes 0.5b --remat 0.5b --sides grpo_jax,trl \
       --dir /tmp/gs --budget_s 155 --no_kernels "${DATA[@]}"
     step05 logprob4 60 --logprob_block_mib 4 --no_kernels
@@ -92,6 +85,14 @@ case "$PART" in
     run preset_3b_lora 150 python3 benchmarks/preset_steps.py --preset 3b_lora --steps 2 "${DATA[@]}"
     run preset_7b_lora 200 python3 benchmarks/preset_steps.py --preset 7b_lora --steps 2 "${DATA[@]}"
     run sweep_lora 200 python3 benchmarks/sweep.py --lora --workdir=/tmp/sweep_lora
+    # 8 tiny runs one after another, then vmapped; it prints nothing until both end
+    run sweep50 420 python3 benchmarks/sweep.py --steps=50 --workdir=/tmp/sweep50
+    # the group's phases, from sweep50's warm start (same plan, same workdir)
+    run group_phases 120 python3 benchmarks/group_phases.py --steps=50 --workdir=/tmp/sweep50
+    # the same without XLA's autotuning: how much of the group's compiles is autotuning (on an
+    # H200, 2026-11-28: about 7 s of the train program's 21.4 s); a diagnosis, not a setting
+    run group_phases_autotune0 110 env XLA_FLAGS=--xla_gpu_autotune_level=0 \
+      python3 benchmarks/group_phases.py --steps=50 --workdir=/tmp/sweep50
     ;;
   *) echo "PART is 1 or 2"; exit 2 ;;
 esac
