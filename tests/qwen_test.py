@@ -278,3 +278,31 @@ def test_config_roundtrip_and_bad_configs():
   with pytest.raises(ValueError, match="num_kv_heads"):
     qwen.QwenConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
                     num_heads=3, num_kv_heads=2, head_dim=4)
+
+
+def test_abstract_params_and_axes_are_the_inits_own_and_safe_to_edit():
+  """abstract_params / logical_axes trace the init once per (config, dtype) and hand out new
+  dicts: they equal a fresh jax.eval_shape of the init for every dtype asked, and a caller that
+  edits what it got (quant.logical_axes does) leaves the next caller's tree as it was."""
+  import flax.linen as nn
+  cfg = qwen.QwenConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2,
+                        num_heads=2, num_kv_heads=1, head_dim=8)
+
+  def fresh(dtype):
+    boxed = jax.eval_shape(lambda k: qwen.Qwen(cfg, param_dtype=dtype).init(
+        k, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
+        jnp.ones((1, 1), jnp.int32)), jax.random.key(1))
+    return nn.unbox(boxed)["params"], nn.get_partition_spec(boxed)["params"]
+
+  shape = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)
+  for dtype in (jnp.float32, jnp.bfloat16, jnp.float32):
+    want_params, want_axes = fresh(dtype)
+    got = qwen.abstract_params(cfg, dtype)
+    assert shape(got) == shape(want_params)
+    assert qwen.logical_axes(cfg) == want_axes
+    got["embed_tokens"]["embedding"] = None
+    got.pop("norm")
+    axes = qwen.logical_axes(cfg)
+    axes["layers"].clear()
+  assert shape(qwen.abstract_params(cfg)) == shape(fresh(jnp.float32)[0])
+  assert qwen.logical_axes(cfg) == fresh(jnp.float32)[1]

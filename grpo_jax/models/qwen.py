@@ -870,13 +870,21 @@ def init_params(cfg: QwenConfig, key, param_dtype=jnp.float32):
   return nn.unbox(_init_variables(cfg, key, param_dtype))["params"]
 
 
+@functools.lru_cache(maxsize=32)
+def _boxed_shapes(cfg: QwenConfig, param_dtype):
+  """The init's variables as ShapeDtypeStructs in their logical-axis boxes. Tracing the init
+  takes a fraction of a second, and a run asks for these shapes and axes a dozen times (the
+  shardings of its states, programs and checkpoints), so they are traced once per config.
+  The callers get new dicts (nn.unbox and nn.get_partition_spec build them) and may edit
+  them."""
+  return jax.eval_shape(lambda k: _init_variables(cfg, k, param_dtype), jax.random.key(0))
+
+
 def abstract_params(cfg: QwenConfig, param_dtype=jnp.float32):
   """ShapeDtypeStructs of the params: no memory is allocated."""
-  boxed = jax.eval_shape(lambda k: _init_variables(cfg, k, param_dtype), jax.random.key(0))
-  return nn.unbox(boxed)["params"]
+  return nn.unbox(_boxed_shapes(cfg, jnp.dtype(param_dtype)))["params"]  # new dicts
 
 
 def logical_axes(cfg: QwenConfig):
   """A pytree (same structure as params) of PartitionSpecs of logical axis names."""
-  boxed = jax.eval_shape(lambda k: _init_variables(cfg, k, jnp.float32), jax.random.key(0))
-  return nn.get_partition_spec(boxed)["params"]
+  return nn.get_partition_spec(_boxed_shapes(cfg, jnp.dtype(jnp.float32)))["params"]
