@@ -281,9 +281,11 @@ def test_config_roundtrip_and_bad_configs():
 
 
 def test_abstract_params_and_axes_are_the_inits_own_and_safe_to_edit():
-  """abstract_params / logical_axes trace the init once per (config, dtype) and hand out new
-  dicts: they equal a fresh jax.eval_shape of the init for every dtype asked, and a caller that
-  edits what it got (quant.logical_axes does) leaves the next caller's tree as it was."""
+  """abstract_params / logical_axes come from a cache of the init's shapes keyed by (config,
+  dtype): they equal a fresh jax.eval_shape of the init for every dtype asked (bf16 between
+  two fp32 requests, so a cache that ignored the dtype fails), and a caller that edits what it
+  got (quant.logical_axes does) leaves the next caller's tree as it was. That the init is
+  traced once is a speed matter and not asserted here."""
   import flax.linen as nn
   cfg = qwen.QwenConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2,
                         num_heads=2, num_kv_heads=1, head_dim=8)
