@@ -13,23 +13,27 @@ seccomp filter compiled with libseccomp; the child's side is sandbox_child.py. L
   killed with bwrap, and bwrap with the call).
 - user: as root, bwrap mounts as root and the child drops to nobody (65534) before reading the
   code: a real unprivileged uid, no capabilities. As an ordinary user, a user namespace maps
-  nobody inside to the trainer's uid outside, with no capabilities and no further user
-  namespaces (--disable-userns); the trainer's files are then kept out by the mounts.
+  nobody inside to the trainer's uid outside, with no further user namespaces
+  (--disable-userns); the trainer's files are then kept out by the mounts. Either way the child
+  starts with CAP_SYS_ADMIN for one mount (below) and clears every capability before the code.
 - mounts: a fresh root holding only /usr (and the /bin, /lib links), ld.so's cache, the Python
-  installation, a new /proc (/proc/keys and its like covered) and a minimal /dev, all
-  read-only but a size-capped tmpfs working directory (/sandbox/work, disk_bytes). The child
-  holds no capability in the namespace that owns them, so it cannot remount them, and seccomp
-  refuses the mount calls besides.
+  installation (a venv at /sandbox/venv), a new /proc (/proc/keys and its like covered) and a
+  minimal /dev, all read-only but the working directory (/sandbox/work): a tmpfs capped at
+  disk_bytes and max_inodes, which the child mounts itself in a mount namespace of its own (no
+  bwrap option caps a tmpfs's inodes; sandbox_child.mount_workdir). The child then holds no
+  capability, so it cannot remount anything, and seccomp refuses the mount calls besides.
 - network, IPC, UTS, cgroup namespaces: no interface but a down loopback, no abstract sockets,
   no System V objects of the host.
-- seccomp (refused with EPERM): a second process (fork, vfork, clone without CLONE_THREAD: a
+- seccomp (refused with EPERM; loaded by the child after its mount): a second process (fork, vfork, clone without CLONE_THREAD: a
   call is one process, so RLIMIT_AS bounds its whole memory), ptrace and process_vm_*, every
   mount and namespace call, pidfd_*, kcmp, socket() (socketpair only for AF_UNIX),
   connect/bind/listen/accept, keyctl, bpf, perf_event_open, userfaultfd, io_uring, AIO,
   inotify, memfd_create, System V IPC, module/kexec/reboot/clock calls; clone3 answers ENOSYS
   so that clone's flags can be checked.
-- rlimits (sandbox_child.py): CPU seconds, address space, processes, file size, open files; and
-  oom_score_adj 1000, so that the OOM killer takes the call before the trainer.
+- rlimits (sandbox_child.py): CPU seconds, address space, processes, file size, open files,
+  queued signals (and so POSIX timers); none of locked memory, message queues, real-time or
+  raised priority; and oom_score_adj 1000, so that the OOM killer takes the call before the
+  trainer. docs/sandbox.md has a table of what each layer bounds and the error the code sees.
 - wall clock and output: every call has `timeout_s` and `max_output_bytes`; past either, bwrap's
   process group gets SIGKILL, and the namespace with it.
 - environment: only PATH, HOME, TMPDIR and the locale; nothing of the parent's (no tokens).

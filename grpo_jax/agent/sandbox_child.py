@@ -106,7 +106,8 @@ def mount_workdir(c: dict) -> None:
 
   A size-capped tmpfs bounds bytes only: an empty file, a FIFO, a directory or a symlink costs
   an inode (about 1 KiB of kernel memory) and no byte, so a 5 s call could make a million of
-  them, and the kernel freeing them when the call ends kept run_python ~2 s past its timeout.
+  them, which the kernel frees as the call ends (~2 s for a million, which run_python waits
+  for: docs/sandbox.md).
   tmpfs bounds them with nr_inodes (ENOSPC past it; hard links and xattrs count too), which
   bwrap (to 0.11) cannot pass: it writes the tmpfs options itself, size= only. Hence this
   mount, made while the process still holds CAP_SYS_ADMIN (bwrap's --cap-add; cleared before
