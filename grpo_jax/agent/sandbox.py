@@ -24,8 +24,9 @@ seccomp filter compiled with libseccomp; the child's side is sandbox_child.py. L
   capability, so it cannot remount anything, and seccomp refuses the mount calls besides.
 - network, IPC, UTS, cgroup namespaces: no interface but a down loopback, no abstract sockets,
   no System V objects of the host.
-- seccomp (refused with EPERM; loaded by the child after its mount): a second process (fork, vfork, clone without CLONE_THREAD: a
-  call is one process, so RLIMIT_AS bounds its whole memory), ptrace and process_vm_*, every
+- seccomp (refused with EPERM; loaded by the child after its mount): a second process (fork,
+  vfork, clone without CLONE_THREAD: a call is one process, so RLIMIT_AS bounds its whole
+  memory), ptrace and process_vm_*, every
   mount and namespace call, pidfd_*, kcmp, socket() (socketpair only for AF_UNIX),
   connect/bind/listen/accept, keyctl, bpf, perf_event_open, userfaultfd, io_uring, AIO,
   inotify, memfd_create, System V IPC, module/kexec/reboot/clock calls; clone3 answers ENOSYS

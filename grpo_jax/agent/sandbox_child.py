@@ -5,9 +5,10 @@ strict mode bwrap has already built the namespaces and the read-only mounts; her
 working directory (a tmpfs capped in bytes and inodes, mounted with the CAP_SYS_ADMIN that
 bwrap left for it), the rlimits, root dropped to nobody (as root; bwrap also left CAP_SETUID and
 CAP_SETGID), every capability cleared, the seccomp filter, a check that no capability is left
-and the filter is on, an audit hook, and only then ./main.py is compiled and run. The limits are set here rather than in a `preexec_fn`: that runs Python in a fork of a
-multi-threaded parent (run_calls' pool, JAX), which CPython documents as deadlock-prone.
-Nothing in this file is model text; CONFIG_JSON is written by sandbox.run_python.
+and the filter is on, an audit hook, and only then ./main.py is compiled and run. The limits
+are set here rather than in a `preexec_fn`: that runs Python in a fork of a multi-threaded
+parent (run_calls' pool, JAX), which CPython documents as deadlock-prone. Nothing in this file
+is model text; CONFIG_JSON is written by sandbox.run_python.
 """
 import builtins
 import json
