@@ -395,8 +395,9 @@ MAX_INODES = inspect.signature(sandbox.run_python).parameters["max_inodes"].defa
 def test_a_flood_of_inodes_meets_the_cap_and_the_call_still_ends_on_time(make, timeout_s):
   """Files that cost no byte still cost an inode and kernel memory: the working directory's
   tmpfs holds at most max_inodes (the directory and main.py among them), the code gets ENOSPC
-  past it, and, as the kernel has only that many to free, the call returns on time. Without
-  the cap a 5 s flood made ~1M inodes and returned 1.6-1.9 s late (freeing them)."""
+  past it, and, as the kernel has only that many to free, the call returns on time. At
+  tmpfs's default (half the RAM's pages) a 5 s flood makes ~1M inodes and the call returns
+  1.6-2.0 s late, the kernel freeing them (experiments/sandbox_attacks.md)."""
   start = time.monotonic()
   r = _run(f"""
       import errno, os, stat
