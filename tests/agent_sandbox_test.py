@@ -9,6 +9,7 @@ CI) and once as nobody (the test drops to it with unshare and setpriv where it c
 why it is skipped where it cannot); every attack must leave the trainer as it was.
 """
 import errno
+import inspect
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import sandbox_attacks
-from grpo_jax.agent import sandbox
+from grpo_jax.agent import sandbox, sandbox_child
 from grpo_jax.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,6 +84,29 @@ def test_normal_code_runs_in_its_namespaces():
   assert int(pid) == 2  # bwrap's init is 1: a PID namespace of its own
   assert int(size) == 8 << 20  # the working directory is the capped tmpfs
   assert "tmp" not in top and "home" not in top and "sandbox" in top
+
+
+def test_a_venv_is_mounted_without_the_path_it_lives_under(tmp_path):
+  """A trainer in a venv under /tmp: the sandbox runs the venv's interpreter, its packages
+  importable, with no /tmp (or anything else of the venv's path) at the sandbox's root."""
+  venv = tmp_path / "venv"
+  subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                 timeout=120)
+  site = subprocess.run([str(venv / "bin" / "python3"), "-c",
+                         "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                        capture_output=True, text=True, check=True).stdout.strip()
+  Path(site, "venv_only_module.py").write_text("WHERE = __file__\n")
+  code = ("import json, os, sys, venv_only_module\n"
+          "print(json.dumps([sys.prefix, venv_only_module.WHERE, sorted(os.listdir('/'))]))")
+  p = subprocess.run([str(venv / "bin" / "python3"), "-c",
+                      "import sys; from grpo_jax.agent import sandbox; "
+                      f"r = sandbox.run_python({code!r}); print(r.stdout, r.stderr)"],
+                     cwd=REPO, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+                     capture_output=True, text=True, timeout=60, check=False)
+  assert p.returncode == 0, p.stderr
+  prefix, where, top = json.loads(p.stdout)
+  assert prefix == sandbox.VENV and where.startswith(sandbox.VENV + "/"), (prefix, where)
+  assert tmp_path.parts[1] not in top and "sandbox" in top, top
 
 
 def test_errors_and_bad_source_are_results_not_exceptions():
@@ -237,6 +261,60 @@ def test_without_the_hook_and_the_filter_rlimit_nproc_caps_a_fork_bomb():
   _assert_contained_afterwards(r.stdout.strip())
 
 
+def test_the_kernels_other_counts_are_capped_by_rlimits():
+  """What the kernel keeps per process or per user: pipes and eventfds count as open files,
+  POSIX timers hold a queued signal each, message queues and locked memory get nothing, and
+  the priority cannot be raised. Through libc (ctypes; the hook off), as the kernel sees it."""
+  r = _run("""
+      import ctypes, errno, json, mmap, os, resource
+      libc = ctypes.CDLL(None, use_errno=True)
+      def count(make):  # [how many, the errno that stopped it]
+        n = 0
+        try:
+          while n < 100_000:
+            if make() < 0:
+              return [n, errno.errorcode[ctypes.get_errno()]]
+            n += 1
+        except OSError as e:
+          return [n, errno.errorcode[e.errno]]
+        return [n, 'none']
+      def close_all():
+        for fd in range(3, 64):
+          try:
+            os.close(fd)
+          except OSError:
+            pass
+      seen = {'pipes': count(lambda: os.pipe()[0])}
+      close_all()
+      seen['eventfds'] = count(lambda: os.eventfd(0))
+      close_all()
+      timer = ctypes.c_void_p()
+      seen['timers'] = count(lambda: libc.timer_create(1, None, ctypes.byref(timer)))
+      seen['mq_open'] = count(lambda: libc.mq_open(b'/q', os.O_CREAT | os.O_RDWR, 0o600, None))
+      page = mmap.mmap(-1, 1 << 16)
+      address = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(page)))
+      seen['mlock'] = count(lambda: libc.mlock(address, 1 << 16) - 1)  # 0 (locked) stops too
+      seen['SCHED_FIFO'] = count(
+          lambda: os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1)) or -1)
+      seen['nice(-1)'] = count(lambda: os.nice(-1) and -1)
+      seen['rlimits'] = {name: resource.getrlimit(getattr(resource, name))[0] for name in (
+          'RLIMIT_MEMLOCK', 'RLIMIT_MSGQUEUE', 'RLIMIT_SIGPENDING', 'RLIMIT_RTPRIO',
+          'RLIMIT_NICE')}
+      print(json.dumps(seen))
+  """, audit=False, max_open_files=32)
+  assert r.status == "ok", r.stderr
+  seen = json.loads(r.stdout)
+  # 32 descriptors, stdin/out/err and the few the interpreter holds among them; a pipe is two.
+  assert seen["pipes"][1] == "EMFILE" and 10 <= seen["pipes"][0] <= 14, seen
+  assert seen["eventfds"][1] == "EMFILE" and 20 <= seen["eventfds"][0] <= 29, seen
+  assert seen["timers"] == [sandbox_child.MAX_PENDING_SIGNALS, "EAGAIN"], seen
+  assert seen["mq_open"] == [0, "EMFILE"] and seen["mlock"] == [0, "EPERM"], seen
+  assert seen["SCHED_FIFO"] == [0, "EPERM"] and seen["nice(-1)"] == [0, "EPERM"], seen
+  assert seen["rlimits"] == {"RLIMIT_MEMLOCK": 0, "RLIMIT_MSGQUEUE": 0, "RLIMIT_RTPRIO": 0,
+                             "RLIMIT_NICE": 0,
+                             "RLIMIT_SIGPENDING": sandbox_child.MAX_PENDING_SIGNALS}, seen
+
+
 def test_a_10_gb_allocation_fails_at_the_address_space_limit():
   r = _run("""
       import resource
@@ -302,6 +380,49 @@ def test_the_disk_is_bounded_by_the_tmpfs():
   written, error = map(int, r.stdout.split())
   assert int(error) == errno.ENOSPC
   assert 6 << 20 <= written <= 8 << 20
+
+
+BOUND_S = 1.5  # how long past its timeout a call may return, on a loaded 2-core machine
+MAX_INODES = inspect.signature(sandbox.run_python).parameters["max_inodes"].default
+
+
+@pytest.mark.parametrize("make, timeout_s", [
+    ("os.mknod(name, stat.S_IFIFO | 0o600)", 5.0),  # the timeout of the agent presets' tool
+    ("os.mkdir(name)", 2.0),
+    ("os.symlink('x' * 200, name)", 2.0),
+    ("os.close(os.open(name, os.O_WRONLY | os.O_CREAT))", 2.0),
+])
+def test_a_flood_of_inodes_meets_the_cap_and_the_call_still_ends_on_time(make, timeout_s):
+  """Files that cost no byte still cost an inode and kernel memory: the working directory's
+  tmpfs holds at most max_inodes (the directory and main.py among them), the code gets ENOSPC
+  past it, and, as the kernel has only that many to free, the call returns on time. At
+  tmpfs's default (half the RAM's pages) a 5 s flood makes ~1M inodes and the call returns
+  1.6-2.0 s late, the kernel freeing them (experiments/sandbox_attacks.md)."""
+  start = time.monotonic()
+  r = _run(f"""
+      import errno, os, stat
+      st = os.statvfs('.')
+      print(os.readlink('/proc/self/ns/pid'), st.f_files, st.f_files - st.f_ffree, flush=True)
+      made = refused = 0
+      while True:  # for the whole timeout: past the cap, every try is refused
+        name = f'n{{made + refused}}'
+        try:
+          {make}
+          made += 1
+        except OSError as e:
+          if refused == 0:
+            print(made, errno.errorcode[e.errno], flush=True)
+          refused += 1
+  """, audit=False, timeout_s=timeout_s)
+  wall = time.monotonic() - start
+  assert (r.status, r.exit_code, r.signal) == ("timeout", None, signal.SIGKILL), r
+  assert timeout_s <= wall < timeout_s + BOUND_S, wall
+  first, second = r.stdout.splitlines()
+  pid_ns, files, used = first.split()
+  made, error = second.split()
+  assert (int(files), int(used), error) == (MAX_INODES, 2, "ENOSPC"), r.stdout
+  assert int(made) == MAX_INODES - 2
+  _assert_contained_afterwards(pid_ns)
 
 
 @pytest.mark.parametrize("code", [
@@ -392,9 +513,18 @@ def test_a_flood_of_output_is_stopped_at_the_bound(code):
   assert r.seconds < 3
 
 
-def test_a_sandbox_that_cannot_be_set_up_raises():
-  with pytest.raises(sandbox.SandboxError, match="set-up failed: bwrap: --size"):
-    sandbox.run_python("print(1)", disk_bytes=0)
+def test_a_sandbox_that_cannot_be_set_up_raises(monkeypatch):
+  # The child's set-up failing (here the kernel refusing a filter with no return instruction)
+  # is the sandbox's error, raised before the code runs, not a result of the code.
+  monkeypatch.setattr(sandbox, "seccomp_program", lambda: bytes(8))
+  with pytest.raises(sandbox.SandboxError,
+                     match=r"set-up failed: sandbox: .*prctl\(PR_SET_SECCOMP\): Invalid argument"):
+    sandbox.run_python("print('the code ran')")
+  # tmpfs reads a size or an inode count of 0 (or 2**64, which wraps to 0) as no limit.
+  for limits in (dict(disk_bytes=0), dict(max_inodes=0), dict(max_inodes=1 << 64),
+                 dict(disk_bytes=1 << 64), dict(max_inodes=1e4)):
+    with pytest.raises(ValueError, match=f"{next(iter(limits))}=.*: use an int from"):
+      sandbox.run_python("print(1)", **limits)
 
 
 # --- a missing layer refuses to start; 'unsafe' warns -------------------------------------------
@@ -482,6 +612,7 @@ def _assert_no_escape(results: dict) -> None:
   assert {"no capability", "read-only mounts"} <= remount
   assert "locked mounts" in remount or "--disable-userns" in remount, remount
   assert "tmpfs size" in results["fill the disk past the cap"]["layers"]
+  assert results["fill the inodes past the cap"]["layers"] == ["tmpfs inodes"]
   assert "audit hook" in results["switch off the audit hook from inside"]["layers"]
 
 

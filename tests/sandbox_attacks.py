@@ -202,6 +202,23 @@ ATTACKS = {
         attempt('memfd_create', lambda: os.memfd_create('m'))
         report(written=written)
     """, dict(audit=False, disk_bytes=16 << 20, max_file_bytes=8 << 20), "disk"),
+    "fill the inodes past the cap": ("""
+        # Files that cost no byte: each costs an inode (and kernel memory) all the same.
+        import stat
+        made = {}
+        def flood(kind, make):
+          made[kind] = 0
+          while True:
+            make(f'{kind}{made[kind]}')
+            made[kind] += 1
+        attempt('inodes: mknod FIFOs', lambda: flood('p', lambda n: os.mknod(n, stat.S_IFIFO)))
+        for i, (kind, make) in enumerate((
+            ('d', os.mkdir), ('l', lambda n: os.symlink('x', n)),
+            ('f', lambda n: os.close(os.open(n, os.O_WRONLY | os.O_CREAT))))):
+          os.remove(f'p{i}')  # one inode free for each kind: it must get one, and no more
+          attempt(f'inodes: {kind} after one was freed', lambda: flood(kind, make))
+        report(made=made)
+    """, dict(audit=False, max_inodes=2000), "inodes"),
     "ptrace, new namespaces and kernel interfaces": ("""
         # PTRACE_SEIZE: attaches without stopping the tracee
         attempt('ptrace(SEIZE, trainer)', lambda: libc_call('ptrace', 0x4206, TRAINER, None, None))
@@ -343,6 +360,16 @@ def run_attack(name: str, ctx: dict) -> dict:
     if "cwd" not in seen or os.path.exists(seen["cwd"]):
       escaped.append(f"the directory was not removed: {seen.get('cwd')}")
     steps["clean-up"] = "PermissionError: removed" if not escaped else "ok"
+  elif check == "inodes":
+    escaped = []  # making files inside the cap is what the directory is for
+    made, cap = seen.get("made", {}), options["max_inodes"]
+    # The directory and main.py are 2 of the cap; 3 of the FIFOs were removed.
+    if sum(made.values()) - 3 > cap - 2:
+      escaped.append(f"made {made} inodes past the {cap} cap")
+    if made.get("p", 0) < cap - 2 or any(made.get(k) != 1 for k in "dlf"):
+      escaped.append(f"the cap was not where it should be: {made}")
+    if r.seconds > 5.0:
+      escaped.append(f"the call took {r.seconds:.1f} s")
   elif check == "disk":
     escaped = []  # writing inside the cap is what the directory is for
     if seen.get("written", 0) > options["disk_bytes"]:
@@ -357,6 +384,8 @@ def run_attack(name: str, ctx: dict) -> dict:
       return "locked mounts"  # made in a parent user namespace: no child namespace may change them
     if code in ("EINVAL", "EFAULT", "EBADF", "ENOTSUP"):
       return "the kernel (bad arguments; seccomp alone refuses the call)"
+    if step.startswith("inodes") and code == "ENOSPC":
+      return "tmpfs inodes"
     if step.startswith("unshare") and code == "ENOSPC":
       return "--disable-userns"  # no user namespace can be made inside the sandbox's
     if code == "EPERM" and not options.get("seccomp", True):

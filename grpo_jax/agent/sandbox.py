@@ -13,23 +13,28 @@ seccomp filter compiled with libseccomp; the child's side is sandbox_child.py. L
   killed with bwrap, and bwrap with the call).
 - user: as root, bwrap mounts as root and the child drops to nobody (65534) before reading the
   code: a real unprivileged uid, no capabilities. As an ordinary user, a user namespace maps
-  nobody inside to the trainer's uid outside, with no capabilities and no further user
-  namespaces (--disable-userns); the trainer's files are then kept out by the mounts.
+  nobody inside to the trainer's uid outside, with no further user namespaces
+  (--disable-userns); the trainer's files are then kept out by the mounts. Either way the child
+  starts with CAP_SYS_ADMIN for one mount (below) and clears every capability before the code.
 - mounts: a fresh root holding only /usr (and the /bin, /lib links), ld.so's cache, the Python
-  installation, a new /proc (/proc/keys and its like covered) and a minimal /dev, all
-  read-only but a size-capped tmpfs working directory (/sandbox/work, disk_bytes). The child
-  holds no capability in the namespace that owns them, so it cannot remount them, and seccomp
-  refuses the mount calls besides.
+  installation (a venv at /sandbox/venv), a new /proc (/proc/keys and its like covered) and a
+  minimal /dev, all read-only but the working directory (/sandbox/work): a tmpfs capped at
+  disk_bytes and max_inodes, which the child mounts itself in a mount namespace of its own (no
+  bwrap option caps a tmpfs's inodes; sandbox_child.mount_workdir). The child then holds no
+  capability, so it cannot remount anything, and seccomp refuses the mount calls besides.
 - network, IPC, UTS, cgroup namespaces: no interface but a down loopback, no abstract sockets,
   no System V objects of the host.
-- seccomp (refused with EPERM): a second process (fork, vfork, clone without CLONE_THREAD: a
-  call is one process, so RLIMIT_AS bounds its whole memory), ptrace and process_vm_*, every
+- seccomp (refused with EPERM; loaded by the child after its mount): a second process (fork,
+  vfork, clone without CLONE_THREAD: a call is one process, so RLIMIT_AS bounds its whole
+  memory), ptrace and process_vm_*, every
   mount and namespace call, pidfd_*, kcmp, socket() (socketpair only for AF_UNIX),
   connect/bind/listen/accept, keyctl, bpf, perf_event_open, userfaultfd, io_uring, AIO,
   inotify, memfd_create, System V IPC, module/kexec/reboot/clock calls; clone3 answers ENOSYS
   so that clone's flags can be checked.
-- rlimits (sandbox_child.py): CPU seconds, address space, processes, file size, open files; and
-  oom_score_adj 1000, so that the OOM killer takes the call before the trainer.
+- rlimits (sandbox_child.py): CPU seconds, address space, processes, file size, open files,
+  queued signals (and so POSIX timers); none of locked memory, message queues, real-time or
+  raised priority; and oom_score_adj 1000, so that the OOM killer takes the call before the
+  trainer. docs/sandbox.md has a table of what each layer bounds and the error the code sees.
 - wall clock and output: every call has `timeout_s` and `max_output_bytes`; past either, bwrap's
   process group gets SIGKILL, and the namespace with it.
 - environment: only PATH, HOME, TMPDIR and the locale; nothing of the parent's (no tokens).
@@ -69,6 +74,8 @@ MODES = ("strict", "unsafe")
 # /sandbox, a path no Python installation should be at (_python_dirs refuses one there).
 WORKDIR = "/sandbox/work"
 CHILD_PATH = "/sandbox/child.py"
+MAIN_PATH = "/sandbox/main.py"  # the code, read-only; the child copies it into WORKDIR
+VENV = "/sandbox/venv"  # where the trainer's venv is mounted, if it runs in one (see _venv)
 # Kernel files that a new /proc shows of the whole machine: /proc/keys lists the keys of the
 # trainer's session keyring (names and sizes) by possession. Each is hidden under /dev/null.
 MASKED_PROC = ("/proc/keys", "/proc/key-users", "/proc/timer_list", "/proc/sched_debug")
@@ -202,14 +209,37 @@ def seccomp_program() -> bytes:
 
 # --- bubblewrap ---------------------------------------------------------------------------------
 
+def _venv() -> str | None:
+  """The venv the trainer runs in (its directory, resolved), or None: a directory holding
+  pyvenv.cfg whose bin/ holds sys.executable. Python finds a venv from where its executable
+  is, so the sandbox can mount it at VENV and run VENV/bin/<name> (the base installation it
+  points to stays at its own path): a venv under /tmp or /home shows no /tmp or /home."""
+  prefix = os.path.realpath(sys.prefix)
+  if (prefix != os.path.realpath(sys.base_prefix)
+      and os.path.isfile(os.path.join(prefix, "pyvenv.cfg"))
+      and os.path.realpath(os.path.dirname(sys.executable)) == os.path.join(prefix, "bin")):
+    return prefix
+  return None
+
+
+def _interpreter() -> str:
+  """The interpreter's path inside the sandbox."""
+  if _venv() is None:
+    return sys.executable
+  return os.path.join(VENV, "bin", os.path.basename(sys.executable))
+
+
 def _python_dirs() -> list[str]:
-  """The directories the interpreter needs, outside /usr: its prefixes (a venv and its base).
-  SandboxUnavailable for one where the sandbox mounts its own (/sandbox, /proc, /dev, /etc)."""
+  """The directories the interpreter needs at their own paths, outside /usr: its prefixes (a
+  venv's base; the venv itself is mounted at VENV). SandboxUnavailable for one where the
+  sandbox mounts its own (/sandbox, /proc, /dev, /etc)."""
+  venv = _venv()
   dirs = []
   for p in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
             os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))):
     p = os.path.realpath(p)
-    if p != "/" and not any(p == d or p.startswith(d + "/") for d in ["/usr"] + dirs):
+    if p != "/" and p != venv and not any(p == d or p.startswith(d + "/")
+                                          for d in ["/usr"] + dirs):
       dirs = [d for d in dirs if not d.startswith(p + "/")] + [p]
   for d in dirs:
     for own in ("/sandbox", "/proc", "/dev", "/etc"):
@@ -221,17 +251,21 @@ def _python_dirs() -> list[str]:
   return dirs
 
 
-def _bwrap_args(root: bool, disk_bytes: int, main_fd: int, child_fd: int, info_fd: int,
-                seccomp_fd: int | None) -> list[str]:
+def _bwrap_args(root: bool, main_fd: int, child_fd: int, info_fd: int) -> list[str]:
+  """bwrap's command line: the namespaces and the read-only mounts. The working directory is
+  only a mount point here: the child mounts the tmpfs itself, and loads the seccomp filter
+  after that (sandbox_child.set_up), as bwrap has no option for a tmpfs's inodes."""
   if root:
     # bwrap mounts as root (it can reach a Python under a 0700 /root); the child then drops to
-    # nobody itself with the only two capabilities it keeps, before any model text is read.
+    # nobody itself with two of the three capabilities it keeps, before any model text is read.
     ns = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
           "--unshare-cgroup-try", "--cap-drop", "ALL", "--cap-add", "CAP_SETUID",
-          "--cap-add", "CAP_SETGID"]
+          "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SYS_ADMIN"]
   else:
     ns = ["--unshare-all", "--unshare-user", "--disable-userns", "--uid", str(NOBODY),
-          "--gid", str(NOBODY)]
+          "--gid", str(NOBODY), "--cap-add", "CAP_SYS_ADMIN"]
+  # CAP_SYS_ADMIN: for the child to mount its working directory (sandbox_child.mount_workdir),
+  # cleared there, with the rest, before the code is read.
   args = ["bwrap", *ns, "--die-with-parent", "--new-session", "--hostname", "sandbox",
           "--info-fd", str(info_fd),
           "--ro-bind", "/usr", "/usr"]
@@ -255,17 +289,18 @@ def _bwrap_args(root: bool, disk_bytes: int, main_fd: int, child_fd: int, info_f
   # The child's file is copied in (no host path of the checkout in bwrap's argv, which the
   # sandbox's pid 1 shows in /proc/1/cmdline).
   args += ["--perms", "0755", "--dir", "/sandbox", "--perms", "0644", "--file", str(child_fd),
-           CHILD_PATH, "--proc", "/proc", "--dev", "/dev"]
+           CHILD_PATH, "--perms", "0644", "--file", str(main_fd), MAIN_PATH]
+  venv = _venv()
+  if venv is not None:
+    args += ["--ro-bind", venv, VENV]
+  args += ["--proc", "/proc", "--dev", "/dev"]
   for path in MASKED_PROC:
     if os.path.exists(path):  # the new /proc has what the host's has (one kernel)
       args += ["--ro-bind", "/dev/null", path]
-  args += ["--perms", "0777", "--size", str(disk_bytes), "--tmpfs", WORKDIR,
-           "--perms", "0644", "--file", str(main_fd), f"{WORKDIR}/main.py",
+  args += ["--perms", "0755", "--dir", WORKDIR,
            "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORKDIR,
            "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORKDIR,
            "--setenv", "TMPDIR", WORKDIR, "--setenv", "LANG", "C.UTF-8"]
-  if seccomp_fd is not None:
-    args += ["--seccomp", str(seccomp_fd)]
   return args
 
 
@@ -422,15 +457,17 @@ def _wait_for_namespace(info: bytes, deadline_s: float = 5.0) -> None:
 def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
                memory_bytes: int = 1 << 30, max_output_bytes: int = 1 << 16,
                max_processes: int = 32, max_file_bytes: int = 8 << 20, max_open_files: int = 64,
-               disk_bytes: int = 64 << 20, max_write_opens: int = 64, audit: bool = True,
-               seccomp: bool = True, mode: str = "strict") -> SandboxResult:
+               disk_bytes: int = 64 << 20, max_inodes: int = 10_000, max_write_opens: int = 64,
+               audit: bool = True, seccomp: bool = True, mode: str = "strict") -> SandboxResult:
   """Runs `code` as a Python program; its stdout/stderr, how it ended and how long it took.
 
   cpu_s defaults to one second more than timeout_s: the wall clock stops a busy loop, the CPU
   limit stops threads that burn CPU faster than the clock runs. max_processes is RLIMIT_NPROC,
   which the kernel counts per user (per user namespace as an ordinary user, across concurrent
   sandboxes as root: all are nobody). disk_bytes is the size of the tmpfs working directory
-  (RAM, freed with the call); max_file_bytes bounds each file. max_write_opens bounds the files
+  (RAM, freed with the call) and max_inodes the number of files, directories, links and nodes
+  it holds (main.py and the directory itself are 2 of them; the code gets ENOSPC past either);
+  max_file_bytes bounds each file. max_write_opens bounds the files
   the audit hook lets the code open for writing. audit=False leaves the hook out, so tests can
   show that the kernel's layers hold on their own; seccomp=False likewise the filter, so they
   can show the namespaces and the missing capabilities beneath it. mode='unsafe' skips the
@@ -438,6 +475,10 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
   """
   if mode not in MODES:
     raise ValueError(f"mode={mode!r}: use one of {MODES}")
+  for name, value, least in (("disk_bytes", disk_bytes, 1), ("max_inodes", max_inodes, 2)):
+    # tmpfs reads 0 as no limit at all, and 2**64 wraps to 0.
+    if not isinstance(value, int) or not least <= value <= 1 << 50:
+      raise ValueError(f"{name}={value!r}: use an int from {least} to 2**50")
   start = time.monotonic()
   root = os.geteuid() == 0
   ready_r, ready_w = os.pipe()
@@ -447,14 +488,16 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
     config = dict(memory_bytes=memory_bytes, max_processes=max_processes,
                   max_file_bytes=max_file_bytes, max_open_files=max_open_files,
                   cpu_s=max(1, math.ceil(timeout_s + 1 if cpu_s is None else cpu_s)), uid=NOBODY,
-                  max_write_opens=max_write_opens, audit=audit, ready_fd=ready_w, mode=mode)
+                  max_write_opens=max_write_opens, audit=audit, ready_fd=ready_w, mode=mode,
+                  workdir=WORKDIR, main_path=MAIN_PATH, disk_bytes=disk_bytes,
+                  max_inodes=max_inodes, seccomp_fd=-1)
     source = code.encode("utf-8", "surrogatepass")
     if mode == "strict":
       fds = [_memfd("main.py", source), _memfd("child.py", _child_source())] + (
           [_memfd("seccomp", seccomp_program())] if seccomp else [])
-      argv = _bwrap_args(root, disk_bytes, fds[0], fds[1], info_w,
-                         fds[2] if seccomp else None) + [
-          "--", sys.executable, "-I", "-u", CHILD_PATH, json.dumps(config)]
+      config["seccomp_fd"] = fds[2] if seccomp else -1  # the child loads it (see _bwrap_args)
+      argv = _bwrap_args(root, fds[0], fds[1], info_w) + [
+          "--", _interpreter(), "-I", "-u", CHILD_PATH, json.dumps(config)]
       cwd, env = "/", {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     else:
       workdir = tempfile.mkdtemp(prefix="grpo_sandbox_")

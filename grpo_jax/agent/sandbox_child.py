@@ -1,12 +1,14 @@
 """The child side of the sandbox: `python -I -u sandbox_child.py CONFIG_JSON` (see sandbox.py).
 
 This file runs first in the child interpreter, before any model-written text is read. In the
-strict mode bwrap has already built the namespaces, the mounts and the seccomp filter; here
-come the rlimits, root dropped to nobody (as root; bwrap left only CAP_SETUID and CAP_SETGID
-for it), a check that no capability is left, an audit hook, and only then ./main.py is compiled
-and run. The limits are set here rather than in a `preexec_fn`: that runs Python in a fork of a
-multi-threaded parent (run_calls' pool, JAX), which CPython documents as deadlock-prone.
-Nothing in this file is model text; CONFIG_JSON is written by sandbox.run_python.
+strict mode bwrap has already built the namespaces and the read-only mounts; here come the
+working directory (a tmpfs capped in bytes and inodes, mounted with the CAP_SYS_ADMIN that
+bwrap left for it), the rlimits, root dropped to nobody (as root; bwrap also left CAP_SETUID and
+CAP_SETGID), every capability cleared, the seccomp filter, a check that no capability is left
+and the filter is on, an audit hook, and only then ./main.py is compiled and run. The limits
+are set here rather than in a `preexec_fn`: that runs Python in a fork of a multi-threaded
+parent (run_calls' pool, JAX), which CPython documents as deadlock-prone. Nothing in this file
+is model text; CONFIG_JSON is written by sandbox.run_python.
 """
 import builtins
 import json
@@ -47,12 +49,31 @@ PATH_EVENTS = {
 }
 
 
+# Kernel constants (the same on every Linux architecture).
+CLONE_NEWNS = 0x00020000
+MS_NOSUID, MS_NODEV = 0x2, 0x4
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+# Queued signals (and POSIX timers, each of which holds one): a few for a program's own use.
+# Above it a real-time signal fails with EAGAIN; SIGKILL and the other standard signals are
+# delivered whatever the count.
+MAX_PENDING_SIGNALS = 64
+
+
 def set_limits(c: dict) -> None:
+  """Every count the kernel keeps per process or per user, capped: the ones a call does not
+  need at 0. The trainer's own limits would otherwise be inherited (a container may allow
+  real-time priority or much locked memory)."""
   for limit, value in ((resource.RLIMIT_AS, c["memory_bytes"]),
                        (resource.RLIMIT_NPROC, c["max_processes"]),
                        (resource.RLIMIT_FSIZE, c["max_file_bytes"]),
                        (resource.RLIMIT_NOFILE, c["max_open_files"]),
-                       (resource.RLIMIT_CORE, 0)):
+                       (resource.RLIMIT_CORE, 0),
+                       (resource.RLIMIT_MEMLOCK, 0),
+                       (resource.RLIMIT_MSGQUEUE, 0),  # POSIX message queues: mq_open fails
+                       (resource.RLIMIT_SIGPENDING, MAX_PENDING_SIGNALS),
+                       (resource.RLIMIT_RTPRIO, 0),  # no real-time scheduling
+                       (resource.RLIMIT_NICE, 0)):  # no raising its priority
     resource.setrlimit(limit, (value, value))
   # SIGXCPU at the soft limit, SIGKILL one second later if it is caught.
   resource.setrlimit(resource.RLIMIT_CPU, (c["cpu_s"], c["cpu_s"] + 1))
@@ -65,6 +86,84 @@ def prefer_for_oom_kill() -> None:
     f.write("1000")
 
 
+def _libc():
+  """(ctypes, libc), for the calls the os module lacks. Imported only in the set-up, before the
+  code is read; main() takes ctypes out of sys.modules again for the code (audit hook on)."""
+  import ctypes  # pylint: disable=import-outside-toplevel
+  return ctypes, ctypes.CDLL(None, use_errno=True)
+
+
+def _call(what: str, fn, *args) -> None:
+  ctypes, _ = _libc()
+  if fn(*args) != 0:
+    e = ctypes.get_errno()
+    raise OSError(e, f"{what}: {os.strerror(e)}")
+
+
+def mount_workdir(c: dict) -> None:
+  """Mounts c['workdir']: a tmpfs of c['disk_bytes'] bytes and c['max_inodes'] inodes, in a
+  mount namespace of this process's own; makes it the current directory, holding a copy of
+  the code (c['main_path']) as main.py.
+
+  A size-capped tmpfs bounds bytes only: an empty file, a FIFO, a directory or a symlink costs
+  an inode (about 1 KiB of kernel memory) and no byte, so a 5 s call could make a million of
+  them, which the kernel frees as the call ends (~2 s for a million, which run_python waits
+  for: docs/sandbox.md).
+  tmpfs bounds them with nr_inodes (ENOSPC past it; hard links and xattrs count too), which
+  bwrap (to 0.11) cannot pass: it writes the tmpfs options itself, size= only. Hence this
+  mount, made while the process still holds CAP_SYS_ADMIN (bwrap's --cap-add; cleared before
+  any model text is read). The namespace is a new one because, as an ordinary user, bwrap's
+  belongs to a user namespace above the child's, where the child holds no capability; one
+  that the child's user namespace owns lets it mount a tmpfs, over mounts that then stay
+  locked.
+  """
+  _, libc = _libc()
+  _call("unshare(CLONE_NEWNS)", libc.unshare, CLONE_NEWNS)
+  options = f"mode=0777,size={c['disk_bytes']},nr_inodes={c['max_inodes']}"
+  _call(f"mount tmpfs ({options}) on {c['workdir']}", libc.mount, b"tmpfs",
+        c["workdir"].encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options.encode())
+  os.chdir(c["workdir"])  # bwrap's --chdir is the directory beneath the mount
+  with open(c["main_path"], "rb") as f:
+    source = f.read()
+  with open(os.open("main.py", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as f:
+    f.write(source)
+  os.chmod("main.py", 0o644)  # whatever the umask
+
+
+def clear_capabilities() -> None:
+  """Clears every capability of this process (capset(2); the ambient ones go with them). As
+  an ordinary user the child is nobody in its user namespace and still holds the CAP_SYS_ADMIN
+  that mount_workdir used; as root, drop_root has cleared them already."""
+  ctypes, libc = _libc()
+
+  class Header(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+  class Data(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint32) for n in ("effective", "permitted", "inheritable")]
+  _call("capset", libc.capset, ctypes.byref(Header(LINUX_CAPABILITY_VERSION_3, 0)),
+        (Data * 2)())
+
+
+def load_seccomp(fd: int) -> None:
+  """Loads the filter that sandbox.seccomp_program compiled (a BPF program, read from `fd`).
+  Here rather than by bwrap's --seccomp, which loads it before the exec: the filter refuses the
+  mount that mount_workdir needs. bwrap set no_new_privs, which lets nobody load it."""
+  ctypes, libc = _libc()
+  with os.fdopen(fd, "rb") as f:
+    program = f.read()
+  if not program or len(program) % 8:
+    raise OSError(f"seccomp: a BPF program of {len(program)} bytes")
+
+  class Program(ctypes.Structure):  # struct sock_fprog
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+  prog = Program(len(program) // 8, program)
+  libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                         ctypes.c_ulong]
+  _call("prctl(PR_SET_SECCOMP)", libc.prctl, PR_SET_SECCOMP, SECCOMP_MODE_FILTER,
+        ctypes.byref(prog), 0, 0)
+
+
 def drop_root(uid: int) -> None:
   """As root: to `uid` for good, with no capability left (RLIMIT_NPROC does not bind root, and
   root could write anywhere)."""
@@ -75,9 +174,19 @@ def drop_root(uid: int) -> None:
 
 
 def capabilities() -> int:
-  """The effective capabilities of this process (a bit mask; 0 = none)."""
+  """The effective, permitted and ambient capabilities of this process (a bit mask; 0 = none)."""
+  caps = 0
   with open("/proc/self/status", encoding="ascii") as f:
-    return next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    for line in f:
+      if line.startswith(("CapEff:", "CapPrm:", "CapAmb:")):
+        caps |= int(line.split()[1], 16)
+  return caps
+
+
+def seccomp_mode() -> str:
+  """'2' once a filter is loaded (/proc/self/status's Seccomp)."""
+  with open("/proc/self/status", encoding="ascii") as f:
+    return next(line.split()[1] for line in f if line.startswith("Seccomp:"))
 
 
 def make_hook(root: str, max_write_opens: int):
@@ -169,23 +278,43 @@ def run_main() -> None:
     sys.exit(1)
 
 
+def set_up(config: dict) -> None:
+  """Everything before the code: a set-up failure exits with one line on stderr (the parent
+  raises it as SandboxError), before the ready byte."""
+  strict = config["mode"] == "strict"
+  try:
+    if strict:
+      mount_workdir(config)
+    set_limits(config)
+    prefer_for_oom_kill()
+    if not strict:
+      for name in PRELOAD:
+        __import__(name)
+    drop_root(config["uid"])
+    if strict:
+      clear_capabilities()
+      if config["seccomp_fd"] >= 0:
+        load_seccomp(config["seccomp_fd"])
+  except OSError as e:
+    sys.exit(f"sandbox: {e}")
+  if strict and (os.getuid() == 0 or capabilities() != 0):
+    sys.exit(f"sandbox: uid {os.getuid()} with capabilities {capabilities():#x} after the drop")
+  if strict and config["seccomp_fd"] >= 0 and seccomp_mode() != "2":
+    sys.exit(f"sandbox: seccomp mode {seccomp_mode()} after loading the filter")
+
+
 def main() -> None:
   config = json.loads(sys.argv[1])
-  set_limits(config)
-  prefer_for_oom_kill()
-  if config["mode"] == "unsafe":
-    for name in PRELOAD:
-      __import__(name)
-  drop_root(config["uid"])
-  if config["mode"] == "strict" and (os.getuid() == 0 or capabilities() != 0):
-    sys.exit(f"sandbox: uid {os.getuid()} with capabilities {capabilities():#x} after the drop")
+  set_up(config)
   os.umask(0o077)
   if config["audit"]:
     # `importlib.import_module` raises no import event; an entry of None refuses the import
-    # on every path (code can delete the entry: a tripwire like the rest of the hook).
+    # on every path (code can delete the entry: a tripwire like the rest of the hook). The
+    # set-up's own ctypes goes too.
+    for name in [n for n in sys.modules if n.startswith("ctypes.")]:
+      del sys.modules[name]
     for name in REFUSED_IMPORTS:
-      if name not in sys.modules:
-        sys.modules[name] = None
+      sys.modules[name] = None
     sys.addaudithook(make_hook(os.getcwd(), config["max_write_opens"]))
   # Tells the parent the set-up is done; closed before the code runs, which cannot fake it.
   os.write(config["ready_fd"], b"1")
