@@ -2,7 +2,7 @@
 
     lock = workdir_lock.acquire("runs/tiny")   # WorkdirInUse (a UserError) naming the holder
     ...                                        # the run
-    lock.release()                             # also at exit (atexit), for any lock still held
+    lock.release()                             # else at exit (atexit)
 
 <workdir>/.grpo_jax.lock names its holder, as JSON:
 
@@ -105,12 +105,16 @@ class Lock:
   def __init__(self, workdir: str, fd: int | None, content: str):
     self.workdir, self._fd, self._content = workdir, fd, content
     self.path = storage.path(workdir) / LOCK_FILE
-    _HELD.append(self)
+    self._held = True
+    # Registered now, after the store's client has registered its own exit handlers: atexit
+    # runs the last registered first, so this release still finds gcsfs's session open.
+    atexit.register(self.release)
 
   def release(self) -> None:
-    if self not in _HELD:
+    if not self._held:
       return
-    _HELD.remove(self)
+    self._held = False
+    atexit.unregister(self.release)
     if self._fd is None:  # an object store: remove the file if it is still ours
       with contextlib.suppress(OSError):
         if storage.read_text(self.path) == self._content:
@@ -125,10 +129,6 @@ class Lock:
 
   def __exit__(self, *exc):
     self.release()
-
-
-_HELD: list[Lock] = []
-atexit.register(lambda: [lock.release() for lock in list(_HELD)])
 
 
 def acquire(workdir) -> Lock:
