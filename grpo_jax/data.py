@@ -91,9 +91,9 @@ def _first_bad_json_line(files: Sequence[str]) -> str | None:
 @contextlib.contextmanager
 def _quiet(datasets):
   """datasets without its log records and progress bars, for local files (read in about a
-  second): a file it cannot read raises, which load_rows turns into one line, and its own record (printed by its handler
-  and again by absl's, as `E1207 ... json.py:352] Failed to load JSON ...`) would only precede
-  that line."""
+  second): a file it cannot read raises, which load_rows turns into one line, and its own
+  record (printed by its handler and again by absl's, as `E1207 ... json.py:352] Failed to load
+  JSON ...`) would only precede that line."""
   logger = datasets.utils.logging.get_logger("datasets")
   level, bars = logger.level, datasets.utils.logging.is_progress_bar_enabled()
   logger.setLevel(logging.CRITICAL + 1)

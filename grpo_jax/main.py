@@ -9,7 +9,9 @@ that flag text cannot (None stays None, not 'None'); grpo_jax.sweep passes every
 overrides this way.
 
 A user error (grpo_jax.errors.UserError: config, data, paths, mesh, checkpoint, scorer) prints
-one line naming the bad thing and exits with status 2; a bug keeps its traceback.
+one line naming the bad thing and exits with status 2; a bug keeps its traceback. What a run
+needs is checked before it compiles or writes (grpo_jax.preflight: a failed start leaves no
+files), and the run holds its workdir's lock (grpo_jax.workdir_lock: one run per workdir).
 
 Several processes (hosts): start the same command on each with --coordinator_address=HOST:PORT
 (process 0's), --num_processes=N and --process_id=i, or with --distributed where JAX finds the

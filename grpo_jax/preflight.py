@@ -30,14 +30,14 @@ from grpo_jax.errors import UserError
 
 # --- fields the config never reads -------------------------------------------------------------
 
-# (field, or a prefix ending in '.' or '_'; fields under it that stay read; when the config never reads
-# it; why, with {field}). Each verified where the field is read: model.checkpoint only by
-# inputs.model_config/initial_params and train._base_model_name, each under not random_init (the
-# tokenizer falls back to it only when model.tokenizer is '', which random_init refuses);
-# model.tiny in inputs.model_config under random_init, its vocab_size by the 'tiny' tokenizer;
-# model.lora through models.lora.LoraConfig.from_config, None at rank 0; sft.* by sft.run_sft and
-# train.setup, each under sft.steps; agent.* by the agent's rollout and the tiny tokenizer, each
-# under agent.enabled; data.synthetic_* by inputs.datasets under source 'synthetic'.
+# (field, or a prefix ending in '.' or '_'; fields under it that stay read; when the config
+# never reads it; why, with {field}). Each verified where the field is read: model.checkpoint
+# only by inputs.model_config/initial_params and train._base_model_name, each under not
+# random_init (the tokenizer falls back to it only when model.tokenizer is '', which random_init
+# refuses); model.tiny in inputs.model_config under random_init, its vocab_size by the 'tiny'
+# tokenizer; model.lora through models.lora.LoraConfig.from_config, None at rank 0; sft.* by
+# sft.run_sft and train.setup, each under sft.steps; agent.* by the agent's rollout and the tiny
+# tokenizer, each under agent.enabled; data.synthetic_* by inputs.datasets under 'synthetic'.
 DEAD_FIELDS = (
     ("model.checkpoint", (), lambda c: c.model.random_init,
      "the config has model.random_init=True, which builds random weights and never reads "

@@ -99,8 +99,9 @@ class Setup:
 
 def setup(config, workdir: str, shared: dict | None = None) -> Setup:
   """Validates the config, reads an earlier config.json, loads data and tokenizer, builds and
-  probes the rewards, reads the model config (no weights): one member's host side. A first start
-  writes config.json here once those checks pass (grpo_jax.preflight); a workdir that has one gets this run's once it has resumed
+  probes the rewards, reads the model config and checks its weight files (loads none): one
+  member's host side. A first start writes config.json here once those checks pass
+  (grpo_jax.preflight); a workdir that has one gets this run's once it has resumed
   (write_config), so a refused resume leaves the config the checkpoints were trained with.
   shared: as grpo_jax.inputs takes it (a group's members build their common data and tokenizer
   once).
@@ -143,6 +144,10 @@ def setup(config, workdir: str, shared: dict | None = None) -> Setup:
         [r["answer"] for r in probe_rows], rollout.reward_columns(probe_rows, 1),
         allow_missing=config.rewards.allow_missing)
   cfg, generation_config = inputs.model_config(config, tokenizer)
+  if main and previous_config is None and not config.model.random_init:
+    # A first start loads these weights after compiling; a resume may need only its own.
+    weights.check_weight_files(weights.resolve(config.model.checkpoint,
+                                               "config.model.checkpoint"))
   if main and previous_config is None:
     # A first start, once its inputs are checked (preflight: a start that fails before here
     # leaves nothing); written now, so a run that fails later still shows its config.

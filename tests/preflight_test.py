@@ -57,6 +57,14 @@ def bad_checkpoint(tmp_path):
   return ["--config.model.random_init=False", f"--config.model.checkpoint={ckpt}"]
 
 
+def weightless_checkpoint(tmp_path):
+  """A checkpoint directory with a real config.json and no weight files."""
+  import fixtures  # pylint: disable=import-outside-toplevel
+  ckpt = tmp_path / "weightless"
+  fixtures.hf_config("qwen2_tied", vocab_size=512).save_pretrained(ckpt)
+  return ["--config.model.random_init=False", f"--config.model.checkpoint={ckpt}"]
+
+
 CASES = {
     # name: (flags given the tmp_path, modules hidden, what the line names)
     "wandb missing": (lambda t: ["--config.train.wandb=True"], ["wandb"],
@@ -69,6 +77,9 @@ CASES = {
                  ["config.data.source", "does not exist"]),
     # Built first: the synthetic data and the tiny tokenizer, into the workdir.
     "missing checkpoint": (bad_checkpoint, [], ["ckpt/config.json", "missing"]),
+    # Its weights would be loaded after the first compile: checked in setup.
+    "checkpoint without weights": (weightless_checkpoint, [],
+                                   ["weightless: neither model.safetensors nor"]),
 }
 
 
