@@ -71,9 +71,9 @@ def describe(holder: dict | None) -> str:
           f"{holder.get('started', '?')}")
 
 
-def _in_use(workdir, holder: dict | None, remote: bool = False) -> WorkdirInUse:
+def _in_use(workdir, holder: dict | None, best_effort: bool = False) -> WorkdirInUse:
   hint = (f"; if that run is gone, delete {storage.path(workdir) / LOCK_FILE}"
-          if remote else "")
+          if best_effort else "")
   return WorkdirInUse(f"{os.fspath(workdir)} is in use by {describe(holder)}; stop that run or "
                       f"use another --workdir{hint}")
 
@@ -115,7 +115,7 @@ class Lock:
       return
     self._held = False
     atexit.unregister(self.release)
-    if self._fd is None:  # an object store: remove the file if it is still ours
+    if self._fd is None:  # a best-effort lock: remove the file if it is still ours
       with contextlib.suppress(OSError):
         if storage.read_text(self.path) == self._content:
           self.path.unlink()
@@ -135,7 +135,7 @@ def acquire(workdir) -> Lock:
   """The lock on `workdir` (created, with its parents, if missing), or WorkdirInUse."""
   root = storage.path(workdir)
   if storage.is_remote(root):
-    return _acquire_remote(root)
+    return _acquire_by_content(root)
   root.mkdir(parents=True, exist_ok=True)
   path = os.fspath(root / LOCK_FILE)
   while True:
@@ -151,7 +151,10 @@ def acquire(workdir) -> Lock:
       os.close(fd)
       if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
         raise _in_use(root, holder) from None
-      raise
+      # A file system without flock (some FUSE mounts): the object store's rule instead.
+      warn(f"{os.fspath(root)}: no file locks here ({e.strerror}); the workdir's lock is a "
+           "best-effort file, as on an object store")
+      return _acquire_by_content(root)
     try:
       same = os.fstat(fd).st_ino == os.stat(path).st_ino
     except FileNotFoundError:
@@ -173,18 +176,18 @@ def _read_fd(fd: int) -> str:
   return os.pread(fd, 1 << 16, 0).decode(errors="replace")
 
 
-def _acquire_remote(root) -> Lock:
+def _acquire_by_content(root) -> Lock:
   """The best-effort lock of an object store (module docstring)."""
   path = root / LOCK_FILE
   if path.exists():
     holder = _parse(storage.read_text(path))
     if holder is None or _alive_here(holder) is not False:
-      raise _in_use(root, holder, remote=True)
+      raise _in_use(root, holder, best_effort=True)
     warn(f"{os.fspath(root)}: taking over the lock left by {describe(holder)}, which is no "
          "longer running (it ended without releasing it)")
   content = json.dumps(record())
   storage.write_text(path, content)
   back = storage.read_text(path)
   if back != content:  # another run wrote it between our check and our write
-    raise _in_use(root, _parse(back), remote=True)
+    raise _in_use(root, _parse(back), best_effort=True)
   return Lock(os.fspath(root), None, content)

@@ -150,3 +150,37 @@ def test_a_group_locks_each_members_workdir_and_a_held_one_stops_it_untouched(tm
   finally:
     holder.stdin.close()
     holder.wait(timeout=30)
+
+
+def test_without_file_locks_the_lock_is_the_best_effort_file(tmp_path, monkeypatch, capfd):
+  """A file system that refuses flock: the object store's rule (module docstring), here on a
+  local directory: a live holder of this host refuses, a dead one is taken over, another host's
+  refuses with the file to delete."""
+  import errno
+  import fcntl
+
+  def no_flock(fd, op):
+    raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+  monkeypatch.setattr(fcntl, "flock", no_flock)
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  lock_file = workdir / workdir_lock.LOCK_FILE
+  live = dict(workdir_lock.record(), pid=os.getppid())  # pytest's parent: alive
+  lock_file.write_text(json.dumps(live))
+  with pytest.raises(workdir_lock.WorkdirInUse,
+                     match=f"in use by PID {os.getppid()} .*; if that run is gone, delete "
+                           f"{lock_file}"):
+    workdir_lock.acquire(workdir)
+  other_host = dict(live, host="elsewhere", pid=1)
+  lock_file.write_text(json.dumps(other_host))
+  with pytest.raises(workdir_lock.WorkdirInUse, match="PID 1 on host elsewhere"):
+    workdir_lock.acquire(workdir)
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True)
+  lock_file.write_text(json.dumps(dict(live, pid=int(dead.stdout))))
+  capfd.readouterr()
+  with workdir_lock.acquire(workdir):
+    err = capfd.readouterr().err
+    assert "no file locks here" in err and f"lock left by PID {int(dead.stdout)}" in err
+    assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+  assert not lock_file.exists()
