@@ -27,7 +27,8 @@ this host that no longer exists (os.kill(pid, 0)) is stale and taken over with a
 naming another host cannot be checked from here, so it holds the workdir until its run releases
 it, or until the user deletes the file (the message says so). Two runs that write the file at
 the same instant can both read their own record back on a store without read-after-write
-consistency; Cloud Storage has it, which leaves only the gap between the two reads.
+consistency; Cloud Storage has it, which leaves only the gap between the two reads. A local file
+system that refuses flock (some FUSE mounts) gets this same rule, with a warning.
 
 Several processes of one run lock once: process 0 alone (grpo_jax.main), since it writes the
 run's files (grpo_jax.hosts).
