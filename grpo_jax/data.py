@@ -15,9 +15,11 @@ Rows are plain dicts in GSM8K's schema, whatever the source's field names were:
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
 import json
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -86,6 +88,24 @@ def _first_bad_json_line(files: Sequence[str]) -> str | None:
   return None
 
 
+@contextlib.contextmanager
+def _quiet(datasets):
+  """datasets without its log records and progress bars, for local files (read in about a
+  second): a file it cannot read raises, which load_rows turns into one line, and its own
+  record (printed by its handler and again by absl's, as `E1207 ... json.py:352] Failed to load
+  JSON ...`) would only precede that line."""
+  logger = datasets.utils.logging.get_logger("datasets")
+  level, bars = logger.level, datasets.utils.logging.is_progress_bar_enabled()
+  logger.setLevel(logging.CRITICAL + 1)
+  datasets.utils.logging.disable_progress_bar()
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+    if bars:
+      datasets.utils.logging.enable_progress_bar()
+
+
 def _blank(path: str) -> bool:
   """True for a file holding nothing but whitespace."""
   with open(path, "rb") as f:
@@ -114,9 +134,13 @@ def load_rows(source: str, split: str = "train", *, config_name: str | None = No
       raise UserError(f"{field}: data file {files[0]!r}: expected .json, .jsonl or .parquet")
     if all(_blank(path) for path in files):  # datasets would raise a bare StopIteration
       raise UserError(f"{field}: {', '.join(files)}: no rows (the file is empty)")
+    bad = _first_bad_json_line(files)  # before datasets, whose JSON builder logs its error
+    if bad:
+      raise UserError(f"{field}: cannot read {bad}")
     try:
-      ds = datasets.load_dataset(_LOCAL_BUILDERS[ext], data_files=files, split="train",
-                                 cache_dir=cache_dir)
+      with _quiet(datasets):
+        ds = datasets.load_dataset(_LOCAL_BUILDERS[ext], data_files=files, split="train",
+                                   cache_dir=cache_dir)
     except datasets.exceptions.DatasetGenerationError as e:
       where = _first_bad_json_line(files) or f"{', '.join(files)}: {e.__cause__ or e}"
       raise UserError(f"{field}: cannot read {where}") from e

@@ -9,7 +9,9 @@ that flag text cannot (None stays None, not 'None'); grpo_jax.sweep passes every
 overrides this way.
 
 A user error (grpo_jax.errors.UserError: config, data, paths, mesh, checkpoint, scorer) prints
-one line naming the bad thing and exits with status 2; a bug keeps its traceback.
+one line naming the bad thing and exits with status 2; a bug keeps its traceback. What a run
+needs is checked before it compiles or writes (grpo_jax.preflight: a failed start leaves no
+files), and the run holds its workdir's lock (grpo_jax.workdir_lock: one run per workdir).
 
 Several processes (hosts): start the same command on each with --coordinator_address=HOST:PORT
 (process 0's), --num_processes=N and --process_id=i, or with --distributed where JAX finds the
@@ -54,8 +56,9 @@ def _exit_user_error(message: str):
   sys.exit(2)
 
 
-def _apply_overrides_file(config, path):
-  """Sets the keys of the JSON object in `path` on config (grpo_jax.config.apply_overrides)."""
+def _apply_overrides_file(config, path) -> list[str]:
+  """Sets the keys of the JSON object in `path` on config (grpo_jax.config.apply_overrides);
+  returns them."""
   try:
     with open(path) as f:
       args = json.load(f)
@@ -71,6 +74,7 @@ def _apply_overrides_file(config, path):
       _exit_user_error(f"--overrides={path}: {key!r} names no config field")
     except TypeError as e:
       _exit_user_error(f"--overrides={path}: {key}={value!r} does not fit the field's type ({e})")
+  return list(args)
 
 
 def main(argv):
@@ -82,8 +86,16 @@ def main(argv):
     config.get("seed")  # ml_collections defers a config file's load error to the first access
   except OSError as e:
     _exit_user_error(f"--config: {str(e).splitlines()[-1].strip()}")
-  if _OVERRIDES.value:
-    _apply_overrides_file(config, _OVERRIDES.value)
+  file_keys = _apply_overrides_file(config, _OVERRIDES.value) if _OVERRIDES.value else []
+  from grpo_jax import preflight  # pylint: disable=import-outside-toplevel
+  workdir = _WORKDIR.value
+  try:  # before JAX starts: a config that cannot run fails in a second, writing nothing
+    preflight.check_fields(config, preflight.set_fields(
+        config_flags.get_override_values(flags.FLAGS["config"]), file_keys, _OVERRIDES.value))
+    preflight.check_workdir(workdir)
+    preflight.check_packages(config, workdir)
+  except UserError as e:
+    _exit_user_error(str(e))
   from grpo_jax import hosts  # imports jax: after flags, so --help stays fast
 
   try:
@@ -92,7 +104,9 @@ def main(argv):
       # Process 0 prints and shows progress; the others' errors still reach stderr.
       sys.stdout = open(os.devnull, "w")
     from grpo_jax import train
-    train.run(config, _WORKDIR.value)
+    # Process 0 locks the workdir for the run; a start that fails its checks leaves nothing.
+    with preflight.Start([workdir], main=hosts.is_main()):
+      train.run(config, workdir)
   except UserError as e:
     _exit_user_error(str(e))
 

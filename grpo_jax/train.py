@@ -56,8 +56,9 @@ from tqdm.auto import tqdm
 import numpy as np
 
 from grpo_jax import (checkpoint, compile_cache, config as config_lib, data, grpo, hosts, inputs,
-                      logging_io, plots, rollout, sampler as sampler_lib, sft, sharding, storage,
-                      sweep, sweep_runner, tokenizer as tokenizer_lib, train_step, validate)
+                      logging_io, plots, preflight, rollout, sampler as sampler_lib, sft, sharding,
+                      storage, sweep, sweep_runner, tokenizer as tokenizer_lib, train_step,
+                      validate)
 from grpo_jax.agent import rollout as agent_rollout
 from grpo_jax.errors import UserError, warn
 from grpo_jax.models import lora as lora_lib, qwen, weights
@@ -98,8 +99,9 @@ class Setup:
 
 def setup(config, workdir: str, shared: dict | None = None) -> Setup:
   """Validates the config, reads an earlier config.json, loads data and tokenizer, builds and
-  probes the rewards, reads the model config (no weights): one member's host side. A first start
-  writes config.json here; a workdir that has one gets this run's once it has resumed
+  probes the rewards, reads the model config and checks its weight files (loads none): one
+  member's host side. A first start writes config.json here once those checks pass
+  (grpo_jax.preflight); a workdir that has one gets this run's once it has resumed
   (write_config), so a refused resume leaves the config the checkpoints were trained with.
   shared: as grpo_jax.inputs takes it (a group's members build their common data and tokenizer
   once).
@@ -116,8 +118,6 @@ def setup(config, workdir: str, shared: dict | None = None) -> Setup:
   if main:
     root.mkdir(parents=True, exist_ok=True)
     previous_config = _read_config_json(root / CONFIG_FILE)
-    if previous_config is None:  # a first start: written now, so a failed one still shows it
-      storage.write_text(root / CONFIG_FILE, config.to_json_best_effort(indent=2))
     train_rows, eval_rows = inputs.datasets(config, workdir, shared=shared)
     tokenizer, stop_ids = inputs.tokenizer(config, workdir, train_rows, shared=shared)
   hosts.barrier("setup: process 0 wrote the workdir's inputs")
@@ -144,6 +144,15 @@ def setup(config, workdir: str, shared: dict | None = None) -> Setup:
         [r["answer"] for r in probe_rows], rollout.reward_columns(probe_rows, 1),
         allow_missing=config.rewards.allow_missing)
   cfg, generation_config = inputs.model_config(config, tokenizer)
+  if main and previous_config is None and not config.model.random_init:
+    # A first start loads these weights after compiling; a resume may need only its own.
+    weights.check_weight_files(weights.resolve(config.model.checkpoint,
+                                               "config.model.checkpoint"))
+  if main and previous_config is None:
+    # A first start, once its inputs are checked (preflight: a start that fails before here
+    # leaves nothing); written now, so a run that fails later still shows its config.
+    storage.write_text(root / CONFIG_FILE, config.to_json_best_effort(indent=2))
+  preflight.passed(workdir)
   return Setup(workdir, train_rows, eval_rows, sft_eval_rows, tokenizer, stop_ids, rewards,
                interrupt, cfg, generation_config, previous_config)
 
@@ -1003,7 +1012,15 @@ def main(argv=None) -> int:
   parser.add_argument("--spec", required=True, help="the group's JSON spec")
   args = parser.parse_args(argv)
   try:
-    run_group(*load_spec(args.spec))
+    configs, workdirs = load_spec(args.spec)
+    with open(args.spec) as f:
+      members = json.load(f)["members"]
+    for c, w, m in zip(configs, workdirs, members):  # as main checks a run (grpo_jax.preflight)
+      preflight.check_fields(c, {k: f"{k} (the args of {w} in {args.spec})" for k in m["args"]})
+      preflight.check_workdir(w, "workdir")
+      preflight.check_packages(c, w)
+    with preflight.Start(workdirs, main=hosts.is_main()):  # a lock on each member's workdir
+      run_group(configs, workdirs)
   except UserError as e:
     print(f"grpo_jax.train: error: {e}", file=sys.stderr, flush=True)
     return 2

@@ -112,3 +112,44 @@ def test_a_run_in_a_bucket_resumes_and_writes_what_a_local_run_writes(server, tm
   assert a.keys() == b.keys()
   for key in a:
     np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_a_held_bucket_workdir_is_refused_and_a_dead_holders_lock_taken_over(server, tmp_path):
+  """The best-effort lock of an object store (grpo_jax.workdir_lock): a live holder's record
+  stops a second run, naming it and the file to delete if it is gone; a record naming a dead
+  process of this host is taken over with a warning. Neither run gets past its checks (the data
+  source is missing), so the bucket ends as it started: no objects."""
+  env = _env(server)
+  flags = ["--config=configs/gsm8k.py:tiny", "--config.train.tensorboard=False",
+           f"--config.data.source={tmp_path}/none"]
+  hold = ("import sys\nfrom grpo_jax import workdir_lock\nworkdir_lock.acquire(sys.argv[1])\n"
+          "print('held', flush=True)\nsys.stdin.read()\n")
+  holder = subprocess.Popen([sys.executable, "-c", hold, "gs://bucket/held"], cwd=cli.REPO,
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline() == "held\n"
+    record = json.loads(_read(server, "held/.grpo_jax.lock"))
+    proc = subprocess.run([sys.executable, "-m", "grpo_jax.main", "--workdir=gs://bucket/held",
+                           *flags], cwd=cli.REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    cli.assert_user_error(proc, f"gs://bucket/held is in use by PID {holder.pid} on host "
+                          f"{record['host']} since {record['started']}",
+                          "delete gs://bucket/held/.grpo_jax.lock")
+    assert _objects(server, "held/") == [".grpo_jax.lock"]
+  finally:
+    holder.stdin.close()
+    holder.wait(timeout=60)
+  assert _objects(server, "held/") == []  # released at the holder's exit
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True)
+  stale = dict(record, pid=int(dead.stdout))
+  urllib.request.urlopen(urllib.request.Request(
+      f"{server}/upload/storage/v1/b/bucket/o?uploadType=media&name=stale/.grpo_jax.lock",
+      data=json.dumps(stale).encode(), method="POST")).read()
+  proc = subprocess.run([sys.executable, "-m", "grpo_jax.main", "--workdir=gs://bucket/stale",
+                         *flags], cwd=cli.REPO, env=env, capture_output=True, text=True,
+                        timeout=300)
+  cli.assert_user_error(proc, "config.data.source")
+  assert f"grpo_jax: warning: gs://bucket/stale: taking over the lock left by PID {stale['pid']}" \
+      in proc.stderr
+  assert _objects(server, "stale/") == []

@@ -37,6 +37,11 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
   (data / "test.jsonl").write_text((fixtures.GSM8K / "test.jsonl").read_text())
   proc = run_main(tmp_path / "run", f"--config.data.source={data}")
   assert_user_error(proc, "config.data.source", f"{data}/train.jsonl:17", "not valid JSON")
+  # datasets' JSON builder logged its own error (its handler and absl's: `E1207 ... json.py:352]
+  # Failed to load JSON ...`) and a progress bar before that line; the file is now read first.
+  for stray in ("Failed to load JSON", "json.py", "Generating train split"):
+    assert stray not in proc.stderr, proc.stderr
+  assert not (tmp_path / "run").exists()
 
 
 def test_relative_checkpoint_path_that_exists_is_local(tmp_path):
@@ -117,3 +122,4 @@ def test_the_python_tool_without_its_sandbox_refuses_to_start(tmp_path):
       cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu", "PATH": str(empty)},
       capture_output=True, text=True, timeout=300)
   assert_user_error(proc, "python tool: no bubblewrap", "agent.sandbox='unsafe'")
+  assert not (tmp_path / "run").exists()  # checked before the workdir was made (preflight)

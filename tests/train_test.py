@@ -22,7 +22,7 @@ import cli
 import fixtures
 from configs import gsm8k
 from grpo_jax import (data, logging_io, plots, rollout, sampler as sampler_lib, sft,
-                      tokenizer as tokenizer_lib, train)
+                      tokenizer as tokenizer_lib, train, workdir_lock)
 from grpo_jax.models import qwen, weights
 from grpo_jax.rewards import Reward
 
@@ -197,8 +197,12 @@ def test_preempted_runs_resume_to_the_same_params_bit_for_bit(tmp_path):
   code, _ = _start_and_signal(interrupted, 2, signal.SIGKILL, steps)
   assert code == -signal.SIGKILL
   assert not (interrupted / "final_model").exists()
+  # The killed run could not release its workdir's lock: the next run takes it over, warning.
+  killed = json.loads((interrupted / workdir_lock.LOCK_FILE).read_text())["pid"]
   code, out = _start_and_signal(interrupted, 4, signal.SIGTERM, steps)
   assert code == 0, out[-3000:]
+  assert f"grpo_jax: warning: {interrupted}: taking over the lock left by PID {killed}" in out
+  assert not (interrupted / workdir_lock.LOCK_FILE).exists()  # released after the SIGTERM
   assert "resumed from step 2" in out or "resumed from step 4" in out
   stopped = int(re.search(r"SIGTERM: saved step (\d+)", out).group(1))
   assert 4 <= stopped < 10, out[-3000:]

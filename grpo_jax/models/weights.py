@@ -165,6 +165,12 @@ def _weight_files(ckpt: Path) -> dict[str, Path]:
     raise CheckpointError(f"{single}: unreadable safetensors file ({e})") from e
 
 
+def check_weight_files(ckpt: Path) -> None:
+  """CheckpointError unless ckpt's weight files are there (the index's shards, or the single
+  file with a readable header): a run checks this before it compiles; nothing is loaded."""
+  _weight_files(Path(ckpt))
+
+
 # Stored dtypes that load_checkpoint casts to the param dtype. Anything else (int8, fp8, ...)
 # is a quantized checkpoint whose scales this loader does not apply.
 _FLOAT_DTYPES = ("F32", "BF16", "F16")
