@@ -210,7 +210,10 @@ def train() -> ConfigDict:
       # Consecutive steps with a reward missing on >= 50% of completions (scorer down, judge
       # replies that do not parse) before the run saves a checkpoint and stops; 0 = warn only.
       max_missing_reward_steps=3,
-      tensorboard=True,             # TensorBoard event files beside metrics.jsonl
+      # Off a terminal (a log file, CI, nohup) progress is a plain line every this many seconds
+      # (0 = every step) and a last one, instead of a redrawn bar (grpo_jax.progress).
+      progress_every_s=30.0,
+      tensorboard=True,             # TensorBoard event files in WORKDIR/tensorboard/
       wandb=False,                  # also log to Weights & Biases
       # Compiled programs on disk, loaded by a resumed or repeated run instead of compiled
       # (grpo_jax.compile_cache): None = $JAX_COMPILATION_CACHE_DIR or ~/.cache/grpo_jax/xla;

@@ -25,7 +25,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from grpo_jax import config as config_lib
+from grpo_jax import config as config_lib, progress
 from grpo_jax.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -77,6 +77,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
+  progress.quiet_library_bars()  # before datasets and huggingface_hub are imported
   try:
     config = _CONFIG.value
     config.get("seed")  # ml_collections defers a config file's load error to the first access

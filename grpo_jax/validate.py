@@ -106,6 +106,8 @@ def validate(config, num_devices: int) -> None:
          "train.max_sampling_rounds", f"must be an int >= 1, got {t.max_sampling_rounds!r}")
   _check(isinstance(t.max_missing_reward_steps, int) and t.max_missing_reward_steps >= 0,
          "train.max_missing_reward_steps", "must be an int >= 0 (0 = only warn)")
+  _check(0 <= t.progress_every_s < math.inf, "train.progress_every_s",
+         f"must be a number of seconds >= 0 (0 = a line every step), got {t.progress_every_s!r}")
   _check(t.members in config_lib.MEMBERS, "train.members",
          f"{t.members!r} is not one of {', '.join(map(repr, config_lib.MEMBERS))}")
   _check(isinstance(config.rewards.allow_missing, bool), "rewards.allow_missing",
