@@ -20,6 +20,7 @@ import json
 import math
 import numbers
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -98,10 +99,13 @@ class MetricsWriter:
             f"config.train.tensorboard: TensorBoard events in {root} need tensorboardX's "
             f"{'google-cloud-storage' if scheme == 'gs://' else 'boto3'} package; install it, "
             "or set --config.train.tensorboard=False (metrics.jsonl has the same numbers)")
-      # purge_step hides events a crashed run logged after the restored step.
+      # purge_step hides events a crashed run logged after the restored step. The file's name
+      # holds the time in seconds; the suffix keeps a writer opened in the same second from
+      # overwriting the last one's file, and sorts the two in order (TensorBoard reads by name).
       self._tb = tensorboardX.SummaryWriter(
           os.fspath(root / TENSORBOARD_DIR),
-          purge_step=None if resume_step is None else resume_step + 1)
+          purge_step=None if resume_step is None else resume_step + 1,
+          filename_suffix=f".{time.time_ns()}")
     self._wandb = None
     if wandb:
       try:

@@ -3,7 +3,10 @@ import glob
 import json
 import math
 import os
+import re
 import struct
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -58,6 +61,32 @@ def test_tensorboard_gets_the_finite_scalars(tmp_path):
   scalars = [(e.step, v.tag, v.simple_value)
              for e in _tb_events(tmp_path / "tensorboard") for v in e.summary.value]
   assert scalars == [(1, "loss/kl", 0.125), (2, "loss/kl", 0.25), (3, "loss/kl", 0.375)]
+
+
+def test_tensorboard_itself_reads_the_events_and_honours_a_resume(tmp_path):
+  """The tensorboard package (pyproject's [tensorboard] extra): its EventAccumulator reads what
+  MetricsWriter wrote in WORKDIR/tensorboard, and drops what a dead run logged past the step a
+  resumed run restarts from; `tensorboard --inspect --logdir` (the docs' command) lists the tags."""
+  from tensorboard.backend.event_processing import event_accumulator
+  with logging_io.MetricsWriter(str(tmp_path)) as writer:
+    for step in range(1, 6):
+      writer.write(step, {"loss/kl": step / 8, "eval/accuracy": 0.25 * (step % 2), "note": "x"})
+  with logging_io.MetricsWriter(str(tmp_path), resume_step=3) as writer:  # died after step 3
+    for step in (4, 5):
+      writer.write(step, {"loss/kl": 10.0 * step})
+  logdir = tmp_path / logging_io.TENSORBOARD_DIR
+  events = event_accumulator.EventAccumulator(str(logdir))
+  events.Reload()
+  assert sorted(events.Tags()["scalars"]) == ["eval/accuracy", "loss/kl"]
+  assert [(e.step, e.value) for e in events.Scalars("loss/kl")] == [
+      (1, 0.125), (2, 0.25), (3, 0.375), (4, 40.0), (5, 50.0)]
+  assert [(e.step, e.value) for e in events.Scalars("eval/accuracy")] == [
+      (1, 0.25), (2, 0.0), (3, 0.25)]
+  inspect = subprocess.run([sys.executable, "-m", "tensorboard.main", "--inspect",
+                            f"--logdir={logdir}"], capture_output=True, text=True, timeout=120)
+  assert inspect.returncode == 0, inspect.stderr[-2000:]
+  assert re.search(r"scalars\n\s+eval/accuracy\n\s+loss/kl\n", inspect.stdout), inspect.stdout
+  assert re.search(r"last_step\s+5\n", inspect.stdout), inspect.stdout
 
 
 def test_resume_drops_steps_after_the_checkpoint(tmp_path):
