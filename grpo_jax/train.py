@@ -110,6 +110,7 @@ def setup(config, workdir: str, shared: dict | None = None) -> Setup:
   root = storage.path(workdir)  # a local directory or a gs:// URL
   workdir = os.fspath(root)
   validate.validate(config, jax.device_count())
+  logging_io.check_available(config)  # a missing wandb: before any data, model or compile
   validate.validate_processes(config, jax.device_count(), hosts.count())
   compile_cache.enable(config.train.compilation_cache)  # before anything compiles
   main = hosts.is_main()
@@ -364,8 +365,9 @@ class Member:
     """The run's writers and checkpointer, from `start` on (a fresh run: from scratch)."""
     c, resume = self.config, -1 if self.fresh else start
     self.metrics = logging_io.MetricsWriter(
-        self.workdir, resume_step=resume, tensorboard=c.train.tensorboard,
-        wandb=c.train.wandb) if main else logging_io.NullWriter()
+        self.workdir, resume_step=resume, tensorboard=c.train.tensorboard, wandb=c.train.wandb,
+        wandb_kwargs=logging_io.wandb_init_kwargs(c, self.workdir) if c.train.wandb else None,
+        plot_step=c.train.steps) if main else logging_io.NullWriter()
     self.samples = (logging_io.SamplesWriter(self.workdir, resume_step=resume) if main
                     else logging_io.NullWriter())
     self.ckpt = checkpoint.Checkpointer(self.workdir, max_to_keep=c.train.keep_checkpoints)
