@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
+import wandb_files
 from grpo_jax import logging_io
 from grpo_jax.errors import UserError
 
@@ -152,52 +153,6 @@ def test_samples_jsonl_and_markdown_resume(tmp_path):
     writer.write(3, [{"prompt": "Q3"}])
 
 
-def _wandb_records(run_dir):
-  """The records of an offline run's .wandb file, decoded with wandb's own protobuf schema
-  (wandb.proto.wandb_internal_pb2.Record). The file: a 7-byte header (':W&B', magic 0xBEE1,
-  version), then LevelDB's log format: 32 KiB blocks of chunks, each a 7-byte header (CRC32,
-  uint16 length, type 1 full / 2 first / 3 middle / 4 last) and its bytes."""
-  from wandb.proto import wandb_internal_pb2
-  (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
-  data = open(path, "rb").read()
-  assert data[:4] == b":W&B" and struct.unpack("<H", data[4:6])[0] == 0xBEE1
-  records, pos, parts, block = [], 7, b"", 32768
-  while pos + 7 <= len(data):
-    if block - pos % block < 7:  # a block's tail too short for a header is padding
-      pos += block - pos % block
-      continue
-    _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-    if kind == 0:  # zero padding at the end of the file
-      break
-    parts += data[pos + 7:pos + 7 + length]
-    pos += 7 + length
-    if kind in (1, 4):
-      records.append(wandb_internal_pb2.Record.FromString(parts))
-      parts = b""
-  return records
-
-
-def _wandb_history(records):
-  """{step: {key: value}} of the history records (a nested key, as an image's fields are
-  logged, becomes a dict), and the run's config {key: value} (the run record's and updates)."""
-  history, config = {}, {}
-  for r in records:
-    if r.HasField("history"):
-      row = history.setdefault(r.history.step.num, {})
-      for item in r.history.item:
-        *parents, leaf = [item.key] if item.key else list(item.nested_key)
-        if parents[:1] == ["_"] or leaf.startswith("_step") or leaf in ("_runtime", "_timestamp"):
-          continue
-        node = row
-        for part in parents:
-          node = node.setdefault(part, {})
-        node[leaf] = json.loads(item.value_json)
-    for update in ([r.run.config] if r.HasField("run") else []) + (
-        [r.config] if r.HasField("config") else []):
-      config.update({item.key: json.loads(item.value_json) for item in update.update})
-  return history, config
-
-
 def _wandb_config(tmp_path, **train):
   from grpo_jax import config as config_lib
   config = config_lib.defaults()
@@ -219,11 +174,11 @@ def test_wandb_offline_run_holds_the_metrics_config_and_plot(tmp_path):
       writer.write(step, {"reward/total/mean": step / 4, "loss/kl": math.nan, "flag": True})
   run_id = (workdir / logging_io.WANDB_ID_FILE).read_text().strip()
   (run_dir,) = glob.glob(str(workdir / "wandb" / f"offline-run-*-{run_id}"))
-  records = _wandb_records(run_dir)
+  records = wandb_files.records(run_dir)
   (run,) = [r.run for r in records if r.HasField("run")]
   assert (run.run_id, run.project, run.display_name, list(run.tags)) == (
       run_id, "grpo-test", "tiny_run", ["tiny", "baseline"])
-  history, logged_config = _wandb_history(records)
+  history, logged_config = wandb_files.history(records)
   assert sorted(history) == [1, 2, 3]
   for step in (1, 2, 3):
     assert history[step]["reward/total/mean"] == step / 4
@@ -250,9 +205,9 @@ def test_a_resume_continues_the_wandb_run_and_a_fresh_start_begins_another(tmp_p
   # Named by the second it started, then the id (and -1 for a second run in that second).
   runs = sorted(glob.glob(str(tmp_path / "wandb" / f"offline-run-*-{ids[0]}*")))
   assert len(runs) == 2  # two processes' files of one wandb run (`wandb sync` joins them)
-  resumed = _wandb_records(runs[1])
+  resumed = wandb_files.records(runs[1])
   assert [r.run.display_name for r in resumed if r.HasField("run")] == ["named"]
-  assert {step: h["loss/kl"] for step, h in _wandb_history(resumed)[0].items()} == {
+  assert {step: h["loss/kl"] for step, h in wandb_files.history(resumed)[0].items()} == {
       3: 30.0, 4: 40.0}
 
 
