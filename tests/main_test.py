@@ -150,13 +150,15 @@ def test_the_console_script_prints_the_same_help_as_python_m():
     assert got[0] == status and got[2] == names, got[1]
 
 
-def test_bad_wandb_settings_and_a_missing_wandb_stop_before_anything_runs(tmp_path):
+def test_bad_logging_settings_and_a_missing_wandb_stop_before_anything_runs(tmp_path):
   proc = run_main(tmp_path / "run", "--config.train.wandb_mode=cloud")
   assert_user_error(proc, "config.train.wandb_mode", "'cloud' is not one of 'online'")
   proc = run_main(tmp_path / "run", "--config.train.wandb_tags=(1,2)")
   assert_user_error(proc, "config.train.wandb_tags", "tuple of strings")
   proc = run_main(tmp_path / "run", "--config.train.wandb_project=")
   assert_user_error(proc, "config.train.wandb_project", "non-empty string")
+  proc = run_main(tmp_path / "run", "--config.train.progress_every_s=-1")
+  assert_user_error(proc, "config.train.progress_every_s", "seconds >= 0")
   # wandb made unimportable (None in sys.modules), then the command as `python -m` runs it.
   launcher = ("import runpy, sys; sys.modules['wandb'] = None; sys.argv[0] = 'grpo_jax.main'; "
               "runpy.run_module('grpo_jax.main', run_name='__main__')")
