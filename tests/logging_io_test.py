@@ -222,3 +222,16 @@ def test_a_missing_wandb_is_a_user_error_naming_the_field_and_the_install(monkey
                       lambda name, *a: None if name == "wandb" else real(name, *a))
   with pytest.raises(UserError, match=r'config\.train\.wandb: .*pip install "\.\[wandb\]"'):
     logging_io.check_available(config)
+
+
+def test_a_resume_may_change_how_a_run_is_recorded_without_a_warning():
+  """train.config_changes (the resume warning) leaves out the logging settings."""
+  from grpo_jax import config as config_lib, train
+  before = config_lib.defaults()
+  after = config_lib.defaults()
+  after.train.update(progress_every_s=0.0, tensorboard=False, wandb=True, wandb_tags=("x",),
+                     wandb_mode="offline", wandb_name="n", wandb_project="p", wandb_entity="e")
+  previous = json.loads(before.to_json_best_effort())
+  assert train.config_changes(previous, after) == []
+  after.train.steps = 7
+  assert train.config_changes(previous, after) == ["train.steps: 500 -> 7"]
