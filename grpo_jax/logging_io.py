@@ -2,7 +2,10 @@
 
     metrics.jsonl   one JSON object per write, flat namespaced keys, non-finite values as null:
                     {"step": 12, "reward/math_accuracy/mean": 0.41, "loss/kl": null}
-    tensorboard/    the same scalars, for `tensorboard --logdir WORKDIR`
+    tensorboard/    the same scalars (tensorboardX), for `tensorboard --logdir WORKDIR/tensorboard`
+                    (the app: pip install ".[tensorboard]")
+    wandb_run_id.txt, wandb/   with train.wandb: the Weights & Biases run a resume continues, and
+                    wandb's local files (pip install ".[wandb]")
     samples.jsonl   one sampled completion per line, with its reward components (the record)
     samples.md      the same samples rendered for reading; rebuilt from samples.jsonl on resume
     summary.json    held-out accuracy at the start and end of GRPO and the gain (write_summary)
