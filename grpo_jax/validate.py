@@ -5,8 +5,8 @@ sampling.SamplingParams (sampling.temperature through logprobs.check_temperature
 min_p), sharding.mesh_shape (mesh), rewards.options.weighted_names (rewards.names,
 rewards.weights), grpo.validate_loss_config (loss), models.lora.LoraConfig (model.lora),
 train_step.validate_optim_config (optim), data.check_user_template (data.user_template),
-logging_io.check_wandb_config (train.wandb_*); the rest are here. The schema, with every field's default, is grpo_jax/config.py; a field it does
-not have is refused.
+logging_io.check_wandb_config (train.wandb_*); the rest are here. The schema, with every
+field's default, is grpo_jax/config.py; a field it does not have is refused.
 """
 
 from __future__ import annotations
