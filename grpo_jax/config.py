@@ -210,8 +210,21 @@ def train() -> ConfigDict:
       # Consecutive steps with a reward missing on >= 50% of completions (scorer down, judge
       # replies that do not parse) before the run saves a checkpoint and stops; 0 = warn only.
       max_missing_reward_steps=3,
-      tensorboard=True,             # TensorBoard event files beside metrics.jsonl
-      wandb=False,                  # also log to Weights & Biases
+      # Off a terminal (a log file, CI, nohup) progress is a plain line every this many seconds
+      # (0 = every step) and a last one, instead of a redrawn bar (grpo_jax.progress).
+      progress_every_s=30.0,
+      tensorboard=True,             # TensorBoard event files in WORKDIR/tensorboard/
+      # Also log to Weights & Biases (pip install ".[wandb]"): each step's metrics, the resolved
+      # config and metrics.png at the end; a resumed run continues the same wandb run (its id is
+      # kept in WORKDIR/wandb_run_id.txt; wandb's own files go to WORKDIR/wandb/).
+      wandb=False,
+      wandb_project="grpo_jax",
+      wandb_entity=placeholder(str),  # a team or user; None = your default entity
+      wandb_name=placeholder(str),    # the run's name; None = the workdir's name
+      wandb_tags=(),                # e.g. ("tiny", "baseline")
+      # 'online', 'offline' (files only, `wandb sync` uploads them later), 'disabled';
+      # None = wandb's own choice ($WANDB_MODE, else online).
+      wandb_mode=placeholder(str),
       # Compiled programs on disk, loaded by a resumed or repeated run instead of compiled
       # (grpo_jax.compile_cache): None = $JAX_COMPILATION_CACHE_DIR or ~/.cache/grpo_jax/xla;
       # a path (gs:// too); "" = off.

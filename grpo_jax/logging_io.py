@@ -2,7 +2,10 @@
 
     metrics.jsonl   one JSON object per write, flat namespaced keys, non-finite values as null:
                     {"step": 12, "reward/math_accuracy/mean": 0.41, "loss/kl": null}
-    tensorboard/    the same scalars, for `tensorboard --logdir WORKDIR`
+    tensorboard/    the same scalars (tensorboardX), for `tensorboard --logdir WORKDIR/tensorboard`
+                    (the app: pip install ".[tensorboard]")
+    wandb_run_id.txt, wandb/   with train.wandb: the Weights & Biases run a resume continues, and
+                    wandb's local files (pip install ".[wandb]")
     samples.jsonl   one sampled completion per line, with its reward components (the record)
     samples.md      the same samples rendered for reading; rebuilt from samples.jsonl on resume
     summary.json    held-out accuracy at the start and end of GRPO and the gain (write_summary)
@@ -16,10 +19,13 @@ died, are dropped so each step appears once.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import numbers
 import os
+import secrets
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -81,10 +87,15 @@ class MetricsWriter:
   """Writes one flat metrics dict per call to metrics.jsonl, TensorBoard and (optionally) wandb."""
 
   def __init__(self, workdir: str, *, resume_step: int | None = None, tensorboard: bool = True,
-               wandb: bool = False, wandb_kwargs: Mapping[str, Any] | None = None):
+               wandb: bool = False, wandb_kwargs: Mapping[str, Any] | None = None,
+               plot_step: int | None = None):
+    """resume_step: the step a run resumes from (None: append, -1: a fresh start). wandb_kwargs:
+    wandb.init's project, name, ... (wandb_init_kwargs). plot_step: the run's last step; a
+    wandb run that got there gets metrics.png drawn and logged at that step on close."""
     root = storage.path(workdir)
     root.mkdir(parents=True, exist_ok=True)
-    self.path = root / METRICS_FILE
+    self.root, self.path = root, root / METRICS_FILE
+    self._last_step = None
     if resume_step is not None:
       _truncate_after(self.path, resume_step)
     self._tb = None
@@ -98,20 +109,18 @@ class MetricsWriter:
             f"config.train.tensorboard: TensorBoard events in {root} need tensorboardX's "
             f"{'google-cloud-storage' if scheme == 'gs://' else 'boto3'} package; install it, "
             "or set --config.train.tensorboard=False (metrics.jsonl has the same numbers)")
-      # purge_step hides events a crashed run logged after the restored step.
+      # purge_step hides events a crashed run logged after the restored step. The file's name
+      # holds the time in seconds; the suffix keeps a writer opened in the same second from
+      # overwriting the last one's file, and sorts the two in order (TensorBoard reads by name).
       self._tb = tensorboardX.SummaryWriter(
           os.fspath(root / TENSORBOARD_DIR),
-          purge_step=None if resume_step is None else resume_step + 1)
+          purge_step=None if resume_step is None else resume_step + 1,
+          filename_suffix=f".{time.time_ns()}")
     self._wandb = None
+    self._plot_step = None
     if wandb:
-      try:
-        import wandb as wandb_lib
-      except ImportError as e:
-        raise ImportError("wandb logging is enabled but the wandb package is not installed: "
-                          "`pip install wandb`, or turn wandb logging off") from e
-      # wandb keeps its own files in a local directory.
-      local = None if storage.is_remote(root) else os.fspath(root)
-      self._wandb = wandb_lib.init(dir=local, resume="allow", **dict(wandb_kwargs or {}))
+      self._wandb = _wandb_init(root, resume_step, wandb_kwargs or {})
+      self._plot_step = plot_step
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
     """Logs metrics for `step`; returns the JSON record written. Values: Python/NumPy/JAX scalars."""
@@ -127,6 +136,7 @@ class MetricsWriter:
           self._tb.add_scalar(key, value, global_step=step)
     if self._wandb is not None:
       self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
+    self._last_step = int(step)
     return record
 
   def flush(self) -> None:
@@ -138,6 +148,8 @@ class MetricsWriter:
     if self._tb is not None:
       self._tb.close()
     if self._wandb is not None:
+      if self._plot_step is not None and self._last_step == self._plot_step:
+        _wandb_log_plot(self._wandb, self.root, self._plot_step)
       self._wandb.finish()
 
   def __enter__(self):
@@ -145,6 +157,81 @@ class MetricsWriter:
 
   def __exit__(self, *exc):
     self.close()
+
+
+# --- Weights & Biases (optional: pip install ".[wandb]") ---------------------------------------
+
+WANDB_ID_FILE = "wandb_run_id.txt"  # the wandb run a resumed run continues
+WANDB_MODES = ("online", "offline", "disabled")
+WANDB_INSTALL = 'pip install ".[wandb]" (wandb==0.31.0)'
+
+
+def check_wandb_config(t) -> None:
+  """The train.wandb_* fields (config.train); ValueError('train.wandb_tags: ...')."""
+  for field in ("wandb_project", "wandb_entity", "wandb_name"):
+    value = t[field]
+    if value is not None and not (isinstance(value, str) and value.strip()):
+      raise ValueError(f"train.{field}: must be a non-empty string or None, got {value!r}")
+  tags = t.wandb_tags
+  if not isinstance(tags, (tuple, list)) or not all(
+      isinstance(tag, str) and 0 < len(tag) <= 64 for tag in tags):
+    raise ValueError("train.wandb_tags: must be a tuple of strings of 1 to 64 characters "
+                     f"(wandb's limit), e.g. ('tiny', 'baseline'), got {tags!r}")
+  if t.wandb_mode is not None and t.wandb_mode not in WANDB_MODES:
+    raise ValueError(f"train.wandb_mode: {t.wandb_mode!r} is not one of "
+                     f"{', '.join(map(repr, WANDB_MODES))} or None (wandb's own: $WANDB_MODE, "
+                     "else online)")
+
+
+def wandb_init_kwargs(config, workdir: str) -> dict:
+  """wandb.init's arguments from config.train.wandb_* and the resolved config:
+  {"project": "grpo_jax", "entity": None, "name": "tiny", "tags": ["tiny"], "mode": None,
+   "config": {"seed": 0, "train": {...}, ...}}. The name defaults to the workdir's."""
+  t = config.train
+  return {"project": t.wandb_project, "entity": t.wandb_entity,
+          "name": t.wandb_name or os.path.basename(os.fspath(workdir).rstrip("/")),
+          "tags": list(t.wandb_tags), "mode": t.wandb_mode,
+          "config": json.loads(config.to_json_best_effort())}
+
+
+def _wandb_run_id(root, resume_step: int | None) -> str:
+  """The run id kept in WORKDIR/wandb_run_id.txt: a resume continues the same wandb run; a fresh
+  start (resume_step -1, its metrics.jsonl emptied) begins a new one."""
+  path = root / WANDB_ID_FILE
+  if resume_step != -1 and path.exists():
+    return storage.read_text(path).strip()
+  run_id = secrets.token_hex(6)  # wandb's ids: letters and digits
+  storage.write_text(path, run_id + "\n")
+  return run_id
+
+
+def _wandb_init(root, resume_step: int | None, kwargs: Mapping[str, Any]):
+  try:
+    import wandb
+  except ImportError:
+    raise UserError(f"config.train.wandb: the wandb package is not installed: {WANDB_INSTALL}, "
+                    "or set --config.train.wandb=False") from None
+  local = None if storage.is_remote(root) else os.fspath(root)  # wandb's files: WORKDIR/wandb/
+  try:
+    # create_new: the members of a vmapped group each log their own run from one process.
+    return wandb.init(dir=local, id=_wandb_run_id(root, resume_step), resume="allow",
+                      reinit="create_new", **dict(kwargs))
+  except wandb.errors.Error as e:
+    raise UserError(f"config.train.wandb: wandb.init failed: {str(e).strip().splitlines()[0]}; "
+                    "run `wandb login`, or set --config.train.wandb_mode=offline (sync later "
+                    "with `wandb sync`)") from None
+
+
+def _wandb_log_plot(run, root, step: int) -> None:
+  """metrics.png of the run's metrics.jsonl, drawn now (train draws its own after the writers
+  close) and logged as an image at the run's last step."""
+  import tempfile
+  import wandb
+  from grpo_jax import plots  # plots reads this module's files
+  with tempfile.TemporaryDirectory() as tmp:
+    path = plots.plot_metrics(os.fspath(root), out_path=os.path.join(tmp, plots.PLOT_FILE))
+    if path is not None:
+      run.log({"plots/metrics": wandb.Image(path)}, step=step)
 
 
 class NullWriter:

@@ -27,7 +27,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from grpo_jax import config as config_lib
+from grpo_jax import config as config_lib, progress
 from grpo_jax.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -81,6 +81,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
+  progress.quiet_library_bars()  # before datasets and huggingface_hub are imported
   try:
     config = _CONFIG.value
     config.get("seed")  # ml_collections defers a config file's load error to the first access
@@ -131,8 +132,22 @@ def _parse_flags(argv):
                      f"{'; ' + hint.group(0) if hint else ''}")
 
 
+def _as_main_module():
+  """absl's --help prints __main__'s docstring and the flags registered for the module named
+  sys.argv[0]. Under python -m both are this file's; under the `grpo-jax` console script they are
+  the launcher's (no docstring, no flags: help said only "Try --helpfull"). This gives the
+  launcher this module's docstring and flags, so both commands print the same help."""
+  launcher = sys.modules["__main__"]
+  if launcher is sys.modules.get(__name__):  # python -m grpo_jax.main
+    return
+  launcher.__doc__ = __doc__
+  for flag in flags.FLAGS.get_key_flags_for_module(__name__):
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+
+
 def run():
   """The `grpo-jax` console script: the same as python -m grpo_jax.main."""
+  _as_main_module()
   app.run(main, flags_parser=_parse_flags)
 
 

@@ -26,6 +26,7 @@ import os
 
 from grpo_jax import storage, workdir_lock
 from grpo_jax.errors import UserError
+from grpo_jax.logging_io import WANDB_INSTALL
 
 
 # --- fields the config never reads -------------------------------------------------------------
@@ -119,7 +120,7 @@ def check_packages(config, workdir) -> None:
   t = config.train
   if t.wandb and not _have("wandb"):
     raise UserError("config.train.wandb=True logs to Weights & Biases, but the wandb package is "
-                    "not installed: `pip install wandb`, or set --config.train.wandb=False")
+                    f"not installed: {WANDB_INSTALL}, or set --config.train.wandb=False")
   if t.tensorboard and not _have("tensorboardX"):
     raise UserError("config.train.tensorboard=True writes TensorBoard events, but tensorboardX "
                     "is not installed: `pip install -r requirements.txt`, or set "

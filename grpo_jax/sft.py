@@ -16,9 +16,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from tqdm.auto import tqdm
-
-from grpo_jax import data, hosts, train_step
+from grpo_jax import data, hosts, progress, train_step
 from grpo_jax.errors import warn
 
 _CALCULATOR = re.compile(r"<<[^<>]{0,200}>>")
@@ -78,8 +76,8 @@ def run_sft(config, trainer, params, rows, eval_rows=()):
   order = data.PromptIterator(len(rows), s.batch_size, config.seed + 1)
   target = s.target_accuracy if eval_rows else 0.0
   overshoot = s.overshoot_accuracy if target else 0.0
-  bar = tqdm(total=s.steps, desc="sft warm start", dynamic_ncols=True, mininterval=2.0,
-             disable=not hosts.is_main())
+  bar = progress.Bar(total=s.steps, desc="sft warm start", every_s=config.train.progress_every_s,
+                     disable=not hosts.is_main())
   # The last check's (step, state, data position), kept only while an overshoot can send the
   # warm start back to it. The step donates its input state, so the kept state is a copy.
   last_check = (0, _copy(state), order.position()) if overshoot else None
@@ -93,10 +91,10 @@ def run_sft(config, trainer, params, rows, eval_rows=()):
                       loss_masks=masks)
     state, metrics, _ = step(state, batch)
     i += 1
-    bar.update(1)
     if i % 10 == 1:  # reading the loss waits for the device; not every step
       bar.set_postfix(loss=f"{float(metrics['loss']):.3f}",
                       **({} if acc is None else {"val": f"{acc:.3f}"}))
+    bar.update(1)
     if not target or not (every_step or i % s.eval_every == 0):
       continue
     acc = trainer.evaluate(state["params"], eval_rows)
@@ -105,13 +103,12 @@ def run_sft(config, trainer, params, rows, eval_rows=()):
       i, state, position = last_check
       order.restore(position)
       every_step = True
-      bar.n = i
-      bar.refresh()
+      bar.set_count(i)
       bar.write(f"grpo_jax: warm start: {acc:.1%} is past sft.overshoot_accuracy "
                 f"{overshoot:.0%}; going back to step {i} and checking after every step")
       continue
     if acc >= target:
-      bar.close()
+      bar.close(stopped="target reached")
       print(f"grpo_jax: warm start reached {acc:.1%} on {len(eval_rows)} validation problems "
             f"(target {target:.0%}) after {i} steps", flush=True)
       return state["params"]

@@ -75,7 +75,9 @@ POST_WARM_START = frozenset({
     "train.steps", "train.prompts_per_step", "train.eval_every", "train.checkpoint_every",
     "train.keep_checkpoints", "train.samples_per_step", "train.max_bad_steps",
     "train.dynamic_sampling", "train.max_sampling_rounds", "train.max_missing_reward_steps",
-    "train.tensorboard", "train.wandb", "train.compilation_cache",
+    "train.tensorboard", "train.wandb", "train.wandb_project", "train.wandb_entity",
+    "train.wandb_name", "train.wandb_tags", "train.wandb_mode", "train.progress_every_s",
+    "train.compilation_cache",
     "sampling.num_generations", "sampling.top_k", "sampling.top_p", "sampling.min_p",
     "rewards.names", "rewards.weights",
 })

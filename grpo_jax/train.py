@@ -56,9 +56,9 @@ from tqdm.auto import tqdm
 import numpy as np
 
 from grpo_jax import (checkpoint, compile_cache, config as config_lib, data, grpo, hosts, inputs,
-                      logging_io, plots, preflight, rollout, sampler as sampler_lib, sft, sharding,
-                      storage, sweep, sweep_runner, tokenizer as tokenizer_lib, train_step,
-                      validate)
+                      logging_io, plots, preflight, progress, rollout, sampler as sampler_lib,
+                      sft, sharding, storage, sweep, sweep_runner, tokenizer as tokenizer_lib,
+                      train_step, validate)
 from grpo_jax.agent import rollout as agent_rollout
 from grpo_jax.errors import UserError, warn
 from grpo_jax.models import lora as lora_lib, qwen, weights
@@ -175,7 +175,8 @@ def _read_config_json(path) -> dict | None:
 
 
 # Settings that change how a run is run or recorded, not its numbers: a resume may change them.
-RESUME_NEUTRAL = ("train.compilation_cache", "train.tensorboard", "train.wandb", "hardware.")
+RESUME_NEUTRAL = ("train.compilation_cache", "train.tensorboard", "train.wandb",
+                  "train.progress_every_s", "hardware.")
 
 
 def config_changes(previous: dict | None, config) -> list[str]:
@@ -371,8 +372,9 @@ class Member:
     """The run's writers and checkpointer, from `start` on (a fresh run: from scratch)."""
     c, resume = self.config, -1 if self.fresh else start
     self.metrics = logging_io.MetricsWriter(
-        self.workdir, resume_step=resume, tensorboard=c.train.tensorboard,
-        wandb=c.train.wandb) if main else logging_io.NullWriter()
+        self.workdir, resume_step=resume, tensorboard=c.train.tensorboard, wandb=c.train.wandb,
+        wandb_kwargs=logging_io.wandb_init_kwargs(c, self.workdir) if c.train.wandb else None,
+        plot_step=c.train.steps) if main else logging_io.NullWriter()
     self.samples = (logging_io.SamplesWriter(self.workdir, resume_step=resume) if main
                     else logging_io.NullWriter())
     self.ckpt = checkpoint.Checkpointer(self.workdir, max_to_keep=c.train.keep_checkpoints)
@@ -534,9 +536,9 @@ def run_group(configs, workdirs) -> list[dict]:
     stopped = hosts.any_(stop["requested"])
     if stopped:
       print(f"grpo_jax: SIGTERM: saved step {start}, exiting", flush=True)
-    bar = tqdm(range(start, start if stopped else c.steps), initial=start, total=c.steps,
-               desc="grpo" if len(members) == 1 else f"grpo x{len(members)}",
-               dynamic_ncols=True, mininterval=2.0, disable=not main)
+    bar = progress.Bar(range(start, start if stopped else c.steps), initial=start, total=c.steps,
+                       desc="grpo" if len(members) == 1 else f"grpo x{len(members)}",
+                       every_s=c.progress_every_s, disable=not main)
     for step in bar:
       positions = [m.it.position() for m in members]
       t_step = time.perf_counter()

@@ -4,16 +4,17 @@ Each rule is written once, where its subject lives, and checked here for a confi
 sampling.SamplingParams (sampling.temperature through logprobs.check_temperature, top_k, top_p,
 min_p), sharding.mesh_shape (mesh), rewards.options.weighted_names (rewards.names,
 rewards.weights), grpo.validate_loss_config (loss), models.lora.LoraConfig (model.lora),
-train_step.validate_optim_config (optim), data.check_user_template (data.user_template); the
-rest are here. The schema, with every field's default, is grpo_jax/config.py; a field it does
-not have is refused.
+train_step.validate_optim_config (optim), data.check_user_template (data.user_template),
+logging_io.check_wandb_config (train.wandb_*); the rest are here. The schema, with every
+field's default, is grpo_jax/config.py; a field it does not have is refused.
 """
 
 from __future__ import annotations
 
 import math
 
-from grpo_jax import config as config_lib, data, grpo, sampling, sharding, train_step
+from grpo_jax import (config as config_lib, data, grpo, logging_io, sampling, sharding,
+                      train_step)
 from grpo_jax.errors import UserError
 from grpo_jax.models import lora
 from grpo_jax.rewards import options as reward_options
@@ -106,6 +107,9 @@ def validate(config, num_devices: int) -> None:
          "train.max_sampling_rounds", f"must be an int >= 1, got {t.max_sampling_rounds!r}")
   _check(isinstance(t.max_missing_reward_steps, int) and t.max_missing_reward_steps >= 0,
          "train.max_missing_reward_steps", "must be an int >= 0 (0 = only warn)")
+  _check(0 <= t.progress_every_s < math.inf, "train.progress_every_s",
+         f"must be a number of seconds >= 0 (0 = a line every step), got {t.progress_every_s!r}")
+  _named(logging_io.check_wandb_config, t)
   _check(t.members in config_lib.MEMBERS, "train.members",
          f"{t.members!r} is not one of {', '.join(map(repr, config_lib.MEMBERS))}")
   _check(isinstance(config.rewards.allow_missing, bool), "rewards.allow_missing",

@@ -1,16 +1,22 @@
 """metrics.jsonl / TensorBoard / samples files: strict JSON, NaN-safe, resume-safe."""
 import glob
+import importlib.util
 import json
 import math
 import os
+import re
 import struct
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
+import wandb_files
 from grpo_jax import logging_io
+from grpo_jax.errors import UserError
 
 
 def _strict_lines(path):
@@ -60,6 +66,32 @@ def test_tensorboard_gets_the_finite_scalars(tmp_path):
   assert scalars == [(1, "loss/kl", 0.125), (2, "loss/kl", 0.25), (3, "loss/kl", 0.375)]
 
 
+def test_tensorboard_itself_reads_the_events_and_honours_a_resume(tmp_path):
+  """The tensorboard package (pyproject's [tensorboard] extra): its EventAccumulator reads what
+  MetricsWriter wrote in WORKDIR/tensorboard, and drops what a dead run logged past the step a
+  resumed run restarts from; `tensorboard --inspect --logdir` (the docs' command) lists the tags."""
+  from tensorboard.backend.event_processing import event_accumulator
+  with logging_io.MetricsWriter(str(tmp_path)) as writer:
+    for step in range(1, 6):
+      writer.write(step, {"loss/kl": step / 8, "eval/accuracy": 0.25 * (step % 2), "note": "x"})
+  with logging_io.MetricsWriter(str(tmp_path), resume_step=3) as writer:  # died after step 3
+    for step in (4, 5):
+      writer.write(step, {"loss/kl": 10.0 * step})
+  logdir = tmp_path / logging_io.TENSORBOARD_DIR
+  events = event_accumulator.EventAccumulator(str(logdir))
+  events.Reload()
+  assert sorted(events.Tags()["scalars"]) == ["eval/accuracy", "loss/kl"]
+  assert [(e.step, e.value) for e in events.Scalars("loss/kl")] == [
+      (1, 0.125), (2, 0.25), (3, 0.375), (4, 40.0), (5, 50.0)]
+  assert [(e.step, e.value) for e in events.Scalars("eval/accuracy")] == [
+      (1, 0.25), (2, 0.0), (3, 0.25)]
+  inspect = subprocess.run([sys.executable, "-m", "tensorboard.main", "--inspect",
+                            f"--logdir={logdir}"], capture_output=True, text=True, timeout=120)
+  assert inspect.returncode == 0, inspect.stderr[-2000:]
+  assert re.search(r"scalars\n\s+eval/accuracy\n\s+loss/kl\n", inspect.stdout), inspect.stdout
+  assert re.search(r"last_step\s+5\n", inspect.stdout), inspect.stdout
+
+
 def test_resume_drops_steps_after_the_checkpoint(tmp_path):
   with logging_io.MetricsWriter(str(tmp_path)) as writer:
     for step in range(1, 6):
@@ -92,7 +124,7 @@ def test_wandb_is_optional(tmp_path):
     pytest.skip("wandb is installed here; this checks the error when it is not")
   except ImportError:
     pass
-  with pytest.raises(ImportError, match="wandb logging is enabled.*pip install wandb"):
+  with pytest.raises(UserError, match=r'config\.train\.wandb: .*pip install "\.\[wandb\]"'):
     logging_io.MetricsWriter(str(tmp_path), tensorboard=False, wandb=True)
 
 
@@ -119,3 +151,88 @@ def test_samples_jsonl_and_markdown_resume(tmp_path):
   assert "no\n" not in md and "yes\n" not in md and "again\n" in md
   with pytest.raises(ValueError, match="sample 0 at step 3 has no 'completion'"):
     writer.write(3, [{"prompt": "Q3"}])
+
+
+def _wandb_config(tmp_path, **train):
+  from grpo_jax import config as config_lib
+  config = config_lib.defaults()
+  config.train.update(wandb=True, wandb_mode="offline", wandb_project="grpo-test",
+                      wandb_tags=("tiny", "baseline"), **train)
+  return config
+
+
+def test_wandb_offline_run_holds_the_metrics_config_and_plot(tmp_path):
+  """An offline wandb run (no network) written by MetricsWriter, read back from the files wandb
+  wrote: each step's flat metrics at its step, the resolved config, the run's name, project
+  and tags, and metrics.png logged at the last step."""
+  workdir = tmp_path / "tiny_run"
+  config = _wandb_config(tmp_path)
+  kwargs = logging_io.wandb_init_kwargs(config, str(workdir))
+  with logging_io.MetricsWriter(str(workdir), tensorboard=False, wandb=True, wandb_kwargs=kwargs,
+                                plot_step=3) as writer:
+    for step in range(1, 4):
+      writer.write(step, {"reward/total/mean": step / 4, "loss/kl": math.nan, "flag": True})
+  run_id = (workdir / logging_io.WANDB_ID_FILE).read_text().strip()
+  (run_dir,) = glob.glob(str(workdir / "wandb" / f"offline-run-*-{run_id}"))
+  records = wandb_files.records(run_dir)
+  (run,) = [r.run for r in records if r.HasField("run")]
+  assert (run.run_id, run.project, run.display_name, list(run.tags)) == (
+      run_id, "grpo-test", "tiny_run", ["tiny", "baseline"])
+  history, logged_config = wandb_files.history(records)
+  assert sorted(history) == [1, 2, 3]
+  for step in (1, 2, 3):
+    assert history[step]["reward/total/mean"] == step / 4
+    assert history[step]["loss/kl"] is None and history[step]["flag"] is True
+  assert logged_config["train"]["wandb_tags"] == ["tiny", "baseline"]
+  assert logged_config["optim"]["lr"] == config.optim.lr and logged_config["seed"] == 0
+  image = history[3]["plots/metrics"]
+  assert image["_type"] == "image-file"
+  png = open(os.path.join(run_dir, "files", image["path"]), "rb").read()
+  assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_resume_continues_the_wandb_run_and_a_fresh_start_begins_another(tmp_path):
+  config = _wandb_config(tmp_path, wandb_name="named")
+  kwargs = logging_io.wandb_init_kwargs(config, str(tmp_path))
+  ids = []
+  for resume_step, steps in ((-1, (1, 2, 3)), (2, (3, 4)), (-1, (1,))):
+    with logging_io.MetricsWriter(str(tmp_path), resume_step=resume_step, tensorboard=False,
+                                  wandb=True, wandb_kwargs=kwargs) as writer:
+      for step in steps:
+        writer.write(step, {"loss/kl": 10.0 * step})
+    ids.append((tmp_path / logging_io.WANDB_ID_FILE).read_text().strip())
+  assert ids[0] == ids[1] != ids[2]
+  # Named by the second it started, then the id (and -1 for a second run in that second).
+  runs = sorted(glob.glob(str(tmp_path / "wandb" / f"offline-run-*-{ids[0]}*")))
+  assert len(runs) == 2  # two processes' files of one wandb run (`wandb sync` joins them)
+  resumed = wandb_files.records(runs[1])
+  assert [r.run.display_name for r in resumed if r.HasField("run")] == ["named"]
+  assert {step: h["loss/kl"] for step, h in wandb_files.history(resumed)[0].items()} == {
+      3: 30.0, 4: 40.0}
+
+
+def test_a_missing_wandb_is_a_user_error_naming_the_field_and_the_install(monkeypatch, tmp_path):
+  from grpo_jax import config as config_lib, preflight
+  config = config_lib.defaults()
+  config.train.tensorboard = False
+  preflight.check_packages(config, str(tmp_path))  # off: nothing is needed
+  config.train.wandb = True
+  preflight.check_packages(config, str(tmp_path))  # installed here
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "wandb" else real(name, *a))
+  with pytest.raises(UserError, match=r'config\.train\.wandb=True.*pip install "\.\[wandb\]"'):
+    preflight.check_packages(config, str(tmp_path))
+
+
+def test_a_resume_may_change_how_a_run_is_recorded_without_a_warning():
+  """train.config_changes (the resume warning) leaves out the logging settings."""
+  from grpo_jax import config as config_lib, train
+  before = config_lib.defaults()
+  after = config_lib.defaults()
+  after.train.update(progress_every_s=0.0, tensorboard=False, wandb=True, wandb_tags=("x",),
+                     wandb_mode="offline", wandb_name="n", wandb_project="p", wandb_entity="e")
+  previous = json.loads(before.to_json_best_effort())
+  assert train.config_changes(previous, after) == []
+  after.train.steps = 7
+  assert train.config_changes(previous, after) == ["train.steps: 500 -> 7"]

@@ -4,6 +4,8 @@ status 2 and one message naming the bad file, line, field or URL; no traceback.
 Each case fails before anything compiles, so a case costs about one JAX import."""
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -123,3 +125,52 @@ def test_the_python_tool_without_its_sandbox_refuses_to_start(tmp_path):
       capture_output=True, text=True, timeout=300)
   assert_user_error(proc, "python tool: no bubblewrap", "agent.sandbox='unsafe'")
   assert not (tmp_path / "run").exists()  # checked before the workdir was made (preflight)
+
+
+def _help(command, **kwargs):
+  """(exit status, stdout, the flag names listed) of `command --help`, run from the repo."""
+  proc = subprocess.run([*command, "--help"], cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu",
+                        **kwargs.pop("env", {})}, capture_output=True, text=True, timeout=120)
+  names = re.findall(r"^  --(?:\[no\])?(\w+):", proc.stdout, flags=re.M)
+  return proc.returncode, proc.stdout, names
+
+
+def test_the_console_script_prints_the_same_help_as_python_m():
+  """`grpo-jax --help` runs pyproject's entry point (grpo_jax.main:run) from a launcher module,
+  not as __main__; absl's help used to list no flags there."""
+  status, text, names = _help([sys.executable, "-m", "grpo_jax.main"])
+  assert {"config", "workdir", "overrides", "coordinator_address", "num_processes",
+          "process_id", "distributed"} <= set(names), text
+  assert "Running it again on the same workdir resumes" in text  # main's docstring
+  # What the generated launcher does: import the entry point pyproject names and call it.
+  entry = re.search(r'^grpo-jax = "([\w.]+):(\w+)"', (REPO / "pyproject.toml").read_text(),
+                    flags=re.M)
+  launcher = (f"import sys; from {entry.group(1)} import {entry.group(2)}; "
+              f"sys.argv[0] = 'grpo-jax'; sys.exit({entry.group(2)}())")
+  got = _help([sys.executable, "-c", launcher])
+  assert got[0] == status and got[2] == names, got[1]
+  assert got[1].split("\nflags:")[0] == text.split("\nflags:")[0]
+  script = shutil.which("grpo-jax")
+  if script:  # the installed console script, importing this tree's package
+    got = _help([script], env={"PYTHONPATH": str(REPO)})
+    assert got[0] == status and got[2] == names, got[1]
+
+
+def test_bad_logging_settings_and_a_missing_wandb_stop_before_anything_runs(tmp_path):
+  proc = run_main(tmp_path / "run", "--config.train.wandb_mode=cloud")
+  assert_user_error(proc, "config.train.wandb_mode", "'cloud' is not one of 'online'")
+  proc = run_main(tmp_path / "run", "--config.train.wandb_tags=(1,2)")
+  assert_user_error(proc, "config.train.wandb_tags", "tuple of strings")
+  proc = run_main(tmp_path / "run", "--config.train.wandb_project=")
+  assert_user_error(proc, "config.train.wandb_project", "non-empty string")
+  proc = run_main(tmp_path / "run", "--config.train.progress_every_s=-1")
+  assert_user_error(proc, "config.train.progress_every_s", "seconds >= 0")
+  # wandb made unimportable (None in sys.modules), then the command as `python -m` runs it.
+  launcher = ("import runpy, sys; sys.modules['wandb'] = None; sys.argv[0] = 'grpo_jax.main'; "
+              "runpy.run_module('grpo_jax.main', run_name='__main__')")
+  proc = subprocess.run([sys.executable, "-c", launcher, *TINY, f"--workdir={tmp_path}/run",
+                         "--config.train.wandb=True"], cwd=REPO, capture_output=True, text=True,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+  assert_user_error(proc, "config.train.wandb", 'pip install ".[wandb]"',
+                    "--config.train.wandb=False")
+  assert not (tmp_path / "run").exists()  # before the workdir, its data or any compile

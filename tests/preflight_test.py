@@ -68,7 +68,7 @@ def weightless_checkpoint(tmp_path):
 CASES = {
     # name: (flags given the tmp_path, modules hidden, what the line names)
     "wandb missing": (lambda t: ["--config.train.wandb=True"], ["wandb"],
-                      ["config.train.wandb=True", "pip install wandb"]),
+                      ["config.train.wandb=True", 'pip install ".[wandb]"']),
     "tensorboardX missing": (lambda t: [], ["tensorboardX"],
                              ["config.train.tensorboard=True", "tensorboardX"]),
     "dead checkpoint": (lambda t: [f"--config.model.checkpoint={t}"], [],

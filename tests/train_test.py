@@ -256,8 +256,11 @@ def test_warm_start_stops_at_the_first_check_reaching_its_target(tmp_path, monke
   monkeypatch.setattr(rollout, "evaluate", scripted_evaluate)
   monkeypatch.setattr(sft, "reference_completion", recording_reference)
   train.run(config, str(tmp_path))
-  out = capsys.readouterr().out
+  out, err = capsys.readouterr()
   assert "warm start reached 31.0% on 32 validation problems (target 30%) after 30 steps" in out
+  # Its progress ends at the real count (grpo_jax.progress off a terminal).
+  assert ("grpo_jax: sft warm start 30/30 steps (stopped at 30 of at most 40: target reached), "
+          "done in ") in err
   assert len(validation) == 3
   # The validation problems are the last 32 training problems, and the warm start never saw them.
   rows = [json.loads(line) for line in open(tmp_path / "data" / "train.jsonl")]
@@ -293,8 +296,9 @@ def test_warm_start_goes_back_when_a_check_overshoots_its_target(tmp_path, monke
   monkeypatch.setattr(rollout, "evaluate", scripted_evaluate)
   monkeypatch.setattr(rollout.SingleTurn, "sft_examples", recording_examples)
   train.run(config, str(tmp_path))
-  out = capsys.readouterr().out
+  out, err = capsys.readouterr()
   assert "90.0% is past sft.overshoot_accuracy 50%; going back to step 20" in out
+  assert "grpo_jax: sft warm start 23/23 steps (stopped at 23 of at most 40: target reached)" in err
   assert "warm start reached 35.0% on 32 validation problems (target 30%) after 23 steps" in out
   # Checks after steps 10, 20, 30 (overshoot), then 21, 22, 23.
   assert [n for n, _ in checked] == [10, 20, 30, 31, 32, 33]
