@@ -130,15 +130,36 @@ def append_text(p, text: str) -> None:
     f.write(text)
 
 
+PARTIAL = ".partial"  # local_dir(p, whole=True) writes p + PARTIAL and renames it to p
+
+
 @contextlib.contextmanager
-def local_dir(p):
+def local_dir(p, whole: bool = False):
   """A local directory for writers that cannot write to p: p itself when it is local; else a
   temporary directory whose files are copied to p when the block ends (and that stays, so what
-  was written can be read back locally)."""
+  was written can be read back locally). An exception in the block copies nothing.
+
+  whole (a local p): the block writes into the sibling p + PARTIAL, renamed to p (replacing an
+  older p) once the block ends, so an interrupted write leaves no p that looks complete: its
+  partial directory, removed by the exception or by the next such write."""
   p = path(p)
-  if not is_remote(p):
+  if not is_remote(p) and not whole:
     p.mkdir(parents=True, exist_ok=True)
     yield os.fspath(p)
+    return
+  if not is_remote(p):
+    partial = p.parent / (p.name + PARTIAL)
+    if partial.exists():
+      partial.rmtree()
+    partial.mkdir(parents=True)
+    try:
+      yield os.fspath(partial)
+    except BaseException:
+      partial.rmtree()
+      raise
+    if p.exists():
+      p.rmtree()
+    os.replace(partial, p)
     return
   local = tempfile.mkdtemp(prefix="grpo_jax_")
   yield local
