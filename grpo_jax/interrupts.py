@@ -18,9 +18,8 @@ the GRPO loop after each step and after the step-0 evaluation), saves its checkp
 raises Stopped. A phase that has nothing to save is `abortable`: the start-up before the warm
 start (nothing computed yet) and the final export (its checkpoint is on disk): there the signal
 raises Stopped at once, from the handler, as Python's KeyboardInterrupt would. A second signal,
-in any phase (a save taking too long), prints one line and exits at once (os._exit: no cleanup,
-so a checkpoint being written is left as an unfinished temporary directory that the next start
-deletes).
+in any phase (a save taking too long) or while the stopped process winds down (exit_with),
+prints one line and exits at once (_again).
 
 Status 130 (SIGINT) and 143 (SIGTERM) are what a shell reports for a process those signals
 killed; grpo_jax.sweep_runner reads them as "stopped, resumable".
@@ -51,9 +50,21 @@ def name(signum: int) -> str:
 
 
 def exit_with(e: Stopped):
-  """The entry points' end of a stopped run: its one line on stderr, its exit status."""
+  """The entry points' end of a stopped run: its one line on stderr, its exit status. Another
+  signal while the process winds down (XLA's teardown takes seconds) exits at once."""
+  for s in SIGNALS:
+    signal.signal(s, _again)
   print(f"grpo_jax: {e}", file=sys.stderr, flush=True)
   sys.exit(e.code)
+
+
+def _again(signum, _frame):
+  """A second signal: one line, and out at once (os._exit: no cleanup, so a checkpoint being
+  written is left as an unfinished temporary directory, which the next start deletes)."""
+  print(f"grpo_jax: interrupted again ({name(signum)}): exiting at once, without finishing the "
+        "save in progress; the same command resumes from the last finished checkpoint",
+        file=sys.stderr, flush=True)
+  os._exit(128 + signum)
 
 
 class Interrupts:
@@ -76,12 +87,9 @@ class Interrupts:
       signal.signal(s, handler)
     self._previous = {}
 
-  def _handle(self, signum, _frame):
+  def _handle(self, signum, frame):
     if self.signum is not None:
-      print(f"grpo_jax: interrupted again ({name(signum)}): exiting at once, without finishing "
-            "the save in progress; the same command resumes from the last finished checkpoint",
-            file=sys.stderr, flush=True)
-      os._exit(128 + signum)
+      _again(signum, frame)
     self.signum = signum
     for e in self.events:
       e.set()
@@ -108,4 +116,8 @@ class Interrupts:
       raise self.stopped(where)
 
   def stopped(self, where: str) -> Stopped:
+    """Stopped(where); on a process that got no signal itself (another process's stopped the
+    run: hosts.any_, hosts.SharedEvents), with SIGTERM's status."""
+    if self.signum is None:
+      return Stopped(signal.SIGTERM, f"interrupted (another process's signal) {where}")
     return Stopped(self.signum, f"interrupted ({name(self.signum)}) {where}")

@@ -69,13 +69,18 @@ def checkpoint_dir(workdir: str) -> str:
 
 
 def has_checkpoint(workdir: str) -> bool:
-  return storage.path(checkpoint_dir(workdir)).is_dir()
+  """An interrupted warm start's finished save is in workdir (its SHA256SUMS written)."""
+  d = storage.path(checkpoint_dir(workdir))
+  return d.is_dir() and any(p.name.isdigit() and (p / checkpoint.CHECKSUMS_FILE).exists()
+                            for p in d.iterdir())
 
 
-def delete_checkpoint(workdir: str) -> None:
-  """Once GRPO's step-0 checkpoint is on disk, the warm start's is not needed."""
+def delete_checkpoint(workdir: str, saving) -> None:
+  """Deletes the warm start's checkpoint directory, if there is one, once the save in flight
+  of `saving` (the checkpoint.Checkpointer writing GRPO's step 0) is on disk."""
   d = storage.path(checkpoint_dir(workdir))
   if d.exists():
+    saving.wait()
     d.rmtree()
 
 

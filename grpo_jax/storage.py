@@ -7,6 +7,8 @@ through etils.epath, the path library orbax checkpoints with.
     text = storage.read_text(root / "metrics.jsonl")  # with the appended parts, if remote
     with storage.local_dir(root / "final_model") as d:  # for writers that take a local directory
       model.save_pretrained(d)                         # (copied up when the block ends)
+    with storage.local_dir(root / "final_model", whole=True) as d:  # locally: renamed into
+      model.save_pretrained(d)                         # place when whole (an interrupt: none)
     d = storage.local_copy(root / "tokenizer")        # a local directory to read from
 
 Object stores have no append and no rename. A single object write is already all-or-nothing.

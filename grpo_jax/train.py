@@ -534,10 +534,8 @@ def _run_group(configs, workdirs, stop) -> list[dict]:
           print(f"grpo_jax: {where}held-out greedy accuracy at GRPO step 0: {acc:.1%}",
                 flush=True)
       save(0, only=fresh)
-      for m in fresh:  # an interrupted warm start's checkpoint, once step 0's is on disk
-        if main and sft.has_checkpoint(m.workdir):
-          m.ckpt.wait()
-          sft.delete_checkpoint(m.workdir)
+      for m in fresh if main else ():  # an interrupted warm start's, once step 0 is saved
+        sft.delete_checkpoint(m.workdir, m.ckpt)
     c = config.train
     # A signal during the step-0 eval stops here, not after a whole step more. Every member
     # already has its checkpoint of `start` (saved just above, or the one it resumed from).
