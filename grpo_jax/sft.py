@@ -6,6 +6,9 @@ chunked log-probs, micro-batching, sharding and optimizer code as GRPO, with Ada
     step = train_step.TrainStep(model_cfg, loss_cfg, sft_optim_config(config), mesh,
                                 objective="sft")
     state, metrics, _ = step(state, batch)
+
+A signal (grpo_jax.interrupts) stops it before its next step with its progress saved in the
+workdir (checkpoint_dir), from which the next start resumes it.
 """
 
 from __future__ import annotations
@@ -230,7 +233,8 @@ def _restore(workdir, trainer, optim, overshoot, order) -> _Progress | None:
                                   "config it was saved with, or use a new workdir") from None
   last_check = (None if last is None
                 else (last["step"], r.state["last_check"], last["data_position"]))
-  print(f"grpo_jax: resumed the warm start from step {c['step']}", flush=True)
+  print(f"grpo_jax: resumed the warm start from step {c['step']} "
+        f"({checkpoint_dir(workdir)}/{r.step})", flush=True)
   return _Progress(c["step"], r.step, r.state["train"], c["accuracy"], c["every_step"],
                    last_check)
 
