@@ -151,10 +151,11 @@ class Checkpointer:
   """Saves/restores one run's checkpoints; use as a context manager (or call close())."""
 
   def __init__(self, workdir: str, max_to_keep: int = 3, async_save: bool = True,
-               read_only: bool = False):
+               read_only: bool = False, subdir: str = SUBDIR):
+    """subdir: where in the workdir (the warm start's own: sft.CHECKPOINT_DIR)."""
     if max_to_keep < 1:
       raise ValueError(f"checkpoint max_to_keep must be >= 1, got {max_to_keep}")
-    self.directory = checkpoint_dir(workdir)
+    self.directory = os.fspath(storage.path(workdir) / subdir)
     options = ocp.CheckpointManagerOptions(
         preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep),
         enable_async_checkpointing=async_save,

@@ -12,6 +12,8 @@ A user error (grpo_jax.errors.UserError: config, data, paths, mesh, checkpoint, 
 one line naming the bad thing and exits with status 2; a bug keeps its traceback. What a run
 needs is checked before it compiles or writes (grpo_jax.preflight: a failed start leaves no
 files), and the run holds its workdir's lock (grpo_jax.workdir_lock: one run per workdir).
+SIGINT (Ctrl-C) or SIGTERM saves a checkpoint of the phase the run is in, prints one line saying
+where it stopped and what it saved, and exits with status 130 or 143 (grpo_jax.interrupts).
 
 Several processes (hosts): start the same command on each with --coordinator_address=HOST:PORT
 (process 0's), --num_processes=N and --process_id=i, or with --distributed where JAX finds the
@@ -22,12 +24,13 @@ process 0 alone prints and writes the run's files (grpo_jax.hosts).
 import json
 import os
 import re
+import signal
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from grpo_jax import config as config_lib, progress
+from grpo_jax import config as config_lib, interrupts, progress
 from grpo_jax.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -97,9 +100,8 @@ def main(argv):
     preflight.check_packages(config, workdir)
   except UserError as e:
     _exit_user_error(str(e))
-  from grpo_jax import hosts  # imports jax: after flags, so --help stays fast
-
   try:
+    from grpo_jax import hosts  # imports jax: after flags, so --help stays fast
     if hosts.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                         auto=_DISTRIBUTED.value) and not hosts.is_main():
       # Process 0 prints and shows progress; the others' errors still reach stderr.
@@ -110,6 +112,12 @@ def main(argv):
       train.run(config, workdir)
   except UserError as e:
     _exit_user_error(str(e))
+  except interrupts.Stopped as e:  # SIGINT or SIGTERM, with the phase's checkpoint saved
+    interrupts.exit_with(e)
+  except KeyboardInterrupt:  # Ctrl-C before the run's handlers (importing jax)
+    interrupts.exit_with(interrupts.Stopped(
+        signal.SIGINT, "interrupted (SIGINT) while starting: nothing was saved; run the same "
+        "command to start again"))
 
 
 def _parse_flags(argv):

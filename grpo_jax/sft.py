@@ -6,17 +6,22 @@ chunked log-probs, micro-batching, sharding and optimizer code as GRPO, with Ada
     step = train_step.TrainStep(model_cfg, loss_cfg, sft_optim_config(config), mesh,
                                 objective="sft")
     state, metrics, _ = step(state, batch)
+
+A signal (grpo_jax.interrupts) stops it before its next step with its progress saved in the
+workdir (checkpoint_dir), from which the next start resumes it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 
-from grpo_jax import data, hosts, progress, train_step
+from grpo_jax import checkpoint, data, hosts, progress, storage, train_step
 from grpo_jax.errors import warn
 
 _CALCULATOR = re.compile(r"<<[^<>]{0,200}>>")
@@ -54,8 +59,47 @@ def sft_optim_config(config):
   return optim
 
 
-def run_sft(config, trainer, params, rows, eval_rows=()):
-  """The warm start; deterministic in the seed, never checkpointed (it is short).
+CHECKPOINT_DIR = os.path.join(checkpoint.SUBDIR, "warm_start")  # in the workdir
+
+
+def checkpoint_dir(workdir: str) -> str:
+  """<workdir>/checkpoints/warm_start: an interrupted warm start's checkpoint (orbax ignores
+  the name beside GRPO's numbered steps). Its step directories are numbered by the steps taken
+  in all (retaken steps counted), so each save comes after the one before."""
+  return os.fspath(storage.path(workdir) / CHECKPOINT_DIR)
+
+
+def has_checkpoint(workdir: str) -> bool:
+  """An interrupted warm start's finished save is in workdir (its SHA256SUMS written)."""
+  d = storage.path(checkpoint_dir(workdir))
+  return d.is_dir() and any(p.name.isdigit() and (p / checkpoint.CHECKSUMS_FILE).exists()
+                            for p in d.iterdir())
+
+
+def delete_checkpoint(workdir: str, saving) -> None:
+  """Deletes the warm start's checkpoint directory, if there is one, once the save in flight
+  of `saving` (the checkpoint.Checkpointer writing GRPO's step 0) is on disk."""
+  d = storage.path(checkpoint_dir(workdir))
+  if d.exists():
+    saving.wait()
+    d.rmtree()
+
+
+@dataclasses.dataclass
+class _Progress:
+  """Where the warm start is: what its checkpoint holds, so that a resumed warm start takes
+  the steps an uninterrupted one takes and stops where it stops."""
+  i: int                    # steps counted towards sft.steps (back to a check's after an overshoot)
+  taken: int                # steps taken in all
+  state: Any                # the train state after them
+  acc: float | None         # the last check's accuracy
+  every_step: bool          # gone back after an overshoot: checking after every step
+  last_check: tuple | None  # (step, state copy, data position), kept while an overshoot can
+                            # send the warm start back to it
+
+
+def run_sft(config, trainer, params, rows, eval_rows=(), workdir=None, stop=None):
+  """The warm start; deterministic in the seed. Returns the params.
 
   With sft.target_accuracy > 0 it evaluates greedy accuracy on `eval_rows` every
   sft.eval_every steps and stops at the first evaluation that reaches the target; sft.steps is
@@ -66,62 +110,129 @@ def run_sft(config, trainer, params, rows, eval_rows=()):
   accuracy jumped past the target between two checks (a model that learns a format can go from
   under 10% to 80% in ten steps). The warm start then goes back to the previous check (its
   params, optimizer state and data position) and takes those steps again, checking after each
-  one, and stops at the first that reaches the target. Returns the params.
+  one, and stops at the first that reaches the target.
+
+  stop (grpo_jax.interrupts.Interrupts): a signal stops it before its next step, with its
+  progress saved to checkpoint_dir(workdir) (interrupts.Stopped); a later call with that
+  workdir resumes from there (params may then be None: the checkpoint holds them).
   """
   s, tok = config.sft, trainer.tokenizer
   max_completion = trainer.rollout.completion_width
   optim = sft_optim_config(config)
   step = train_step.TrainStep(trainer.cfg, config.loss, optim, trainer.mesh, objective="sft")
-  state = train_step.create_train_state(params, trainer.cfg, optim, trainer.mesh)
   order = data.PromptIterator(len(rows), s.batch_size, config.seed + 1)
   target = s.target_accuracy if eval_rows else 0.0
   overshoot = s.overshoot_accuracy if target else 0.0
-  bar = progress.Bar(total=s.steps, desc="sft warm start", every_s=config.train.progress_every_s,
-                     disable=not hosts.is_main())
-  # The last check's (step, state, data position), kept only while an overshoot can send the
-  # warm start back to it. The step donates its input state, so the kept state is a copy.
-  last_check = (0, _copy(state), order.position()) if overshoot else None
-  every_step = False  # after going back: check after every step
-  acc, i = None, 0
-  while i < s.steps:
+  p = _restore(workdir, trainer, optim, overshoot, order) if workdir else None
+  if p is None:
+    state = train_step.create_train_state(params, trainer.cfg, optim, trainer.mesh)
+    # The step donates its input state, so the kept state is a copy.
+    p = _Progress(0, 0, state, None, False,
+                  (0, _copy(state), order.position()) if overshoot else None)
+  resumed_at = p.taken
+  if stop is not None:
+    stop.abortable(None)  # a signal from here on is answered before the next step
+  bar = progress.Bar(total=s.steps, desc="sft warm start", initial=p.i,
+                     every_s=config.train.progress_every_s, disable=not hosts.is_main())
+  while p.i < s.steps:
+    if stop is not None and stop.agreed(p.taken % 10 == 0):
+      bar.close()
+      raise _stopped(stop, p, order, workdir, s.steps, resumed_at)
     batch_rows = [rows[j] for j in order.next_indices()]
     prompts, completions, masks = trainer.rollout.sft_examples(batch_rows)
     batch = sft_batch(prompts, completions, tok.pad_token_id, buckets=config.data.prompt_buckets,
                       multiple=config.train.pad_multiple, max_completion=max_completion,
                       loss_masks=masks)
-    state, metrics, _ = step(state, batch)
-    i += 1
-    if i % 10 == 1:  # reading the loss waits for the device; not every step
+    p.state, metrics, _ = step(p.state, batch)
+    p.i, p.taken = p.i + 1, p.taken + 1
+    if p.i % 10 == 1:  # reading the loss waits for the device; not every step
       bar.set_postfix(loss=f"{float(metrics['loss']):.3f}",
-                      **({} if acc is None else {"val": f"{acc:.3f}"}))
+                      **({} if p.acc is None else {"val": f"{p.acc:.3f}"}))
     bar.update(1)
-    if not target or not (every_step or i % s.eval_every == 0):
+    if not target or not (p.every_step or p.i % s.eval_every == 0):
       continue
-    acc = trainer.evaluate(state["params"], eval_rows)
-    bar.write(f"grpo_jax: warm start step {i}: validation accuracy {acc:.1%}")
-    if overshoot and acc > overshoot and not every_step:  # (overshoot > target)
-      i, state, position = last_check
+    p.acc = trainer.evaluate(p.state["params"], eval_rows)
+    bar.write(f"grpo_jax: warm start step {p.i}: validation accuracy {p.acc:.1%}")
+    if overshoot and p.acc > overshoot and not p.every_step:  # (overshoot > target)
+      p.i, state, position = p.last_check
+      p.state = _copy(state)  # (the kept one stays whole for a save)
       order.restore(position)
-      every_step = True
-      bar.set_count(i)
-      bar.write(f"grpo_jax: warm start: {acc:.1%} is past sft.overshoot_accuracy "
-                f"{overshoot:.0%}; going back to step {i} and checking after every step")
+      p.every_step = True
+      bar.set_count(p.i)
+      bar.write(f"grpo_jax: warm start: {p.acc:.1%} is past sft.overshoot_accuracy "
+                f"{overshoot:.0%}; going back to step {p.i} and checking after every step")
       continue
-    if acc >= target:
+    if p.acc >= target:
       bar.close(stopped="target reached")
-      print(f"grpo_jax: warm start reached {acc:.1%} on {len(eval_rows)} validation problems "
-            f"(target {target:.0%}) after {i} steps", flush=True)
-      return state["params"]
-    if overshoot and not every_step:
-      last_check = (i, _copy(state), order.position())
+      print(f"grpo_jax: warm start reached {p.acc:.1%} on {len(eval_rows)} validation problems "
+            f"(target {target:.0%}) after {p.i} steps", flush=True)
+      return p.state["params"]
+    if overshoot and not p.every_step:
+      p.last_check = (p.i, _copy(p.state), order.position())
   bar.close()
   if target:
     # sft.steps < sft.eval_every (a shortened test run) ends before any check: no accuracy.
-    measured = (f"validation accuracy {acc:.1%}" if acc is not None
+    measured = (f"validation accuracy {p.acc:.1%}" if p.acc is not None
                 else f"no validation check (sft.eval_every={s.eval_every})")
     warn(f"the warm start ended at its limit of {s.steps} steps with {measured}, below its "
          f"target {target:.0%}")
-  return state["params"]
+  return p.state["params"]
+
+
+def _stopped(stop, p: _Progress, order, workdir, steps: int, resumed_at: int):
+  """Saves the warm start's progress (unless it made none since its checkpoint) and returns
+  the interrupts.Stopped that says so."""
+  if p.taken == resumed_at:
+    saved = (f"its checkpoint in {checkpoint_dir(workdir)} is kept" if p.taken
+             else "nothing was saved (no step taken)")
+  else:
+    _save(workdir, p, order)
+    saved = f"saved it to {checkpoint_dir(workdir)}"
+  return stop.stopped(f"in the warm start at step {p.i} of at most {steps}: {saved}; run the "
+                      "same command to resume")
+
+
+def _save(workdir, p: _Progress, order) -> None:
+  """The train state (and the last check's, while an overshoot can go back to it), the data
+  position and the stopping rule's counts, as checkpoint.Checkpointer saves GRPO's (checksums
+  included); the earlier save is deleted once this one is whole."""
+  tree, last = {"train": p.state}, None
+  if p.last_check is not None:
+    step, state, position = p.last_check
+    tree["last_check"] = state
+    last = {"step": step, "data_position": position}
+  counters = {"step": p.i, "accuracy": p.acc, "every_step": p.every_step, "last_check": last}
+  with checkpoint.Checkpointer(workdir, max_to_keep=1, async_save=False,
+                               subdir=CHECKPOINT_DIR) as ckpt:
+    ckpt.save(p.taken, tree, order.position(), counters)
+
+
+def _restore(workdir, trainer, optim, overshoot, order) -> _Progress | None:
+  """The progress an interrupted warm start saved in workdir (None: none), the data order
+  moved to its position."""
+  if not has_checkpoint(workdir):
+    return None
+  abstract = train_step.abstract_state(trainer.cfg, optim, trainer.mesh)
+  tree = {"train": abstract, **({"last_check": abstract} if overshoot else {})}
+  with checkpoint.Checkpointer(workdir, max_to_keep=1, subdir=CHECKPOINT_DIR) as ckpt:
+    if not ckpt.all_steps():  # only a save that did not finish
+      return None
+    r = ckpt.restore(tree)
+  c = r.counters
+  try:
+    order.restore(r.data_position)
+    last = c["last_check"]
+    if last is not None:
+      data.PromptIterator(order.num_rows, order.batch_size, order.seed, last["data_position"])
+  except ValueError as e:  # another seed or dataset than the checkpoint's
+    raise checkpoint.RestoreError(f"{checkpoint_dir(workdir)}/{r.step}: {e}; run with the "
+                                  "config it was saved with, or use a new workdir") from None
+  last_check = (None if last is None
+                else (last["step"], r.state["last_check"], last["data_position"]))
+  print(f"grpo_jax: resumed the warm start from step {c['step']} "
+        f"({checkpoint_dir(workdir)}/{r.step})", flush=True)
+  return _Progress(c["step"], r.step, r.state["train"], c["accuracy"], c["every_step"],
+                   last_check)
 
 
 def _copy(tree):

@@ -7,6 +7,8 @@ through etils.epath, the path library orbax checkpoints with.
     text = storage.read_text(root / "metrics.jsonl")  # with the appended parts, if remote
     with storage.local_dir(root / "final_model") as d:  # for writers that take a local directory
       model.save_pretrained(d)                         # (copied up when the block ends)
+    with storage.local_dir(root / "final_model", whole=True) as d:  # locally: renamed into
+      model.save_pretrained(d)                         # place when whole (an interrupt: none)
     d = storage.local_copy(root / "tokenizer")        # a local directory to read from
 
 Object stores have no append and no rename. A single object write is already all-or-nothing.
@@ -130,15 +132,36 @@ def append_text(p, text: str) -> None:
     f.write(text)
 
 
+PARTIAL = ".partial"  # local_dir(p, whole=True) writes p + PARTIAL and renames it to p
+
+
 @contextlib.contextmanager
-def local_dir(p):
+def local_dir(p, whole: bool = False):
   """A local directory for writers that cannot write to p: p itself when it is local; else a
   temporary directory whose files are copied to p when the block ends (and that stays, so what
-  was written can be read back locally)."""
+  was written can be read back locally). An exception in the block copies nothing.
+
+  whole (a local p): the block writes into the sibling p + PARTIAL, renamed to p (replacing an
+  older p) once the block ends, so an interrupted write leaves no p that looks complete: its
+  partial directory, removed by the exception or by the next such write."""
   p = path(p)
-  if not is_remote(p):
+  if not is_remote(p) and not whole:
     p.mkdir(parents=True, exist_ok=True)
     yield os.fspath(p)
+    return
+  if not is_remote(p):
+    partial = p.parent / (p.name + PARTIAL)
+    if partial.exists():
+      partial.rmtree()
+    partial.mkdir(parents=True)
+    try:
+      yield os.fspath(partial)
+    except BaseException:
+      partial.rmtree()
+      raise
+    if p.exists():
+      p.rmtree()
+    os.replace(partial, p)
     return
   local = tempfile.mkdtemp(prefix="grpo_jax_")
   yield local

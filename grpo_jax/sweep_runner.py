@@ -18,9 +18,12 @@ member that fails alone (train.FAILURE_FILE in its workdir, with the reason) is 
 group's other members go on (docs/faults.md).
 
 Ctrl-C (SIGINT) or SIGTERM stops the sweep: each run gets SIGTERM, which main answers by saving
-a checkpoint and exiting within seconds; a second Ctrl-C kills them. Runs are started in their
-own process group, so the terminal's Ctrl-C reaches the sweep alone and the runs get the
-SIGTERM they handle, not a SIGINT that would lose their progress since the last checkpoint.
+a checkpoint of the phase it is in and exiting with status 143 (grpo_jax.interrupts); a second
+Ctrl-C kills them. Runs are started in their own process group, so the terminal's Ctrl-C
+reaches the sweep alone and each run gets one SIGTERM (two would make it exit without
+finishing its save). A run that exits 130 or 143 while the sweep goes on (a SIGTERM that
+reached it alone, a preemption) is recorded as interrupted, not failed: it saved its progress,
+and the sweep's status is 130, "run the same command to finish".
 If the sweep itself dies (SIGKILL, a crash), the kernel sends each run SIGKILL
 (grpo_jax.die_with_parent): nothing is left running; rerunning the sweep resumes the runs.
 """
@@ -54,6 +57,7 @@ CHECKPOINTS = "checkpoints"    # checkpoint.SUBDIR; not imported: it would load 
 FAILURE_FILE = "failed.json"   # train.FAILURE_FILE: a vmapped member that failed, and why
 BASE_DIR = "base_model"        # train.BASE_DIR: a LoRA run's warm-started base
 STOP_GRACE_S = 300             # how long stopped runs get to save their checkpoint
+STOPPED_CODES = (130, 143)     # main stopped by SIGINT / SIGTERM, its checkpoint saved
 POLL_S = 0.5
 
 
@@ -174,6 +178,8 @@ def _exit_text(code: int) -> str:
       return f"killed by {signal.Signals(-code).name}"
     except ValueError:
       return f"killed by signal {-code}"
+  if code in STOPPED_CODES:
+    return f"exit code {code}: stopped by {signal.Signals(code - 128).name}, its checkpoint saved"
   return f"exit code {code}"
 
 
@@ -385,9 +391,9 @@ class Runner:
       status, reason = "done", None
     elif failure(d) is not None:  # a vmapped member that failed; its group may have gone on
       status, reason = "failed", failure(d)
-    elif self._stopping:
+    elif self._stopping or code in STOPPED_CODES:
       status, reason = "interrupted", _exit_text(code)
-    elif code == 0:  # main exits 0 after a SIGTERM it did not get from us (a preemption)
+    elif code == 0:  # an older main exited 0 after a SIGTERM it did not get from us
       status, reason = "failed", "exit code 0 without a finished summary.json (stopped early?)"
     else:
       status, reason = "failed", _exit_text(code)
@@ -414,7 +420,8 @@ class Runner:
         pass
 
   def run(self) -> int:
-    """Runs every unfinished run; 0 when all finished, 1 when some failed, 130 when stopped."""
+    """Runs every unfinished run; 0 when all finished, 1 when some failed, 130 when stopped
+    (the sweep, or runs that a signal stopped and none failed)."""
     os.makedirs(self.workdir, exist_ok=True)
     self._save()
     runs = [r for r in self.runs if r.kind == "run"]
@@ -482,7 +489,8 @@ class Runner:
     for r in failed:
       print(f"grpo_jax.sweep: failed: {r.dir}: {self.records[r.dir].get('reason')}; log "
             f"{os.path.join(self.run_dir(r), LOG_FILE)}", file=sys.stderr)
-    if self._stopping:
+    interrupted = [r for r in self.runs if self.status[r.dir] == "interrupted"]
+    if self._stopping or interrupted and not failed:
       print("grpo_jax.sweep: stopped; run the same command to finish the sweep", flush=True)
       return 130
     done = sum(self.status[r.dir] == "done" for r in runs)

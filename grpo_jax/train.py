@@ -43,7 +43,6 @@ import functools
 import gc
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -56,9 +55,9 @@ from tqdm.auto import tqdm
 import numpy as np
 
 from grpo_jax import (checkpoint, compile_cache, config as config_lib, data, grpo, hosts, inputs,
-                      logging_io, plots, preflight, progress, rollout, sampler as sampler_lib,
-                      sft, sharding, storage, sweep, sweep_runner, tokenizer as tokenizer_lib,
-                      train_step, validate)
+                      interrupts, logging_io, plots, preflight, progress, rollout,
+                      sampler as sampler_lib, sft, sharding, storage, sweep, sweep_runner,
+                      tokenizer as tokenizer_lib, train_step, validate)
 from grpo_jax.agent import rollout as agent_rollout
 from grpo_jax.errors import UserError, warn
 from grpo_jax.models import lora as lora_lib, qwen, weights
@@ -91,7 +90,7 @@ class Setup:
   tokenizer: Any
   stop_ids: list
   rewards: list
-  interrupt: threading.Event  # set on SIGTERM: a reward waiting on its scorer gives up
+  interrupt: threading.Event  # set on SIGINT/SIGTERM: a reward waiting on its scorer gives up
   cfg: qwen.QwenConfig
   generation_config: dict | None
   previous_config: dict | None = None  # the workdir's config.json from an earlier start
@@ -438,11 +437,27 @@ def run(config, workdir: str) -> dict:
 
 
 def run_group(configs, workdirs) -> list[dict]:
-  """K >= 1 runs as one program; returns their summaries (see the module docstring)."""
+  """K >= 1 runs as one program; returns their summaries (see the module docstring). SIGINT
+  or SIGTERM stops it with a checkpoint of the phase it is in: interrupts.Stopped, raised once
+  its files are written (docs/faults.md)."""
+  with interrupts.Interrupts() as stop:
+    stop.abortable(STARTING)
+    return _run_group(configs, workdirs, stop)
+
+
+# What a signal before the warm start (or before the resume's first step) says: setup and the
+# initial params are recomputed by the next start.
+STARTING = ("while starting (data, model, compiling), before any step of this start: nothing "
+            "new was saved; run the same command to start again")
+
+
+def _run_group(configs, workdirs, stop) -> list[dict]:
   if len(configs) > 1:
     check_vmappable(configs)
   shared = {}  # what the members' setups have in common is built once
   members = [Member(setup(c, w, shared), c) for c, w in zip(configs, workdirs)]
+  # A signal makes a reward waiting on its scorer give up (rewards.Interrupted).
+  stop.events += [m.setup.interrupt for m in members]
   if len(members) > 1:
     _check_shared([m.setup for m in members])
   m0, s0 = members[0], members[0].setup
@@ -463,7 +478,7 @@ def run_group(configs, workdirs) -> list[dict]:
 
   # Each member's own view of the shared compiled pieces: its config, tokenizer and rollout.
   trainers = [trainer] + [trainer.for_member(m.config, m.setup.tokenizer) for m in members[1:]]
-  start, states, refs = _start(members, trainers)
+  start, states, refs = _start(members, trainers, stop)
   hparams = [trainer.hparams(m.config) for m in members]
   shared_ref = trainer.lora is not None
   # The first step's train program compiles from here on, in the background, for the first rows'
@@ -481,10 +496,9 @@ def run_group(configs, workdirs) -> list[dict]:
       m.ckpt.delete_after(start)
   group = Group.of(states, refs, hparams, shared_ref)
   del states, refs  # the group's copies are the live ones
-  stop = {"requested": False}
-  previous = signal.signal(signal.SIGTERM, lambda *_: (
-      stop.update(requested=True), [m.setup.interrupt.set() for m in members]))
-  # Several processes: a SIGTERM to one interrupts the rewards of all (docs/faults.md).
+  stop.abortable(None)  # from here on each phase saves its checkpoint before it stops
+  stopped = None  # where the loop stopped, and what it saved, for interrupts.Stopped
+  # Several processes: a signal to one interrupts the rewards of all (docs/faults.md).
   shared_interrupt = hosts.SharedEvents([m.setup.interrupt for m in members])
 
   failures = {}  # workdir -> error: vmapped members that failed; the others go on
@@ -530,12 +544,14 @@ def run_group(configs, workdirs) -> list[dict]:
           print(f"grpo_jax: {where}held-out greedy accuracy at GRPO step 0: {acc:.1%}",
                 flush=True)
       save(0, only=fresh)
+      for m in fresh if main else ():  # an interrupted warm start's, once step 0 is saved
+        sft.delete_checkpoint(m.workdir, m.ckpt)
     c = config.train
-    # A SIGTERM during the step-0 eval stops here, not after a whole step more. Every member
+    # A signal during the step-0 eval stops here, not after a whole step more. Every member
     # already has its checkpoint of `start` (saved just above, or the one it resumed from).
-    stopped = hosts.any_(stop["requested"])
-    if stopped:
-      print(f"grpo_jax: SIGTERM: saved step {start}, exiting", flush=True)
+    if hosts.any_(stop.requested()):
+      stopped = (f"in the step-0 evaluation: {_saved(members, start)}" if fresh else
+                 f"before GRPO step {start + 1}: the checkpoint of step {start} is kept")
     bar = progress.Bar(range(start, start if stopped else c.steps), initial=start, total=c.steps,
                        desc="grpo" if len(members) == 1 else f"grpo x{len(members)}",
                        every_s=c.progress_every_s, disable=not main)
@@ -548,11 +564,12 @@ def run_group(configs, workdirs) -> list[dict]:
             trainers, group, [m.setup.rewards for m in members],
             [m.next_rows if m in live else None for m in members],
             step)
-      except Interrupted:  # SIGTERM while a reward waited on its scorer: drop this step
+      except Interrupted:  # a signal while a reward waited on its scorer: drop this step
         for m, p in zip(members, positions):
           m.it.restore(p)
         save(step)
-        print(f"grpo_jax: SIGTERM: saved step {step}, exiting", flush=True)
+        stopped = (f"in GRPO step {step + 1} of {c.steps}, waiting on a reward's scorer: "
+                   f"dropped the step, {_saved(members, step)}")
         break
       done = step + 1
       if step == start and len(members) > 1 and not fresh:  # (fresh: the step-0 eval compiled)
@@ -595,18 +612,20 @@ def run_group(configs, workdirs) -> list[dict]:
           fail(m, e, done)
       if done % c.checkpoint_every == 0 or done == c.steps:
         save(done)
-      if hosts.any_(stop["requested"]):  # every process stops at the same step
+      if hosts.any_(stop.requested()):  # every process stops at the same step
         save(done)
-        print(f"grpo_jax: SIGTERM: saved step {done}, exiting", flush=True)
+        stopped = f"in GRPO step {done} of {c.steps}: {_saved(members, done)}"
         break
   finally:
     gc.unfreeze()  # run() may be called again in this process (tests, sweeps)
     shared_interrupt.stop()
     for m in members:
       m.close()
-    signal.signal(signal.SIGTERM, previous)
 
-  finished = done >= config.train.steps  # a SIGTERM in the last step still finishes the run
+  finished = done >= config.train.steps  # a signal in the last step: its export stops at once
+  if finished and hosts.count() == 1:  # (several processes take part in the export: not cut)
+    stop.abortable(f"in the final export: the checkpoint of step {done} is kept, and "
+                   "final_model/ is whole or absent; run the same command to export it")
   summaries = []
   # The plots (on SIGTERM every second counts: `python -m grpo_jax.plots` draws them later),
   # a group's drawn by other processes while the models are exported.
@@ -618,7 +637,17 @@ def run_group(configs, workdirs) -> list[dict]:
         continue
       state, ref = group.member(k)
       summaries.append(_finish(m, trainers[k], state["params"], ref, finished, done, main))
+  stop.abortable(None)
+  if stopped is not None and not finished:  # (a run that got to train.steps is exported)
+    raise stop.stopped(f"{stopped}; run the same command to resume")
   return summaries
+
+
+def _saved(members, step) -> str:
+  """'saved step N to <its checkpoint>', for a group in each member's checkpoints/."""
+  if len(members) == 1:
+    return f"saved step {step} to {checkpoint.checkpoint_dir(members[0].workdir)}/{step}"
+  return f"saved step {step} of each of its {len(members)} runs (<workdir>/checkpoints/{step})"
 
 
 def _postfix(ms) -> dict:
@@ -649,15 +678,15 @@ def _finish(m: Member, trainer, params, ref, finished: bool, done: int, main: bo
                                   "pad_token_id": s.tokenizer.pad_token_id}
     root = storage.path(s.workdir)
     if lcfg is None:
-      with storage.local_dir(root / "final_model") as out:
+      with storage.local_dir(root / "final_model", whole=True) as out:
         weights.save_checkpoint(final_params, s.cfg, out, generation_config=gen,
                                 tokenizer=s.tokenizer)
     else:
       adapters, base = final_params
-      with storage.local_dir(root / "final_model") as out:
+      with storage.local_dir(root / "final_model", whole=True) as out:
         lora_lib.save_merged(base, adapters, s.cfg, lcfg, out, generation_config=gen,
                              tokenizer=s.tokenizer)
-      with storage.local_dir(root / "final_adapter") as out:
+      with storage.local_dir(root / "final_adapter", whole=True) as out:
         lora_lib.save_peft(adapters, s.cfg, lcfg, out,
                            base_model=_base_model_name(m.config, s.workdir))
   return summary
@@ -671,9 +700,11 @@ def _base_model_name(config, workdir) -> str:
   return "" if config.model.random_init else str(config.model.checkpoint)
 
 
-def _start(members, trainers):
+def _start(members, trainers, stop=None):
   """Each member's state at one common step: resumed from its latest usable checkpoint, or
-  warm-started (a member without one). Returns (start step, states, references)."""
+  warm-started (a member without one; stop: its interrupts, which save the warm start's
+  progress in the member's workdir, resumed from there). Returns (start step, states,
+  references)."""
   abstract = trainers[0].abstract_checkpoint()
   if len(members) == 1:
     # The latest checkpoint whose files pass their checksums; damaged newer ones are skipped.
@@ -699,13 +730,15 @@ def _start(members, trainers):
     c, s = m.config, m.setup
     lora = trainer.lora is not None
     if r is None:
-      params = inputs.initial_params(c, s.cfg, trainer.mesh)
+      warm = c.sft.steps and sft.has_checkpoint(m.workdir)  # (holds the params)
+      params = None if warm else inputs.initial_params(c, s.cfg, trainer.mesh)
       if c.sft.steps:
-        params = sft.run_sft(c, trainer, params, s.train_rows, s.sft_eval_rows)
+        params = sft.run_sft(c, trainer, params, s.train_rows, s.sft_eval_rows,
+                             workdir=m.workdir, stop=stop)
         if lora:  # the base GRPO adapts: kept for resuming and for the adapter's export
           host_params = hosts.fetch(params) if hosts.count() > 1 else params
           if hosts.is_main():
-            with storage.local_dir(storage.path(m.workdir) / BASE_DIR) as out:
+            with storage.local_dir(storage.path(m.workdir) / BASE_DIR, whole=True) as out:
               weights.save_checkpoint(host_params, s.cfg, out, tokenizer=s.tokenizer)
           del host_params
       states.append(trainer.init_state(params))
@@ -1026,6 +1059,8 @@ def main(argv=None) -> int:
   except UserError as e:
     print(f"grpo_jax.train: error: {e}", file=sys.stderr, flush=True)
     return 2
+  except interrupts.Stopped as e:
+    interrupts.exit_with(e)
   return 0
 
 

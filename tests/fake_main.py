@@ -9,7 +9,7 @@ Each call appends {"args": overrides, "resumed_from": step or None} to DIR/calls
 "state" is the warm start's, a function of the warm-start overrides only; GRPO steps log a
 reward of lr * 1000 + seed, so a test can tell which run wrote what. Environment:
 FAKE_FAIL (JSON list of run dir names that exit 3), FAKE_WAIT (wait for SIGTERM before GRPO,
-then save a checkpoint and a stopped_early summary and exit 0, as main does).
+then save a checkpoint and a stopped_early summary and exit 143, as main does).
 """
 import json
 import os
@@ -92,6 +92,8 @@ def main(argv):
       f.write("1")
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f)
+  if done < steps:
+    sys.exit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -242,7 +242,7 @@ def _lora_run(workdir, stop_at=None):
     assert proc.poll() is None, proc.stdout.read()[-3000:]
     proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=600)
-  assert proc.returncode == 0, out[-3000:]
+  assert proc.returncode == (0 if stop_at is None else 128 + signal.SIGTERM), out[-3000:]
   return out
 
 
@@ -267,7 +267,7 @@ def test_a_tiny_lora_run_resumes_bit_for_bit_and_exports_what_peft_loads(tmp_pat
   from grpo_jax import sweep_runner
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   out = _lora_run(resumed, stop_at=2)
-  assert "SIGTERM: saved step" in out
+  assert "grpo_jax: interrupted (SIGTERM) in GRPO step" in out
   assert sweep_runner.start_from_prefix(str(resumed), str(straight))
   out = _lora_run(straight)
   assert "resumed from step 0" in out

@@ -187,8 +187,10 @@ def test_cli_sigterm_during_a_wait_on_a_silent_scorer_exits_within_5_s(tmp_path)
         proc.kill()
       reader.join(timeout=10)
   out = "".join(l for _, l in lines)
-  assert proc.returncode == 0, out[-3000:]
-  saved = [t - t0 for t, l in lines if "SIGTERM: saved step 0, exiting" in l]
+  assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+  saved = [t - t0 for t, l in lines
+           if "grpo_jax: interrupted (SIGTERM) in GRPO step 1 of" in l
+           and "waiting on a reward's scorer: dropped the step, saved step 0 to" in l]
   # The wait ends at once (it polls every 0.1 s); the rest is the run's normal exit (summary,
   # plots, XLA teardown: ~3 s here).
   assert saved and saved[0] < 2.0, (saved, out[-3000:])

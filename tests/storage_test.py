@@ -168,3 +168,22 @@ def test_a_rewrite_cut_short_leaves_parts_that_readers_skip(gcs):
   storage.append_text(p, "line 4\n")
   storage.write_text(p, "line 0\nline 1\nline 2\nline 3\n")
   assert storage.read_text(p) == "line 0\nline 1\nline 2\nline 3\n"
+
+
+def test_a_whole_local_dir_appears_complete_or_not_at_all(tmp_path):
+  """local_dir(whole=True): the files appear under p only when the block ends; an exception in
+  it (an interrupted export) leaves neither p nor its partial sibling; a later write replaces
+  an older p as a whole (no file of the old one left)."""
+  p = tmp_path / "final_model"
+  with pytest.raises(KeyboardInterrupt):
+    with storage.local_dir(p, whole=True) as out:
+      (tmp_path / "final_model.partial" / "config.json").write_text("{}")
+      assert out == str(tmp_path / "final_model.partial") and not p.exists()
+      raise KeyboardInterrupt
+  assert sorted(x.name for x in tmp_path.iterdir()) == []
+  for files in (("config.json", "old.bin"), ("config.json",)):
+    with storage.local_dir(p, whole=True) as out:
+      for name in files:
+        (tmp_path / "final_model.partial" / name).write_text(name)
+    assert sorted(x.name for x in p.iterdir()) == sorted(files)
+  assert sorted(x.name for x in tmp_path.iterdir()) == ["final_model"]

@@ -415,13 +415,51 @@ def test_ctrl_c_stops_runs_with_sigterm_and_a_rerun_finishes(tmp_path):
   assert "run the same command to finish" in out
   for d in ("seed=0", "seed=1"):
     assert (tmp_path / "w" / d / "got_sigterm").exists(), d
-    assert json.load(open(tmp_path / "w" / d / "sweep_run.json"))["status"] == "interrupted"
+    rec = json.load(open(tmp_path / "w" / d / "sweep_run.json"))
+    assert (rec["status"], rec["returncode"]) == ("interrupted", 143), rec
   assert not (tmp_path / "w" / "seed=2").exists()  # never started
   del env["FAKE_WAIT"]
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert [c["resumed_from"] for c in _calls(tmp_path / "w" / "seed=0")] == [None, 0]
   assert [c["resumed_from"] for c in _calls(tmp_path / "w" / "seed=2")] == [None]
+
+
+def test_a_run_stopped_by_a_sigterm_of_its_own_is_interrupted_not_failed(tmp_path):
+  """A preemption's SIGTERM that reaches one run alone (not through the sweep): the run saves
+  and exits 143, and the sweep records it as interrupted (resumable), exits 130 with the line
+  that says to rerun, and the rerun resumes it from its checkpoint."""
+  sweep_file = tmp_path / "s.py"
+  sweep_file.write_text(
+      "from grpo_jax import sweep\n"
+      "def get_sweep():\n"
+      "  return sweep.Sweep('configs/gsm8k.py:tiny', sweep.seeds(1), "
+      "fixed={'train.steps': 3})\n")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, str(REPO)]), FAKE_WAIT="1")
+  workdir = tmp_path / "w"
+  cmd = [sys.executable, "-m", "grpo_jax.sweep", str(sweep_file), f"--workdir={workdir}",
+         "--main_module=fake_main"]
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 60
+    while not _calls(workdir / "seed=0"):
+      assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+      time.sleep(0.05)
+    [run] = _processes_with(f"--workdir={workdir}/seed=0")
+    os.kill(run, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+  finally:
+    proc.kill()
+  assert proc.returncode == 130, out
+  assert "run the same command to finish" in out and "FAILED" not in out, out
+  rec = json.load(open(workdir / "seed=0" / "sweep_run.json"))
+  assert (rec["status"], rec["returncode"]) == ("interrupted", 143), rec
+  assert "stopped by SIGTERM" in rec["reason"], rec
+  del env["FAKE_WAIT"]
+  done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert [c["resumed_from"] for c in _calls(workdir / "seed=0")] == [None, 0]
 
 
 def _processes_with(text: str) -> list[int]:

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 import cli
 import fixtures
 from configs import gsm8k
-from grpo_jax import (data, logging_io, plots, rollout, sampler as sampler_lib, sft,
+from grpo_jax import (data, interrupts, logging_io, plots, rollout, sampler as sampler_lib, sft,
                       tokenizer as tokenizer_lib, train, workdir_lock)
 from grpo_jax.models import qwen, weights
 from grpo_jax.rewards import Reward
@@ -200,17 +200,20 @@ def test_preempted_runs_resume_to_the_same_params_bit_for_bit(tmp_path):
   # The killed run could not release its workdir's lock: the next run takes it over, warning.
   killed = json.loads((interrupted / workdir_lock.LOCK_FILE).read_text())["pid"]
   code, out = _start_and_signal(interrupted, 4, signal.SIGTERM, steps)
-  assert code == 0, out[-3000:]
+  assert code == 128 + signal.SIGTERM, out[-3000:]  # 143: stopped by SIGTERM, resumable
   assert f"grpo_jax: warning: {interrupted}: taking over the lock left by PID {killed}" in out
   assert not (interrupted / workdir_lock.LOCK_FILE).exists()  # released after the SIGTERM
   assert "resumed from step 2" in out or "resumed from step 4" in out
-  stopped = int(re.search(r"SIGTERM: saved step (\d+)", out).group(1))
+  stopped = int(re.search(r"grpo_jax: interrupted \(SIGTERM\) in GRPO step (\d+) of 10: saved "
+                          r"step \1 to \S+/checkpoints/\1; run the same command to resume",
+                          out).group(1))
   assert 4 <= stopped < 10, out[-3000:]
   summary = json.loads((interrupted / "summary.json").read_text())
   assert summary["stopped_early"] is True and summary["stopped_at_step"] == stopped
   assert summary["start_step"] == 0 and "eval_accuracy_start" in summary
   assert "eval_accuracy_gain_points" not in summary and "eval_accuracy_end" not in summary
-  assert f"stopped early at step {stopped}" in out and "points" not in out
+  # No gain ("... +1.2 points"); (the interrupt's line names <workdir>/checkpoints).
+  assert f"stopped early at step {stopped}" in out and " points" not in out
   out = _run(interrupted, steps).stdout
   assert "resumed from step" in out
   summary = json.loads((interrupted / "summary.json").read_text())
@@ -310,6 +313,47 @@ def test_warm_start_goes_back_when_a_check_overshoots_its_target(tmp_path, monke
     np.testing.assert_array_equal(a, b)
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(checked[3][1]),
                                                      jax.tree.leaves(checked[2][1])))
+
+
+def test_a_warm_start_interrupted_before_an_overshoot_goes_back_to_its_saved_check(
+    tmp_path, monkeypatch):
+  """Checks after steps 2, 4 (10%, 15%), 6 (90% > sft.overshoot_accuracy: back to step 4),
+  5, 6 (35% reaches the target). A SIGINT during the step-4 check saves the warm start at step
+  4, the check it would go back to included; the resumed warm start overshoots at step 6, goes
+  back to the saved step 4 (params, optimizer state, data position) and stops where an
+  uninterrupted one stops, with its params to the bit."""
+  config = gsm8k.get_config("tiny")
+  config.data.update(synthetic_train=400, synthetic_test=40)
+  config.sft.update(steps=12, eval_every=2, target_accuracy=0.3, overshoot_accuracy=0.5,
+                    eval_examples=32, batch_size=8)
+  config.train.update(steps=0, eval_examples=8, eval_batch_size=8, tensorboard=False)
+  real_evaluate = rollout.evaluate
+  checks = {"n": 0, "interrupt_at": None}
+
+  def scripted_evaluate(config, sampler, tokenizer, params, rows, reward=None):
+    if len(rows) != 32:  # the held-out eval at GRPO step 0: really measured
+      return real_evaluate(config, sampler, tokenizer, params, rows, reward)
+    checks["n"] += 1
+    if checks["n"] == checks["interrupt_at"]:
+      os.kill(os.getpid(), signal.SIGINT)  # the run's handler records it
+    return (0.1, 0.15, 0.9, 0.2, 0.35)[checks["n"] - 1]
+
+  monkeypatch.setattr(rollout, "evaluate", scripted_evaluate)
+  train.run(config, str(tmp_path / "straight"))
+  assert checks["n"] == 5
+  checks.update(n=0, interrupt_at=2)
+  with pytest.raises(interrupts.Stopped) as stopped:
+    train.run(config, str(tmp_path / "resumed"))
+  assert stopped.value.code == 130
+  assert str(stopped.value).startswith(
+      "interrupted (SIGINT) in the warm start at step 4 of at most 12: saved it to")
+  assert sft.has_checkpoint(str(tmp_path / "resumed"))
+  train.run(config, str(tmp_path / "resumed"))  # its checks: the script's 3rd to 5th
+  assert checks["n"] == 5 and not sft.has_checkpoint(str(tmp_path / "resumed"))
+  a, b = (_final_params(tmp_path / d) for d in ("straight", "resumed"))
+  assert a.keys() == b.keys()
+  for name in a:
+    np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
 def _straight_sft_params(config, workdir, steps):
@@ -513,7 +557,12 @@ def test_a_sigterm_during_the_step_0_eval_stops_before_a_step(tmp_path, monkeypa
     return real(*args)
 
   monkeypatch.setattr(train, "evaluate_group", evaluate_then_preempted)
-  summary = train.run(config, str(tmp_path))
+  with pytest.raises(interrupts.Stopped) as stopped:
+    train.run(config, str(tmp_path))
+  assert stopped.value.code == 143
+  assert str(stopped.value) == (f"interrupted (SIGTERM) in the step-0 evaluation: saved step 0 "
+                                f"to {tmp_path}/checkpoints/0; run the same command to resume")
+  summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["stopped_early"] and summary["stopped_at_step"] == 0, summary
   assert [r["step"] for r in logging_io.read_jsonl(str(tmp_path / "metrics.jsonl"))] == [0]
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["0"]
