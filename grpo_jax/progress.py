@@ -19,6 +19,7 @@ bar at its real count, `330/330 steps (stopped at 330 of at most 1000: target re
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import time
@@ -46,8 +47,8 @@ def quiet_library_bars(stream=None) -> None:
   os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
   if "datasets" in sys.modules:
     sys.modules["datasets"].disable_progress_bars()
-  if "huggingface_hub" in sys.modules:
-    sys.modules["huggingface_hub"].utils.disable_progress_bars()
+  if "huggingface_hub" in sys.modules:  # (its package loads `utils` lazily: imported by name)
+    importlib.import_module("huggingface_hub.utils").disable_progress_bars()
 
 
 def _duration(seconds: float) -> str:

@@ -1,6 +1,7 @@
 """grpo_jax.progress off a terminal: plain lines at the configured cadence, on a fake clock."""
 
 import io
+import os
 import re
 import subprocess
 import sys
@@ -138,3 +139,18 @@ def test_a_run_with_its_output_in_a_pipe_prints_plain_progress_lines(tmp_path):
     assert reward == f"{metrics[int(n)]['reward/total/mean']:.3f}"
     assert acc == f"{metrics[int(n)]['reward/math_accuracy/mean']:.2f}"
   assert re.search(r"^grpo_jax: grpo 6/6 steps, done in .* eval=0\.\d{3}$", proc.stdout, re.M)
+
+
+def test_library_bars_are_turned_off_when_the_libraries_were_imported_first():
+  """huggingface_hub loads its `utils` lazily: the call must import it, not read an attribute
+  the package does not have yet (an AttributeError stopped every run that imported it first)."""
+  code = ("import io, huggingface_hub; from grpo_jax import progress; "
+          "progress.quiet_library_bars(io.StringIO()); "
+          "from huggingface_hub.utils import are_progress_bars_disabled; "
+          "import datasets; print(are_progress_bars_disabled(), "
+          "datasets.is_progress_bar_enabled())")
+  out = subprocess.run([sys.executable, "-c", code], cwd=cli.REPO, capture_output=True, text=True,
+                       env={k: v for k, v in os.environ.items() if "PROGRESS_BARS" not in k},
+                       timeout=120)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split() == ["True", "False"], out.stdout
