@@ -475,10 +475,7 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
   """
   if mode not in MODES:
     raise ValueError(f"mode={mode!r}: use one of {MODES}")
-  for name, value, least in (("disk_bytes", disk_bytes, 1), ("max_inodes", max_inodes, 2)):
-    # tmpfs reads 0 as no limit at all, and 2**64 wraps to 0.
-    if not isinstance(value, int) or not least <= value <= 1 << 50:
-      raise ValueError(f"{name}={value!r}: use an int from {least} to 2**50")
+  _check_tmpfs_limits(disk_bytes, max_inodes)
   start = time.monotonic()
   root = os.geteuid() == 0
   ready_r, ready_w = os.pipe()
@@ -493,30 +490,14 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
                   max_inodes=max_inodes, seccomp_fd=-1)
     source = code.encode("utf-8", "surrogatepass")
     if mode == "strict":
-      fds = [_memfd("main.py", source), _memfd("child.py", _child_source())] + (
-          [_memfd("seccomp", seccomp_program())] if seccomp else [])
-      config["seccomp_fd"] = fds[2] if seccomp else -1  # the child loads it (see _bwrap_args)
-      argv = _bwrap_args(root, fds[0], fds[1], info_w) + [
-          "--", _interpreter(), "-I", "-u", CHILD_PATH, json.dumps(config)]
+      argv, fds = _strict_command(source, config, root, seccomp, info_w)
       cwd, env = "/", {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     else:
-      workdir = tempfile.mkdtemp(prefix="grpo_sandbox_")
-      with open(os.path.join(workdir, "main.py"), "wb") as f:
-        f.write(source)
-      if root:
-        for path in (workdir, os.path.join(workdir, "main.py")):
-          os.chown(path, NOBODY, NOBODY)
+      workdir = _unsafe_workdir(source, root)
       argv = [sys.executable, "-I", "-u", CHILD, json.dumps(config)]
       cwd, env = workdir, {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
                            "LANG": "C.UTF-8"}
-    try:
-      proc = subprocess.Popen(
-          argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-          stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
-          pass_fds=(ready_w, *fds, *([info_w] if info_w >= 0 else [])))
-    except FileNotFoundError as e:
-      raise SandboxError(f"the sandbox's set-up failed: {e.filename} not found (bubblewrap "
-                         "installed? see sandbox.check)") from None
+    proc = _spawn(argv, cwd, env, (ready_w, *fds, *([info_w] if info_w >= 0 else [])))
     os.close(ready_w)
     ready_w = -1
     if info_w >= 0:
@@ -547,7 +528,56 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
       _remove(workdir)
   if not ready and not why:
     raise SandboxError(f"the sandbox's set-up failed: {err.decode('utf-8', 'replace')[-2000:]}")
-  if mode == "strict" and code_or_signal > 128 and code_or_signal - 128 in _SIGNALS:
+  return _result(out, err, why, code_or_signal, mode == "strict", time.monotonic() - start)
+
+
+def _strict_command(source: bytes, config: dict, root: bool, seccomp: bool, info_w: int):
+  """bwrap's argv and the memfds it reads (the code, the child, the seccomp program, which the
+  child loads itself: see _bwrap_args); sets config['seccomp_fd']."""
+  fds = [_memfd("main.py", source), _memfd("child.py", _child_source())] + (
+      [_memfd("seccomp", seccomp_program())] if seccomp else [])
+  config["seccomp_fd"] = fds[2] if seccomp else -1
+  argv = _bwrap_args(root, fds[0], fds[1], info_w) + [
+      "--", _interpreter(), "-I", "-u", CHILD_PATH, json.dumps(config)]
+  return argv, fds
+
+
+def _spawn(argv, cwd, env, pass_fds) -> subprocess.Popen:
+  """The call's process, in a session of its own (its group is killed whole), its output piped."""
+  try:
+    return subprocess.Popen(
+        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True, close_fds=True, pass_fds=pass_fds)
+  except FileNotFoundError as e:
+    raise SandboxError(f"the sandbox's set-up failed: {e.filename} not found (bubblewrap "
+                       "installed? see sandbox.check)") from None
+
+
+def _check_tmpfs_limits(disk_bytes, max_inodes) -> None:
+  """ValueError unless both are ints in tmpfs's range: it reads 0 as no limit at all, and
+  2**64 wraps to 0."""
+  for name, value, least in (("disk_bytes", disk_bytes, 1), ("max_inodes", max_inodes, 2)):
+    if not isinstance(value, int) or not least <= value <= 1 << 50:
+      raise ValueError(f"{name}={value!r}: use an int from {least} to 2**50")
+
+
+def _unsafe_workdir(source: bytes, root: bool) -> str:
+  """mode='unsafe': a temporary directory of the host holding the code as main.py (nobody's,
+  as root)."""
+  workdir = tempfile.mkdtemp(prefix="grpo_sandbox_")
+  with open(os.path.join(workdir, "main.py"), "wb") as f:
+    f.write(source)
+  if root:
+    for path in (workdir, os.path.join(workdir, "main.py")):
+      os.chown(path, NOBODY, NOBODY)
+  return workdir
+
+
+def _result(out: bytes, err: bytes, why: str | None, code_or_signal: int, strict: bool,
+            seconds: float) -> SandboxResult:
+  """The call's SandboxResult from what the process printed, why it was stopped (a timeout or
+  too much output; None: it ended) and its wait status."""
+  if strict and code_or_signal > 128 and code_or_signal - 128 in _SIGNALS:
     code_or_signal = 128 - code_or_signal  # bwrap reports a child's signal N as status 128 + N
   if why:
     status, exit_code, sig = why, None, signal_lib.SIGKILL
@@ -556,7 +586,7 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float | None = None,
   else:
     status, exit_code, sig = ("ok" if code_or_signal == 0 else "error"), code_or_signal, None
   return SandboxResult(out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), status,
-                       exit_code, sig, time.monotonic() - start)
+                       exit_code, sig, seconds)
 
 
 _SIGNALS = frozenset(int(s) for s in signal_lib.Signals)
