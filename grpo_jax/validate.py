@@ -91,11 +91,32 @@ def validate(config, num_devices: int) -> None:
   _check(micro % split == 0, "train.prompts_per_step",
          f"a micro-batch of {micro} completions (prompts_per_step × G / grad_accum_steps) is not "
          f"divisible by the {split} devices the mesh {tuple(config.mesh)} splits the batch over")
+  _validate_train(config)
+  _check(isinstance(config.rewards.allow_missing, bool), "rewards.allow_missing",
+         f"must be True or False, got {config.rewards.allow_missing!r}")
+  _validate_sft(config, split)
+  if config.model.random_init:
+    _check(config.model.tokenizer != "", "model.tokenizer",
+           "a randomly initialised model needs a tokenizer ('tiny' or a path)")
+  else:
+    _check(bool(config.model.checkpoint), "model.checkpoint",
+           "set a local directory or hub id (or model.random_init=True)")
+  _check(len(config.data.prompt_buckets) >= 1, "data.prompt_buckets", "needs at least one length")
+  _named(data.check_user_template, config.data.user_template)
+  _validate_agent(config)
+  _check(lc.loss_type != "flow_grpo" or config.agent.enabled, "loss.loss_type",
+         "'flow_grpo' normalises over an agent's turns: it needs agent.enabled=True")
+
+
+
+def _validate_train(config) -> None:
+  """train.*'s counts, cadences and logging settings, and the seed."""
+  t = config.train
   _check(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
   _check(t.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
   _check(t.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
   _check(t.eval_every >= 0, "train.eval_every", "must be >= 0")
-  _check(t.eval_examples >= 0, "train.eval_examples",  # an int: config.type_errors above
+  _check(t.eval_examples >= 0, "train.eval_examples",  # an int: validate's type_errors, first
          f"must be an int >= 0 (0 = the whole eval split), got {t.eval_examples!r}")
   _check(t.samples_per_step >= 0, "train.samples_per_step",
          f"must be >= 0, got {t.samples_per_step}")
@@ -112,8 +133,10 @@ def validate(config, num_devices: int) -> None:
   _named(logging_io.check_wandb_config, t)
   _check(t.members in config_lib.MEMBERS, "train.members",
          f"{t.members!r} is not one of {', '.join(map(repr, config_lib.MEMBERS))}")
-  _check(isinstance(config.rewards.allow_missing, bool), "rewards.allow_missing",
-         f"must be True or False, got {config.rewards.allow_missing!r}")
+
+
+def _validate_sft(config, split: int) -> None:
+  """sft.*: the warm start's steps, batch, target and overshoot accuracy."""
   _check(config.sft.steps >= 0, "sft.steps", "must be >= 0")
   if config.sft.steps:
     _validate_sft_batch(config, split)
@@ -126,29 +149,24 @@ def validate(config, num_devices: int) -> None:
   _check(o == 0 or config.sft.target_accuracy < o <= 1, "sft.overshoot_accuracy",
          f"must be 0 (off) or in (sft.target_accuracy, 1] = ({config.sft.target_accuracy}, 1], "
          f"got {o}")
-  if config.model.random_init:
-    _check(config.model.tokenizer != "", "model.tokenizer",
-           "a randomly initialised model needs a tokenizer ('tiny' or a path)")
-  else:
-    _check(bool(config.model.checkpoint), "model.checkpoint",
-           "set a local directory or hub id (or model.random_init=True)")
-  _check(len(config.data.prompt_buckets) >= 1, "data.prompt_buckets", "needs at least one length")
-  _named(data.check_user_template, config.data.user_template)
+
+
+def _validate_agent(config) -> None:
+  """agent.*, when multi-turn rollouts are on: the tools, turn budgets and roles."""
   a = config.agent
-  if a.enabled:
-    from grpo_jax.agent import tools  # pylint: disable=import-outside-toplevel
-    unknown = [name for name in a.tools if name not in tools.TOOLS]
-    _check(not unknown and len(a.tools) >= 1, "agent.tools",
-           f"unknown tools {unknown}; known tools: {list(tools.TOOLS)}")
-    for name in ("max_turns", "action_tokens", "observation_tokens", "tool_workers"):
-      _check(isinstance(a[name], int) and a[name] >= 1, f"agent.{name}",
-             f"must be an int >= 1, got {a[name]!r}")
-    _check(a.tool_timeout_s > 0, "agent.tool_timeout_s", f"must be > 0, got {a.tool_timeout_s}")
-    _named(lambda: data.check_user_template(a.user_template, "agent.user_template",
-                                            tools="the tools", tool_names="their names"))
-    _validate_roles(config)
-  _check(lc.loss_type != "flow_grpo" or a.enabled, "loss.loss_type",
-         "'flow_grpo' normalises over an agent's turns: it needs agent.enabled=True")
+  if not a.enabled:
+    return
+  from grpo_jax.agent import tools  # pylint: disable=import-outside-toplevel
+  unknown = [name for name in a.tools if name not in tools.TOOLS]
+  _check(not unknown and len(a.tools) >= 1, "agent.tools",
+         f"unknown tools {unknown}; known tools: {list(tools.TOOLS)}")
+  for name in ("max_turns", "action_tokens", "observation_tokens", "tool_workers"):
+    _check(isinstance(a[name], int) and a[name] >= 1, f"agent.{name}",
+           f"must be an int >= 1, got {a[name]!r}")
+  _check(a.tool_timeout_s > 0, "agent.tool_timeout_s", f"must be > 0, got {a.tool_timeout_s}")
+  _named(lambda: data.check_user_template(a.user_template, "agent.user_template",
+                                          tools="the tools", tool_names="their names"))
+  _validate_roles(config)
 
 
 def _validate_sft_batch(config, split: int) -> None:
