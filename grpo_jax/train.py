@@ -464,17 +464,7 @@ def _run_group(configs, workdirs, stop) -> list[dict]:
   config, cfg = m0.config, s0.cfg
   mesh = sharding.make_mesh(tuple(config.mesh))
   trainer = Trainer(config, cfg, mesh, s0.tokenizer, s0.stop_ids, interrupt=s0.interrupt)
-  num_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
-  if len(members) == 1:
-    print(f"grpo_jax: {cfg.model_type} {cfg.num_layers}x{cfg.hidden_size}, "
-          f"{num_params / 1e6:.2f}M params, "
-          f"{len(s0.train_rows)} train / {len(s0.eval_rows)} eval prompts"
-          f"{f' / {len(s0.sft_eval_rows)} warm-start validation' if s0.sft_eval_rows else ''}, "
-          f"mesh {dict(mesh.shape)}, workdir {s0.workdir}, "
-          f"compilation cache {jax.config.jax_compilation_cache_dir or 'off'}", flush=True)
-  else:
-    print(f"grpo_jax: {len(members)} runs as one program: "
-          + ", ".join(os.path.basename(m.workdir) for m in members), flush=True)
+  _announce(members, cfg, mesh)
 
   # Each member's own view of the shared compiled pieces: its config, tokenizer and rollout.
   trainers = [trainer] + [trainer.for_member(m.config, m.setup.tokenizer) for m in members[1:]]
@@ -488,12 +478,7 @@ def _run_group(configs, workdirs, stop) -> list[dict]:
     trainer.compile_ahead(trainers, Group.spec(states, refs, hparams, shared_ref),
                           [m.next_rows(peek=True) for m in members], len(s0.rewards))
   main = hosts.is_main()  # the one process that writes the runs' files
-  for m in members:
-    if main:
-      write_config(m)
-    m.open(start, main)
-    if len(members) > 1:  # a member that got further than the others redoes those steps
-      m.ckpt.delete_after(start)
+  _open(members, start, main)
   group = Group.of(states, refs, hparams, shared_ref)
   del states, refs  # the group's copies are the live ones
   stop.abortable(None)  # from here on each phase saves its checkpoint before it stops
@@ -536,13 +521,7 @@ def _run_group(configs, workdirs, stop) -> list[dict]:
   try:
     fresh = [m for m in members if m.fresh]
     if fresh:  # the step-0 eval of runs warm-started here
-      accs = evaluate_group(trainers, group, [m.setup.eval_rows for m in members])
-      for m, acc in zip(members, accs):
-        if m.fresh:
-          m.metrics.write(0, {"eval/accuracy": acc})
-          where = "" if len(members) == 1 else f"{m.workdir}: "
-          print(f"grpo_jax: {where}held-out greedy accuracy at GRPO step 0: {acc:.1%}",
-                flush=True)
+      _evaluate_step_0(trainers, group, members)
       save(0, only=fresh)
       for m in fresh if main else ():  # an interrupted warm start's, once step 0 is saved
         sft.delete_checkpoint(m.workdir, m.ckpt)
@@ -575,32 +554,16 @@ def _run_group(configs, workdirs, stop) -> list[dict]:
       if step == start and len(members) > 1 and not fresh:  # (fresh: the step-0 eval compiled)
         trainer.compile_evals_ahead(trainers, group, [m.setup.eval_rows for m in members])
       for m, m_k in zip(members, ms):
-        if m not in live:
-          continue
-        m_k["time/step_s"] = time.perf_counter() - t_step  # rollouts and update, for all K
-        # step/skipped is the fraction of the step's loss.num_iterations updates skipped as not
-        # finite: the state is unchanged only at 1. Any skipped update makes a bad step, whether
-        # or not an earlier one moved the params.
-        if m_k["step/skipped"] > 0:
-          m.bad += 1
-          if m.bad >= c.max_bad_steps:
-            where = "" if len(members) == 1 else f"{m.workdir}: "
-            fail(m, TooManyBadSteps(
-                f"{where}{m.bad} consecutive non-finite steps up to step {done} "
-                f"(train.max_bad_steps); try a lower optim.lr or optim.max_grad_norm. The last "
-                f"good checkpoint is in {checkpoint.checkpoint_dir(m.workdir)}"), done)
-        else:
-          m.bad = 0
+        if m in live:
+          m_k["time/step_s"] = time.perf_counter() - t_step  # rollouts and update, for all K
+          _count_bad_step(m, m_k, done, c.max_bad_steps, len(members), fail)
       live = [m for m in live if m.workdir not in failures]
       if c.eval_every and done % c.eval_every == 0 or done == c.steps:
         accs = evaluate_group(trainers, group, [m.setup.eval_rows for m in members])
         for m_k, acc in zip(ms, accs):
           if m_k is not None:
             m_k["eval/accuracy"] = acc
-      for m, m_k, samples_k in zip(members, ms, samples):
-        if m in live:
-          m.metrics.write(done, m_k)
-          m.samples.write(done, samples_k)
+      _write_step(live, members, ms, samples, done)
       bar.set_postfix(_postfix([m_k for m, m_k in zip(members, ms) if m in live]))
       for m, m_k in zip(members, ms):  # before the save: its checkpoint holds the streaks
         if m not in live:
@@ -626,9 +589,80 @@ def _run_group(configs, workdirs, stop) -> list[dict]:
   if finished and hosts.count() == 1:  # (several processes take part in the export: not cut)
     stop.abortable(f"in the final export: the checkpoint of step {done} is kept, and "
                    "final_model/ is whole or absent; run the same command to export it")
+  summaries = _finish_all(members, trainers, group, failures, finished, done, main)
+  stop.abortable(None)
+  if stopped is not None and not finished:  # (a run that got to train.steps is exported)
+    raise stop.stopped(f"{stopped}; run the same command to resume")
+  return summaries
+
+
+def _announce(members, cfg, mesh) -> None:
+  """The run's first line: the model, data, mesh and workdir (a group: its members)."""
+  s0 = members[0].setup
+  if len(members) > 1:
+    print(f"grpo_jax: {len(members)} runs as one program: "
+          + ", ".join(os.path.basename(m.workdir) for m in members), flush=True)
+    return
+  num_params = sum(x.size for x in jax.tree.leaves(qwen.abstract_params(cfg)))
+  print(f"grpo_jax: {cfg.model_type} {cfg.num_layers}x{cfg.hidden_size}, "
+        f"{num_params / 1e6:.2f}M params, "
+        f"{len(s0.train_rows)} train / {len(s0.eval_rows)} eval prompts"
+        f"{f' / {len(s0.sft_eval_rows)} warm-start validation' if s0.sft_eval_rows else ''}, "
+        f"mesh {dict(mesh.shape)}, workdir {s0.workdir}, "
+        f"compilation cache {jax.config.jax_compilation_cache_dir or 'off'}", flush=True)
+
+
+def _open(members, start: int, main: bool) -> None:
+  """Each member's config.json (process 0), writers and checkpointer from `start` on."""
+  for m in members:
+    if main:
+      write_config(m)
+    m.open(start, main)
+    if len(members) > 1:  # a member that got further than the others redoes those steps
+      m.ckpt.delete_after(start)
+
+
+def _evaluate_step_0(trainers, group, members) -> None:
+  """The held-out greedy accuracy of the runs warm-started here (m.fresh), written as step 0."""
+  accs = evaluate_group(trainers, group, [m.setup.eval_rows for m in members])
+  for m, acc in zip(members, accs):
+    if m.fresh:
+      m.metrics.write(0, {"eval/accuracy": acc})
+      where = "" if len(members) == 1 else f"{m.workdir}: "
+      print(f"grpo_jax: {where}held-out greedy accuracy at GRPO step 0: {acc:.1%}", flush=True)
+
+
+def _write_step(live, members, ms, samples, done: int) -> None:
+  """The step's metrics and samples, in each live member's files."""
+  for m, m_k, samples_k in zip(members, ms, samples):
+    if m in live:
+      m.metrics.write(done, m_k)
+      m.samples.write(done, samples_k)
+
+
+def _count_bad_step(m, m_k, done: int, max_bad_steps: int, k: int, fail) -> None:
+  """Counts member m's consecutive bad steps; fail(m, TooManyBadSteps, done) at the limit.
+  step/skipped is the fraction of the step's loss.num_iterations updates skipped as not
+  finite: the state is unchanged only at 1. Any skipped update makes a bad step, whether or not
+  an earlier one moved the params."""
+  if not m_k["step/skipped"] > 0:
+    m.bad = 0
+    return
+  m.bad += 1
+  if m.bad >= max_bad_steps:
+    where = "" if k == 1 else f"{m.workdir}: "
+    fail(m, TooManyBadSteps(
+        f"{where}{m.bad} consecutive non-finite steps up to step {done} "
+        f"(train.max_bad_steps); try a lower optim.lr or optim.max_grad_norm. The last "
+        f"good checkpoint is in {checkpoint.checkpoint_dir(m.workdir)}"), done)
+
+
+def _finish_all(members, trainers, group, failures, finished: bool, done: int,
+                main: bool) -> list[dict]:
+  """Each member's summary and export (a failed member's: its error). The plots (on a signal
+  every second counts: `python -m grpo_jax.plots` draws them later), a group's drawn by other
+  processes while the models are exported."""
   summaries = []
-  # The plots (on SIGTERM every second counts: `python -m grpo_jax.plots` draws them later),
-  # a group's drawn by other processes while the models are exported.
   plotted = [m.workdir for m in members if m.workdir not in failures] if finished and main else []
   with plots.drawing(plotted):
     for k, m in enumerate(members):
@@ -637,9 +671,6 @@ def _run_group(configs, workdirs, stop) -> list[dict]:
         continue
       state, ref = group.member(k)
       summaries.append(_finish(m, trainers[k], state["params"], ref, finished, done, main))
-  stop.abortable(None)
-  if stopped is not None and not finished:  # (a run that got to train.steps is exported)
-    raise stop.stopped(f"{stopped}; run the same command to resume")
   return summaries
 
 
