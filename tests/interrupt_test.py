@@ -76,6 +76,14 @@ class _Running:
     return "".join(self.lines)
 
 
+def _signalled(workdir, ready, sig):
+  """(status, output) of a run sent `sig` once ready(run) holds."""
+  run = _Running(workdir)
+  run.wait_for(ready(run))
+  run.proc.send_signal(sig)
+  return run.finish()
+
+
 def _lines(out, text="grpo_jax: "):
   """The run's lines from `text` on (a progress bar may precede one on its terminal line)."""
   return [line[line.index(text):] for line in out.splitlines() if text in line]
@@ -114,10 +122,8 @@ def reference(tmp_path_factory):
 
 
 def test_sigint_in_the_warm_start_saves_it_and_the_rerun_resumes_it(reference, tmp_path):
-  run = _Running(tmp_path)
-  run.wait_for(run.printed("warm start step 5: validation accuracy"))
-  run.proc.send_signal(signal.SIGINT)
-  code, out = run.finish()
+  code, out = _signalled(tmp_path, lambda r: r.printed("warm start step 5: validation accuracy"),
+                         signal.SIGINT)
   assert code == 130, out[-3000:]
   line = _interrupted_line(out)
   stopped = re.fullmatch(
@@ -140,11 +146,10 @@ def test_sigint_in_the_warm_start_saves_it_and_the_rerun_resumes_it(reference, t
 
 
 def test_sigterm_in_the_step_0_evaluation_saves_step_0(reference, tmp_path):
-  run = _Running(tmp_path)
   # The warm start's last line: the step-0 evaluation (its programs compiling) comes next.
-  run.wait_for(run.printed("the warm start ended at its limit of 20 steps"))
-  run.proc.send_signal(signal.SIGTERM)
-  code, out = run.finish()
+  code, out = _signalled(tmp_path,
+                         lambda r: r.printed("the warm start ended at its limit of 20 steps"),
+                         signal.SIGTERM)
   assert code == 143, out[-3000:]
   assert _interrupted_line(out) == (
       f"grpo_jax: interrupted (SIGTERM) in the step-0 evaluation: saved step 0 to "
@@ -160,10 +165,8 @@ def test_sigterm_in_the_step_0_evaluation_saves_step_0(reference, tmp_path):
 
 
 def test_sigint_in_a_grpo_step_saves_that_step(reference, tmp_path):
-  run = _Running(tmp_path)
-  run.wait_for((tmp_path / "checkpoints" / "2" / "SHA256SUMS").is_file)
-  run.proc.send_signal(signal.SIGINT)
-  code, out = run.finish()
+  saved = tmp_path / "checkpoints" / "2" / "SHA256SUMS"
+  code, out = _signalled(tmp_path, lambda r: saved.is_file, signal.SIGINT)
   assert code == 130, out[-3000:]
   stopped = re.fullmatch(
       rf"grpo_jax: interrupted \(SIGINT\) in GRPO step (\d+) of 6: saved step \1 to "

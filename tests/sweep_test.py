@@ -425,20 +425,27 @@ def test_ctrl_c_stops_runs_with_sigterm_and_a_rerun_finishes(tmp_path):
   assert [c["resumed_from"] for c in _calls(tmp_path / "w" / "seed=2")] == [None]
 
 
-def test_a_run_stopped_by_a_sigterm_of_its_own_is_interrupted_not_failed(tmp_path):
-  """A preemption's SIGTERM that reaches one run alone (not through the sweep): the run saves
-  and exits 143, and the sweep records it as interrupted (resumable), exits 130 with the line
-  that says to rerun, and the rerun resumes it from its checkpoint."""
+def _waiting_fake_sweep(tmp_path, seeds: int, parallel: int = 1):
+  """(command, env, workdir) of a sweep over `seeds` tiny runs of fake_main, each of which
+  waits (FAKE_WAIT) until it is signalled."""
   sweep_file = tmp_path / "s.py"
   sweep_file.write_text(
       "from grpo_jax import sweep\n"
       "def get_sweep():\n"
-      "  return sweep.Sweep('configs/gsm8k.py:tiny', sweep.seeds(1), "
+      f"  return sweep.Sweep('configs/gsm8k.py:tiny', sweep.seeds({seeds}), "
       "fixed={'train.steps': 3})\n")
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, str(REPO)]), FAKE_WAIT="1")
   workdir = tmp_path / "w"
   cmd = [sys.executable, "-m", "grpo_jax.sweep", str(sweep_file), f"--workdir={workdir}",
-         "--main_module=fake_main"]
+         *([f"--parallel={parallel}"] if parallel > 1 else []), "--main_module=fake_main"]
+  return cmd, env, workdir
+
+
+def test_a_run_stopped_by_a_sigterm_of_its_own_is_interrupted_not_failed(tmp_path):
+  """A preemption's SIGTERM that reaches one run alone (not through the sweep): the run saves
+  and exits 143, and the sweep records it as interrupted (resumable), exits 130 with the line
+  that says to rerun, and the rerun resumes it from its checkpoint."""
+  cmd, env, workdir = _waiting_fake_sweep(tmp_path, seeds=1)
   proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
   try:
@@ -481,16 +488,7 @@ def _processes_with(text: str) -> list[int]:
 def test_runs_die_with_a_sigkilled_sweep(tmp_path):
   """SIGKILL to the sweep (no handler can run): the kernel's parent-death signal kills its
   runs, which would otherwise wait forever (FAKE_WAIT) as orphans."""
-  sweep_file = tmp_path / "s.py"
-  sweep_file.write_text(
-      "from grpo_jax import sweep\n"
-      "def get_sweep():\n"
-      "  return sweep.Sweep('configs/gsm8k.py:tiny', sweep.seeds(2), "
-      "fixed={'train.steps': 3})\n")
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, str(REPO)]), FAKE_WAIT="1")
-  workdir = tmp_path / "w"
-  cmd = [sys.executable, "-m", "grpo_jax.sweep", str(sweep_file), f"--workdir={workdir}",
-         "--parallel=2", "--main_module=fake_main"]
+  cmd, env, workdir = _waiting_fake_sweep(tmp_path, seeds=2, parallel=2)
   proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   try:
