@@ -83,6 +83,19 @@ def _truncate_after(path: str, step: int) -> list[dict]:
   return kept
 
 
+def check_tensorboard_store(workdir) -> None:
+  """UserError when tensorboardX cannot write to the object store `workdir` is on (gs://, s3://:
+  its optional google-cloud-storage or boto3 package is missing); nothing for a local one."""
+  from tensorboardX import record_writer  # pylint: disable=import-outside-toplevel
+  enabled = {"gs://": record_writer.GCS_ENABLED, "s3://": record_writer.S3_ENABLED}
+  scheme = os.fspath(workdir)[:5]
+  if scheme in enabled and not enabled[scheme]:
+    raise UserError(
+        f"config.train.tensorboard: TensorBoard events in {workdir} need tensorboardX's "
+        f"{'google-cloud-storage' if scheme == 'gs://' else 'boto3'} package; install it, "
+        "or set --config.train.tensorboard=False (metrics.jsonl has the same numbers)")
+
+
 class MetricsWriter:
   """Writes one flat metrics dict per call to metrics.jsonl, TensorBoard and (optionally) wandb."""
 
@@ -101,14 +114,7 @@ class MetricsWriter:
     self._tb = None
     if tensorboard:
       import tensorboardX
-      from tensorboardX import record_writer
-      enabled = {"gs://": record_writer.GCS_ENABLED, "s3://": record_writer.S3_ENABLED}
-      scheme = os.fspath(root)[:5]
-      if scheme in enabled and not enabled[scheme]:
-        raise UserError(
-            f"config.train.tensorboard: TensorBoard events in {root} need tensorboardX's "
-            f"{'google-cloud-storage' if scheme == 'gs://' else 'boto3'} package; install it, "
-            "or set --config.train.tensorboard=False (metrics.jsonl has the same numbers)")
+      check_tensorboard_store(root)
       # purge_step hides events a crashed run logged after the restored step. The file's name
       # holds the time in seconds; the suffix keeps a writer opened in the same second from
       # overwriting the last one's file, and sorts the two in order (TensorBoard reads by name).

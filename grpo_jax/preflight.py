@@ -24,9 +24,8 @@ import contextlib
 import importlib.util
 import os
 
-from grpo_jax import storage, workdir_lock
+from grpo_jax import logging_io, storage, workdir_lock
 from grpo_jax.errors import UserError
-from grpo_jax.logging_io import WANDB_INSTALL
 
 
 # --- fields the config never reads -------------------------------------------------------------
@@ -120,7 +119,7 @@ def check_packages(config, workdir) -> None:
   t = config.train
   if t.wandb and not _have("wandb"):
     raise UserError("config.train.wandb=True logs to Weights & Biases, but the wandb package is "
-                    f"not installed: {WANDB_INSTALL}, or set --config.train.wandb=False")
+                    f"not installed: {logging_io.WANDB_INSTALL}, or set --config.train.wandb=False")
   if t.tensorboard and not _have("tensorboardX"):
     raise UserError("config.train.tensorboard=True writes TensorBoard events, but tensorboardX "
                     "is not installed: `pip install -r requirements.txt`, or set "
@@ -134,13 +133,7 @@ def check_packages(config, workdir) -> None:
       raise UserError(f"{where}={p}: reaching {p[:5]} needs the {store[0]} package: "
                       f"`pip install {store[1]}` (requirements: pip install -e .[gcs])")
   if t.tensorboard and storage.is_remote(workdir):
-    from tensorboardX import record_writer  # pylint: disable=import-outside-toplevel
-    scheme = os.fspath(workdir)[:5]
-    if not {"gs://": record_writer.GCS_ENABLED, "s3://": record_writer.S3_ENABLED}[scheme]:
-      raise UserError(
-          f"config.train.tensorboard: TensorBoard events in {workdir} need tensorboardX's "
-          f"{'google-cloud-storage' if scheme == 'gs://' else 'boto3'} package; install it, "
-          "or set --config.train.tensorboard=False (metrics.jsonl has the same numbers)")
+    logging_io.check_tensorboard_store(workdir)
   a = config.agent
   if a.enabled and "python" in tuple(a.tools) and a.sandbox != "unsafe":
     # The rollout checks it again when it starts (free by then); 'unsafe' warns there, once.
