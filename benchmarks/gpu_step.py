@@ -14,7 +14,7 @@ step), prompts padded to a bucket of 192 by grpo_jax and to each batch's longest
 its measured step: grpo_jax runs the longer prompts; the report prints both widths),
 one AdamW update, fp32 master params and bf16 compute on both sides. Remat (activation
 checkpointing) per size, the same on both sides: off for 0.5b, on for 1.5b unless --remat says
-otherwise. The steps themselves are trl_step.py's: `run_grpo_jax` (train.Trainer.grpo_step,
+otherwise. The steps themselves are trl_step.py's: `run_grpo_jax` (trainer_lib.Trainer.grpo_step,
 the reference timed alone beside the step) and `run_trl` (GRPOTrainer.train with per-phase
 clocks). TRL runs with transformers' generate, and again with vLLM (colocate mode) where
 `import vllm` works, its importance-sampling correction off
@@ -489,7 +489,7 @@ def worker(args) -> None:
   captured = {}
 
   def grpo_jax_side(spec, forced, out):
-    from grpo_jax import train  # pylint: disable=import-outside-toplevel
+    from grpo_jax import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
     spec.update(options, num_steps=args.warmup + args.steps)
     if not args.smoke:
       longest = max(map(len, spec["prompt_ids"]))
@@ -497,7 +497,7 @@ def worker(args) -> None:
         raise SystemExit(f"a prompt has {longest} tokens, more than the bucket {BUCKET}")
       spec["bucket"] = BUCKET
 
-    class Trainer(train.Trainer):  # keeps the trainer and the latest state for the figures
+    class Trainer(trainer_lib.Trainer):  # keeps the trainer and the latest state for the figures
       def __init__(self, *a, **k):
         super().__init__(*a, **k)
         captured["trainer"] = self
@@ -507,7 +507,7 @@ def worker(args) -> None:
         captured["state"] = result[0]
         return result
 
-    train.Trainer = Trainer
+    trainer_lib.Trainer = Trainer
     run_grpo_jax(spec, forced, out)
     device_figures(spec, captured["trainer"], captured["state"], out, args.smoke,
                    not args.no_kernels, args.profile)

@@ -79,13 +79,13 @@ def measure(preset: str, k: int, member_accum: int, prompt_len: int = 0,
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from configs import gsm8k  # pylint: disable=import-outside-toplevel
-  from grpo_jax import config as config_lib, sharding, train, train_step  # pylint: disable=C0415
+  from grpo_jax import config as config_lib, sharding, train_step, trainer as trainer_lib  # pylint: disable=C0415
 
   if one_predicate:
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     train_step._policy_is_reference = lambda *_: jnp.bool_(False)  # pylint: disable=W0212
   config = gsm8k.get_config(preset)
-  lcfg = train.lora_settings(config)
+  lcfg = trainer_lib.lora_settings(config)
   if lcfg is None:
     raise SystemExit(f"lora_members_memory.py: preset {preset!r} has no model.lora")
   g = config_lib.group_size(config)

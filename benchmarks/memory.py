@@ -5,7 +5,7 @@ compiler, without weights.
     python3 benchmarks/memory.py --config=configs/gsm8k.py:0.5b       # one 16 GB device
     python3 benchmarks/memory.py --config=configs/gsm8k.py:0.5b --config.optim.grad_accum_steps=8
 
-Builds what `grpo_jax.train.Trainer` builds for the preset (the same TrainStep and Sampler, its
+Builds what `grpo_jax.trainer_lib.Trainer` builds for the preset (the same TrainStep and Sampler, its
 optimizer, dtypes, remat, loss and mesh) and AOT-compiles them on abstract inputs
 (`jax.ShapeDtypeStruct` with the run's shardings: nothing is allocated) over the preset's
 `hardware.devices` fake CPU devices:
@@ -152,12 +152,12 @@ def measure_train_step(config, cfg, valid, mesh, prompt_len):
   """The train step's peak. With model.lora the state is the adapters and their moments, and
   the frozen base (bf16, or int8 kernels) an argument: the reference is that base."""
   import jax  # pylint: disable=import-outside-toplevel
-  from grpo_jax import config as config_lib, logprobs, train, train_step  # pylint: disable=C0415
+  from grpo_jax import config as config_lib, logprobs, train_step, trainer as trainer_lib  # pylint: disable=C0415
   optim = config_lib.optim_settings(config)
   optim.logprob_block_bytes = logprobs.platform_block_bytes(optim.logprob_block_bytes,
                                                             platform(config))
   s, g = config.sampling, config_lib.group_size(config)
-  lcfg = train.lora_settings(config)
+  lcfg = trainer_lib.lora_settings(config)
   step = train_step.TrainStep(
       cfg, config.loss, optim, mesh, temperature=s.temperature, valid_vocab_size=valid,
       max_completion_length=s.max_new_tokens, group_size=g,
@@ -187,9 +187,9 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=C0415
   from grpo_jax import sampler as sampler_lib, sharding  # pylint: disable=import-outside-toplevel
   from grpo_jax.models import qwen  # pylint: disable=import-outside-toplevel
-  from grpo_jax import config as config_lib, train  # pylint: disable=import-outside-toplevel
+  from grpo_jax import config as config_lib, trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   optim, s = config_lib.optim_settings(config), config.sampling
-  lcfg = train.lora_settings(config)
+  lcfg = trainer_lib.lora_settings(config)
   model = qwen.build(cfg, dtype=optim.compute_dtype, param_dtype=optim.param_dtype)
   smp = sampler_lib.Sampler(
       model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,

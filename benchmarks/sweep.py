@@ -55,7 +55,7 @@ from grpo_jax import sweep, sweep_runner  # noqa: E402  (no jax: the runs are su
 CACHES = ("prefix", "separate", "vmapped")  # one compilation cache each, under --workdir
 TIMING = ("time/sample_s", "time/reward_s", "time/train_s", "time/step_s",
           "sampler/tokens_per_s", "sampler/seconds",
-          "sampler/prefill_seconds")  # train.TIMING_METRICS (not imported: no jax here)
+          "sampler/prefill_seconds")  # logging_io.TIMING_METRICS (not imported: no jax here)
 
 
 def _main_cmd(config, workdir, args):

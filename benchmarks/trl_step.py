@@ -33,7 +33,7 @@ gradient accumulation). Same workload on both sides:
   With random weights a stop id is drawn ~1 in 76,000 tokens, so completions run to the limit.
 
 grpo_jax side: configs/gsm8k.py's default preset with the fields above overridden, then
-grpo_jax.train.Trainer(config, cfg, mesh, tokenizer, stop_ids) as train.run builds it, and
+grpo_jax.trainer_lib.Trainer(config, cfg, mesh, tokenizer, stop_ids) as train.run builds it, and
 trainer.grpo_step(state, ref_params, next_rows, rewards, step) per step (see run_grpo_jax),
 ref_params as a run stores them (Trainer.reference, in train_step.reference_dtype), moved
 one ulp from the policy in that dtype, so that every step runs the reference forward
@@ -246,8 +246,8 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   import jax.numpy as jnp
   import numpy as np
   from configs import gsm8k
-  from grpo_jax import (compile_cache, inputs, sharding, tokenizer as tokenizer_lib, train,
-                        train_step, validate)
+  from grpo_jax import (compile_cache, inputs, sharding, tokenizer as tokenizer_lib, train_step,
+                        trainer as trainer_lib, validate)
   from grpo_jax.models import weights
   from grpo_jax.rewards import build_rewards
 
@@ -286,7 +286,7 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   params, cfg = weights.load_checkpoint(spec["model"], param_dtype=jnp.float32, mesh=mesh)
   cfg = inputs.runtime_options(c, cfg)  # the attention kernel and decode loop asked for
   rewards = build_rewards(c.rewards)
-  trainer = train.Trainer(c, cfg, mesh, tokenizer, stop_ids)
+  trainer = trainer_lib.Trainer(c, cfg, mesh, tokenizer, stop_ids)
   # What the sampler and step really run with (gpu_step.py prints these, not its flags).
   out["model_options"] = {"attention": trainer.sampler.cfg.attention,
                           "unroll_decode": trainer.sampler.cfg.unroll_decode,

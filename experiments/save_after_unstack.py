@@ -4,9 +4,9 @@
 
 The tiny preset's model, built as a run builds it (its data, tokenizer, model config and initial
 params, in a temporary workdir), and 8 train states from it (each member's params shifted by its
-index), stacked with train.stack. For each member, 3 rounds of: (a) train.unstack then the save
-at once, (b) train.unstack, jax.block_until_ready, then the save, timed apart, (c) the
-leaf-by-leaf slices the group took before train.unstack was compiled, then the save. A save
+index), stacked with members_lib.stack. For each member, 3 rounds of: (a) members_lib.unstack then the save
+at once, (b) members_lib.unstack, jax.block_until_ready, then the save, timed apart, (c) the
+leaf-by-leaf slices the group took before members_lib.unstack was compiled, then the save. A save
 holds what the loop's save holds (the train state; the tiny preset's β = 0 keeps no reference).
 Prints the medians.
 """
@@ -19,7 +19,7 @@ import time
 import jax
 
 from configs import gsm8k
-from grpo_jax import checkpoint, config as config_lib, inputs, sharding, train, train_step
+from grpo_jax import checkpoint, config as config_lib, inputs, members as members_lib, sharding, train_step
 
 config = gsm8k.get_config("tiny")
 root = tempfile.mkdtemp()
@@ -32,7 +32,7 @@ try:
   params = inputs.initial_params(config, cfg, mesh)
   states = [train_step.create_train_state(jax.tree.map(lambda x, i=i: x + i, params), cfg, optim,
                                           mesh) for i in range(8)]
-  group = jax.block_until_ready(train.stack(states))
+  group = jax.block_until_ready(members_lib.stack(states))
   times = {name: [] for name in ("a: unstack + save", "b: unstack, waited", "b: save",
                                  "c: slices", "c: save")}
   for rep in range(3):
@@ -41,7 +41,7 @@ try:
         ckpt = checkpoint.Checkpointer(os.path.join(root, "runs", f"{mode}{rep}_{k}"))
         t0 = time.perf_counter()
         state = (jax.tree.map(lambda x, k=k: x[k], group) if mode == "c"
-                 else train.unstack(group, k))
+                 else members_lib.unstack(group, k))
         if mode == "b":
           jax.block_until_ready(state)
         t1 = time.perf_counter()

@@ -17,6 +17,8 @@ dataclasses in grpo_jax/rewards/options.py (defaults and checks beside the rewar
 
 from __future__ import annotations
 
+import copy
+import json
 import typing
 
 from ml_collections import config_dict
@@ -408,3 +410,43 @@ def apply_overrides(config, args: dict) -> None:
     if leaf not in node:
       raise KeyError(key)
     node[leaf] = tuple(value) if isinstance(value, list) else value
+
+
+def flat(d: dict, prefix: str = "") -> dict:
+  """A nested dict (a config's to_dict() or its config.json) as {"block.field": value}, lists
+  as tuples."""
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = tuple(v) if isinstance(v, list) else v
+  return out
+
+
+# Settings that change how a run is run or recorded, not its numbers: a resume may change them.
+RESUME_NEUTRAL = ("train.compilation_cache", "train.tensorboard", "train.wandb",
+                  "train.progress_every_s", "hardware.")
+
+
+def config_changes(previous: dict | None, config) -> list[str]:
+  """'key: old -> new' for each setting of `config` that differs from `previous` (a config.json
+  written by an earlier run in the workdir), RESUME_NEUTRAL left out; with a cosine schedule
+  whose length follows train.steps (optim.total_steps=0), also that length when it changes."""
+  if previous is None:
+    return []
+  old, new = flat(previous), flat(json.loads(config.to_json_best_effort()))
+  keys = [k for k in sorted(set(old) | set(new))
+          if old.get(k) != new.get(k) and not k.startswith(RESUME_NEUTRAL)]
+  changes = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys]
+  if keys and config.optim.schedule == "cosine" and not config.optim.total_steps:
+    before = copy.deepcopy(config)
+    try:
+      apply_overrides(before, {k: old[k] for k in keys if k in old})
+      lengths = [optim_settings(c).total_steps for c in (before, config)]
+    except (KeyError, TypeError, ValueError, AttributeError):
+      lengths = []  # a setting the old config had and this one cannot take: listed above
+    if lengths and lengths[0] != lengths[1]:
+      changes.append(f"the cosine schedule's length (optim.total_steps=0: the run's updates): "
+                     f"{lengths[0]} -> {lengths[1]} updates")
+  return changes

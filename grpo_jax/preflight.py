@@ -5,7 +5,7 @@ checks leaves the workdir as it found it.
     preflight.check_workdir(workdir)           # a regular file, not writable: one line each
     preflight.check_packages(config, workdir)  # wandb, tensorboardX, gcsfs, the python sandbox
     with preflight.Start([workdir]):           # locks each workdir (grpo_jax.workdir_lock)
-      train.run(config, workdir)               # train.setup calls passed(workdir) once its
+      train.run(config, workdir)               # prepare.setup calls passed(workdir) once its
                                                # checks (data, tokenizer, rewards, checkpoint) pass
 
 Each check raises a UserError (grpo_jax.main: one line, status 2). Start records, for each
@@ -32,11 +32,11 @@ from grpo_jax.errors import UserError
 
 # (field, or a prefix ending in '.' or '_'; fields under it that stay read; when the config
 # never reads it; why, with {field}). Each verified where the field is read: model.checkpoint
-# only by inputs.model_config/initial_params and train._base_model_name, each under not
+# only by inputs.model_config/initial_params and export._base_model_name, each under not
 # random_init (the tokenizer falls back to it only when model.tokenizer is '', which random_init
 # refuses); model.tiny in inputs.model_config under random_init, its vocab_size by the 'tiny'
 # tokenizer; model.lora through models.lora.LoraConfig.from_config, None at rank 0; sft.* by
-# sft.run_sft and train.setup, each under sft.steps; agent.* by the agent's rollout and the tiny
+# sft.run_sft and prepare.setup, each under sft.steps; agent.* by the agent's rollout and the tiny
 # tokenizer, each under agent.enabled; data.synthetic_* by inputs.datasets under 'synthetic'.
 DEAD_FIELDS = (
     ("model.checkpoint", (), lambda c: c.model.random_init,
@@ -143,11 +143,11 @@ def check_packages(config, workdir) -> None:
 
 # --- a start that fails leaves nothing ------------------------------------------------------------
 
-_CURRENT: list[Start] = []  # the Start in progress, which train.setup reports to
+_CURRENT: list[Start] = []  # the Start in progress, which prepare.setup reports to
 
 
 def passed(workdir) -> None:
-  """train.setup: this workdir's checks passed (a no-op outside a Start)."""
+  """prepare.setup: this workdir's checks passed (a no-op outside a Start)."""
   if _CURRENT:
     _CURRENT[-1].passed.add(os.fspath(storage.path(workdir)))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -98,7 +98,17 @@ class _Progress:
                             # send the warm start back to it
 
 
-def run_sft(config, trainer, params, rows, eval_rows=(), workdir=None, stop=None):
+class Model(NamedTuple):
+  """What the warm start needs of a run: its model's config and mesh, its rollout (whose
+  sft_examples it trains on, and whose tokenizer pads them) and evaluate(params, rows), the
+  greedy accuracy its stopping rule reads."""
+  cfg: Any
+  mesh: Any
+  rollout: Any
+  evaluate: Callable[[Any, list], float]
+
+
+def run_sft(config, model: Model, params, rows, eval_rows=(), workdir=None, stop=None):
   """The warm start; deterministic in the seed. Returns the params.
 
   With sft.target_accuracy > 0 it evaluates greedy accuracy on `eval_rows` every
@@ -116,16 +126,16 @@ def run_sft(config, trainer, params, rows, eval_rows=(), workdir=None, stop=None
   progress saved to checkpoint_dir(workdir) (interrupts.Stopped); a later call with that
   workdir resumes from there (params may then be None: the checkpoint holds them).
   """
-  s, tok = config.sft, trainer.tokenizer
-  max_completion = trainer.rollout.completion_width
+  s, tok = config.sft, model.rollout.tokenizer
+  max_completion = model.rollout.completion_width
   optim = sft_optim_config(config)
-  step = train_step.TrainStep(trainer.cfg, config.loss, optim, trainer.mesh, objective="sft")
+  step = train_step.TrainStep(model.cfg, config.loss, optim, model.mesh, objective="sft")
   order = data.PromptIterator(len(rows), s.batch_size, config.seed + 1)
   target = s.target_accuracy if eval_rows else 0.0
   overshoot = s.overshoot_accuracy if target else 0.0
-  p = _restore(workdir, trainer, optim, overshoot, order) if workdir else None
+  p = _restore(workdir, model, optim, overshoot, order) if workdir else None
   if p is None:
-    state = train_step.create_train_state(params, trainer.cfg, optim, trainer.mesh)
+    state = train_step.create_train_state(params, model.cfg, optim, model.mesh)
     # The step donates its input state, so the kept state is a copy.
     p = _Progress(0, 0, state, None, False,
                   (0, _copy(state), order.position()) if overshoot else None)
@@ -139,7 +149,7 @@ def run_sft(config, trainer, params, rows, eval_rows=(), workdir=None, stop=None
       bar.close()
       raise _stopped(stop, p, order, workdir, s.steps, resumed_at)
     batch_rows = [rows[j] for j in order.next_indices()]
-    prompts, completions, masks = trainer.rollout.sft_examples(batch_rows)
+    prompts, completions, masks = model.rollout.sft_examples(batch_rows)
     batch = sft_batch(prompts, completions, tok.pad_token_id, buckets=config.data.prompt_buckets,
                       multiple=config.train.pad_multiple, max_completion=max_completion,
                       loss_masks=masks)
@@ -151,7 +161,7 @@ def run_sft(config, trainer, params, rows, eval_rows=(), workdir=None, stop=None
     bar.update(1)
     if not target or not (p.every_step or p.i % s.eval_every == 0):
       continue
-    p.acc = trainer.evaluate(p.state["params"], eval_rows)
+    p.acc = model.evaluate(p.state["params"], eval_rows)
     bar.write(f"grpo_jax: warm start step {p.i}: validation accuracy {p.acc:.1%}")
     if overshoot and p.acc > overshoot and not p.every_step:  # (overshoot > target)
       p.i, state, position = p.last_check
@@ -207,12 +217,12 @@ def _save(workdir, p: _Progress, order) -> None:
     ckpt.save(p.taken, tree, order.position(), counters)
 
 
-def _restore(workdir, trainer, optim, overshoot, order) -> _Progress | None:
+def _restore(workdir, model: Model, optim, overshoot, order) -> _Progress | None:
   """The progress an interrupted warm start saved in workdir (None: none), the data order
   moved to its position."""
   if not has_checkpoint(workdir):
     return None
-  abstract = train_step.abstract_state(trainer.cfg, optim, trainer.mesh)
+  abstract = train_step.abstract_state(model.cfg, optim, model.mesh)
   tree = {"train": abstract, **({"last_check": abstract} if overshoot else {})}
   with checkpoint.Checkpointer(workdir, max_to_keep=1, subdir=CHECKPOINT_DIR) as ckpt:
     if not ckpt.all_steps():  # only a save that did not finish

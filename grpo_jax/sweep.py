@@ -19,7 +19,7 @@ overrides (`optim.lr=1e-05,seed=0`); `fixed` applies to every run and is left ou
 The run's overrides reach main as a JSON file (main's --overrides), so None stays None.
 Numpy scalars (np.logspace's values) are taken as the Python numbers they hold.
 Running the command again skips finished runs and resumes the others (sweep_runner.py).
-With --vmap, runs that differ only in grpo_jax.train.VARIABLE run as one process, one vmapped
+With --vmap, runs that differ only in grpo_jax.members.VARIABLE run as one process, one vmapped
 program (sweep_runner.Group); each still writes its own directory.
 
 Shared warm start: runs that differ only in keys of POST_WARM_START (GRPO-phase settings) start
@@ -242,7 +242,7 @@ def vmap_groups(runs: Sequence[Run], base) -> list[list[Run]]:
   """Runs (kind 'run') that may share one vmapped program: equal but for VMAP_VARIABLE keys,
   β zero or not alike (β > 0 adds a reference forward). Multi-turn runs stay alone. LoRA runs
   whose frozen base depends on the seed (a warm start, sft.steps > 0, or model.random_init:
-  train._shared_base refuses members with different bases) are grouped within a seed only."""
+  members.shared_base refuses members with different bases) are grouped within a seed only."""
   groups: dict[str, list[Run]] = {}
   for r in runs:
     key = {k: v for k, v in r.args.items() if k not in VMAP_VARIABLE}
@@ -310,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--no_share_prefix", action="store_true",
                       help="every run computes its own warm start")
   parser.add_argument("--vmap", action="store_true",
-                      help="run each group of runs that differ only in grpo_jax.train.VARIABLE "
+                      help="run each group of runs that differ only in grpo_jax.members.VARIABLE "
                            "(seed, lr, beta, epsilon, reward weights) as one vmapped program")
   parser.add_argument("--dry_run", action="store_true", help="print the runs and commands only")
   parser.add_argument("--main_module", default="grpo_jax.main",

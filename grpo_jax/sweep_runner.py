@@ -14,7 +14,7 @@ A run is finished when its last attempt exited 0 and its summary.json has the ga
 stopped by SIGTERM writes one with stopped_early). Running the sweep again skips finished runs
 and starts the others again: main resumes each from its latest checkpoint. A run that fails is
 recorded and the sweep goes on; the exit status is 1 when any run failed. A --vmap group's
-member that fails alone (train.FAILURE_FILE in its workdir, with the reason) is failed while the
+member that fails alone (FAILURE_FILE in its workdir, with the reason) is failed while the
 group's other members go on (docs/faults.md).
 
 Ctrl-C (SIGINT) or SIGTERM stops the sweep: each run gets SIGTERM, which main answers by saving
@@ -43,6 +43,7 @@ import time
 
 from tqdm.auto import tqdm
 
+from grpo_jax import workdir_files
 from grpo_jax.errors import UserError
 
 PREFIX_DIR = "prefixes"
@@ -54,8 +55,8 @@ GROUP_DIR = "vmapped"          # <workdir>/vmapped/<group>/{spec.json,log.txt}: 
 SUMMARY_FILE = "summary.json"  # logging_io.SUMMARY_FILE; not imported: it would load numpy
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"    # checkpoint.SUBDIR; not imported: it would load jax and orbax
-FAILURE_FILE = "failed.json"   # train.FAILURE_FILE: a vmapped member that failed, and why
-BASE_DIR = "base_model"        # train.BASE_DIR: a LoRA run's warm-started base
+FAILURE_FILE = workdir_files.FAILURE_FILE  # a vmapped member that failed, and why
+BASE_DIR = workdir_files.BASE_DIR  # a LoRA run's warm-started base
 STOP_GRACE_S = 300             # how long stopped runs get to save their checkpoint
 STOPPED_CODES = (130, 143)     # main stopped by SIGINT / SIGTERM, its checkpoint saved
 POLL_S = 0.5
@@ -106,7 +107,7 @@ def summary_complete(run_dir: str) -> bool:
 
 
 def failure(run_dir: str) -> str | None:
-  """Why a vmapped group's member failed while the group went on (train.FAILURE_FILE), if so."""
+  """Why a vmapped group's member failed while the group went on (FAILURE_FILE), if so."""
   f = read_json(os.path.join(run_dir, FAILURE_FILE))
   if not isinstance(f, dict):
     return None

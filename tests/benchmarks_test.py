@@ -132,7 +132,7 @@ def test_trl_step_reference_is_stored_as_a_run_stores_it(tmp_path):
   each element one bf16 ulp above the policy's bf16 value, so the step's reference forward runs."""
   import trl_step
   from configs import gsm8k
-  from grpo_jax import sharding, tokenizer as tokenizer_lib, train, train_step
+  from grpo_jax import sharding, tokenizer as tokenizer_lib, train_step, trainer as trainer_lib
   from grpo_jax.models import qwen
   c = gsm8k.get_config("default")
   c.optim.param_dtype, c.optim.compute_dtype = "float32", "bfloat16"
@@ -141,7 +141,7 @@ def test_trl_step_reference_is_stored_as_a_run_stores_it(tmp_path):
                         num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e6)
   mesh = sharding.make_mesh((1, 1, 1))
   tokenizer = tokenizer_lib.load_tokenizer(tokenizer_lib.build_tiny_tokenizer(str(tmp_path)))
-  trainer = train.Trainer(c, cfg, mesh, tokenizer, [])
+  trainer = trainer_lib.Trainer(c, cfg, mesh, tokenizer, [])
   params = qwen.init_params(cfg, jax.random.key(0), param_dtype=jnp.float32)
   ref = trl_step.benchmark_reference(trainer, params)
   flat_p, flat_r = jax.tree.leaves(params), jax.tree.leaves(ref)

@@ -21,7 +21,7 @@ def _save_then_interrupted(*args, **kwargs):
   raise AssertionError("the SIGINT during the export did not stop the run")
 
 
-weights.save_checkpoint = _save_then_interrupted  # train._finish calls it through the module
+weights.save_checkpoint = _save_then_interrupted  # grpo_jax.export._finish calls it through the module
 
 if __name__ == "__main__":
   main.run()

@@ -222,13 +222,13 @@ def test_a_missing_wandb_is_a_user_error_naming_the_field_and_the_install(monkey
 
 
 def test_a_resume_may_change_how_a_run_is_recorded_without_a_warning():
-  """train.config_changes (the resume warning) leaves out the logging settings."""
-  from grpo_jax import config as config_lib, train
+  """config_lib.config_changes (the resume warning) leaves out the logging settings."""
+  from grpo_jax import config as config_lib
   before = config_lib.defaults()
   after = config_lib.defaults()
   after.train.update(progress_every_s=0.0, tensorboard=False, wandb=True, wandb_tags=("x",),
                      wandb_mode="offline", wandb_name="n", wandb_project="p", wandb_entity="e")
   previous = json.loads(before.to_json_best_effort())
-  assert train.config_changes(previous, after) == []
+  assert config_lib.config_changes(previous, after) == []
   after.train.steps = 7
-  assert train.config_changes(previous, after) == ["train.steps: 500 -> 7"]
+  assert config_lib.config_changes(previous, after) == ["train.steps: 500 -> 7"]

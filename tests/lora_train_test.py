@@ -316,7 +316,7 @@ def test_vmapped_lora_members_share_one_base_and_match_their_separate_runs(tmp_p
   run ends (tolerances of vmapped_test)."""
   import os
   from safetensors.numpy import load_file as load
-  from grpo_jax import logging_io, sweep, sweep_runner, train
+  from grpo_jax import logging_io, members as members_lib, sweep, sweep_runner, train
 
   fixed = {"sft.steps": 200, "sft.target_accuracy": 0.0, "train.steps": 3,
            "train.eval_examples": 8, "train.eval_every": 0, "train.checkpoint_every": 3,
@@ -335,24 +335,24 @@ def test_vmapped_lora_members_share_one_base_and_match_their_separate_runs(tmp_p
     sweep_runner.start_from_prefix(sep, d)
     assert os.path.isfile(os.path.join(d, "base_model", "model.safetensors"))
   seen = {}
-  original = train.Group.of
+  original = members_lib.Group.of
 
   def spy(states, refs, hparams, shared_ref=False):
     group = original(states, refs, hparams, shared_ref)
     seen.update(shared=shared_ref, ref=group.ref)
     return group
-  train.Group.of = spy
+  members_lib.Group.of = spy
   try:
     train.run_group([config(1e-3), config(3e-3)], [a, b])
   finally:
-    train.Group.of = original
+    members_lib.Group.of = original
   emb = seen["ref"]["embed_tokens"]["embedding"]
   assert seen["shared"] and emb.ndim == 2  # one base, no K axis
 
   want, got = (logging_io.read_jsonl(os.path.join(d, "metrics.jsonl")) for d in (sep, b))
   assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
   for w, g in zip(want, got):
-    for k in set(w) - set(train.TIMING_METRICS):
+    for k in set(w) - set(logging_io.TIMING_METRICS):
       assert g[k] == pytest.approx(w[k], rel=2e-3, abs=1e-6), (w["step"], k)
   p_sep, p_b = (load(os.path.join(d, "final_adapter", "adapter_model.safetensors"))
                 for d in (sep, b))
@@ -365,13 +365,13 @@ def test_lora_members_with_different_bases_are_refused():
   """A group's LoRA members share one base: a member whose base differs (a seed-dependent warm
   start or random initialisation) stops the group with a line naming both workdirs."""
   import types
-  from grpo_jax import train
+  from grpo_jax import members as members_lib
   members = [types.SimpleNamespace(workdir="runs/a"), types.SimpleNamespace(workdir="runs/b")]
   base = {"w": jnp.ones(3), "v": jnp.arange(4.0)}
   same = {"w": jnp.ones(3), "v": jnp.arange(4.0)}
-  assert train._shared_base(members, [base], members[1], same) is base
-  with pytest.raises(train.VmapError, match="runs/b and runs/a have different frozen bases"):
-    train._shared_base(members, [base], members[1], {"w": jnp.ones(3), "v": -jnp.arange(4.0)})
+  assert members_lib.shared_base(members, [base], members[1], same) is base
+  with pytest.raises(members_lib.VmapError, match="runs/b and runs/a have different frozen bases"):
+    members_lib.shared_base(members, [base], members[1], {"w": jnp.ones(3), "v": -jnp.arange(4.0)})
 
 
 def test_an_int8_base_qlora_step_equals_the_step_on_its_dequantized_base(base):

@@ -31,7 +31,7 @@ from safetensors.numpy import load_file
 
 import cli
 from grpo_jax import logging_io
-from grpo_jax.train import TIMING_METRICS
+from grpo_jax.logging_io import TIMING_METRICS
 
 SFT_STEPS, SFT_LR, STEPS, LR = 3, 1e-3, 4, 3e-5
 OVERRIDES = ["--config=configs/gsm8k.py:tiny", "--config.mesh=(1,-1,1)",

@@ -102,7 +102,7 @@ def test_prefix_names_stay_apart_where_a_file_name_merges_their_values(tmp_path,
 
 def test_vmap_groups_keep_lora_runs_with_seeded_bases_apart():
   """A LoRA run's frozen base comes from its seed when it has a warm start or random weights
-  (train._shared_base refuses such a group): one group per seed. tiny_lora has both."""
+  (members_lib.shared_base refuses such a group): one group per seed. tiny_lora has both."""
   s = sweep.load_sweep(os.path.join(REPO, "experiments/tiny_lora_seeds.py"))
   s.runs = sweep.product(sweep.sweep_axis("optim.lr", [1e-3, 3e-3]), s.runs)
   runs = [r for r in sweep.plan(s, min_shared=1) if r.kind == "run"]
@@ -305,7 +305,7 @@ def test_vmap_with_a_main_module_is_refused(tmp_path, capsys):
 
 def test_a_lora_prefix_hands_over_its_base_too(tmp_path):
   """A LoRA run's checkpoints hold the adapters only; its warm-started base is base_model/
-  (train.BASE_DIR), which a member started from the prefix needs to resume: linked, not copied."""
+  (workdir_files.BASE_DIR), which a member started from the prefix needs to resume: linked, not copied."""
   prefix, run = tmp_path / "prefix", tmp_path / "run"
   (prefix / "checkpoints/0").mkdir(parents=True)
   (prefix / "checkpoints/0/SHA256SUMS").write_text("sums")

@@ -21,8 +21,9 @@ from safetensors.numpy import load_file
 import cli
 import fixtures
 from configs import gsm8k
-from grpo_jax import (data, interrupts, logging_io, plots, rollout, sampler as sampler_lib, sft,
-                      tokenizer as tokenizer_lib, train, workdir_lock)
+from grpo_jax import (data, interrupts, logging_io, members as members_lib, plots, prepare, rollout,
+                      runs as runs_lib, sampler as sampler_lib, sft, tokenizer as tokenizer_lib,
+                      train, trainer as trainer_lib, workdir_lock)
 from grpo_jax.models import qwen, weights
 from grpo_jax.rewards import Reward
 
@@ -229,7 +230,7 @@ def test_preempted_runs_resume_to_the_same_params_bit_for_bit(tmp_path):
   ma = logging_io.read_jsonl(str(straight / "metrics.jsonl"))
   mb = logging_io.read_jsonl(str(interrupted / "metrics.jsonl"))
   assert [r["step"] for r in mb] == [r["step"] for r in ma] == list(range(11))
-  timing = set(train.TIMING_METRICS)
+  timing = set(logging_io.TIMING_METRICS)
   for ra, rb in zip(ma, mb):
     same = lambda r: {k: v for k, v in r.items() if k not in timing}
     assert same(ra) == same(rb), (ra, rb)
@@ -386,7 +387,7 @@ def test_dynamic_sampling_trains_on_informative_groups_first(tmp_path, monkeypat
   def scripted(prompts, completions, group_size, question, **_):
     return [float(_informs(q) and i % group_size == 0) for i, q in enumerate(question)]
 
-  monkeypatch.setattr(train, "build_rewards",
+  monkeypatch.setattr(prepare, "build_rewards",
                       lambda *a, **k: [Reward("scripted", 1.0, scripted)])
   config = gsm8k.get_config("tiny")
   config.data.update(synthetic_train=400, synthetic_test=40)
@@ -524,8 +525,8 @@ def test_a_resumed_run_stops_on_non_finite_steps_where_an_uninterrupted_one_does
                                                                                 monkeypatch):
   """NaN reward weights in the train step's settings (validate refuses them in a config, so
   they enter through Trainer.hparams): every loss is NaN, every update skipped."""
-  real_hparams = train.Trainer.hparams
-  monkeypatch.setattr(train.Trainer, "hparams", lambda self, config: dict(
+  real_hparams = trainer_lib.Trainer.hparams
+  monkeypatch.setattr(trainer_lib.Trainer, "hparams", lambda self, config: dict(
       real_hparams(self, config),
       reward_weights=np.full_like(real_hparams(self, config)["reward_weights"], np.nan)))
 
@@ -537,11 +538,11 @@ def test_a_resumed_run_stops_on_non_finite_steps_where_an_uninterrupted_one_does
                    eval_examples=8, eval_every=0, tensorboard=False)
     return c
 
-  with pytest.raises(train.TooManyBadSteps, match="3 consecutive non-finite steps up to step 3"):
+  with pytest.raises(runs_lib.TooManyBadSteps, match="3 consecutive non-finite steps up to step 3"):
     train.run(config(6), str(tmp_path / "straight"))
   # Two bad steps, the run's end, then the same run extended: its third bad step stops it.
   train.run(config(2), str(tmp_path / "resumed"))
-  with pytest.raises(train.TooManyBadSteps, match="3 consecutive non-finite steps up to step 3"):
+  with pytest.raises(runs_lib.TooManyBadSteps, match="3 consecutive non-finite steps up to step 3"):
     train.run(config(6), str(tmp_path / "resumed"))
 
 
@@ -550,13 +551,13 @@ def test_a_sigterm_during_the_step_0_eval_stops_before_a_step(tmp_path, monkeypa
   config.data.update(synthetic_train=400, synthetic_test=40)
   config.sft.steps = 0
   config.train.update(steps=3, eval_examples=8, eval_batch_size=8, tensorboard=False)
-  real = train.evaluate_group
+  real = members_lib.evaluate
 
   def evaluate_then_preempted(*args):
     os.kill(os.getpid(), signal.SIGTERM)  # the run's handler only records it
     return real(*args)
 
-  monkeypatch.setattr(train, "evaluate_group", evaluate_then_preempted)
+  monkeypatch.setattr(members_lib, "evaluate", evaluate_then_preempted)
   with pytest.raises(interrupts.Stopped) as stopped:
     train.run(config, str(tmp_path))
   assert stopped.value.code == 143
@@ -571,7 +572,7 @@ def test_a_sigterm_during_the_step_0_eval_stops_before_a_step(tmp_path, monkeypa
 def test_a_fresh_run_queues_its_first_steps_train_program_before_the_step_0_eval(tmp_path,
                                                                                   monkeypatch):
   """A run warm-started here evaluates step 0 before its first step: the first step's train
-  program is handed to the compile thread before that eval starts (Trainer.compile_ahead), for
+  program is handed to the compile thread before that eval starts (members.compile_ahead), for
   the prompts the first step then samples, so the compile overlaps the eval."""
   config = gsm8k.get_config("tiny")
   config.data.update(synthetic_train=400, synthetic_test=40)
@@ -580,17 +581,17 @@ def test_a_fresh_run_queues_its_first_steps_train_program_before_the_step_0_eval
                       samples_per_step=4, tensorboard=False,
                       dynamic_sampling=False)  # one round: the first rows are the step's rows
   events = []
-  real_ahead, real_eval = train.Trainer.compile_ahead, train.evaluate_group
+  real_ahead, real_eval = members_lib.compile_ahead, members_lib.evaluate
 
-  def ahead(self, trainers, group, rows_K, num_rewards):
+  def ahead(trainers, group, rows_K, num_rewards):
     events.append(("compile_ahead", [r["question"] for r in rows_K[0]]))
-    return real_ahead(self, trainers, group, rows_K, num_rewards)
+    return real_ahead(trainers, group, rows_K, num_rewards)
 
   def evaluate(*args):
     events.append(("eval",))
     return real_eval(*args)
-  monkeypatch.setattr(train.Trainer, "compile_ahead", ahead)
-  monkeypatch.setattr(train, "evaluate_group", evaluate)
+  monkeypatch.setattr(members_lib, "compile_ahead", ahead)
+  monkeypatch.setattr(members_lib, "evaluate", evaluate)
   train.run(config, str(tmp_path))
   assert [e[0] for e in events[:2]] == ["compile_ahead", "eval"], events
   questions = events[0][1]

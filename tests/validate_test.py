@@ -40,7 +40,7 @@ def test_presets_are_valid(preset):
     ("data.user_template", "{question}\nPut it in \\boxed{}.",
      r"config\.data\.user_template: .* cannot be filled with the question alone .*\{\{ or \}\}"),
     ("data.user_template", "{question}\nPut it in \\boxed{{}}.", None),
-    # train.setup keeps eval_rows[:eval_examples]: -1 would drop the last problem unreported.
+    # prepare.setup keeps eval_rows[:eval_examples]: -1 would drop the last problem unreported.
     ("train.eval_examples", -1, r"config\.train\.eval_examples: must be an int >= 0"),
     ("train.samples_per_step", -1, r"config\.train\.samples_per_step: must be >= 0"),
     ("seed", -1, r"config\.seed: must be >= 0"),  # numpy.random.default_rng refuses it

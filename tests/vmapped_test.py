@@ -28,7 +28,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from grpo_jax import logging_io, sweep, sweep_runner, train, train_step
+from grpo_jax import (logging_io, members as members_lib, prepare, runs as runs_lib,
+                      start as start_lib, sweep, sweep_runner, train, train_step,
+                      trainer as trainer_lib)
 
 FIXED = {"sft.steps": 20, "sft.target_accuracy": 0.0, "train.steps": 3,
          "train.eval_examples": 16, "train.eval_every": 2, "train.checkpoint_every": 2,
@@ -53,7 +55,7 @@ def _metrics_match(sep, member):
   assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
   for w, g in zip(want, got):
     assert set(w) == set(g)
-    for k in set(w) - set(train.TIMING_METRICS):
+    for k in set(w) - set(logging_io.TIMING_METRICS):
       assert g[k] == pytest.approx(w[k], rel=RTOL, abs=ATOL), (w["step"], k)
   return want, got
 
@@ -73,7 +75,7 @@ def test_member_equals_its_separate_run(tmp_path, monkeypatch):
     if event in ("/jax/core/compile/backend_compile_duration",
                  "/jax/compilation_cache/cache_hits"):
       compiles.append((threading.current_thread().name, kw.get("fun_name")))
-  evaluate_group = train.evaluate_group
+  evaluate_group = members_lib.evaluate
 
   def counted(*args):
     before = len(compiles)
@@ -81,7 +83,7 @@ def test_member_equals_its_separate_run(tmp_path, monkeypatch):
       return evaluate_group(*args)
     finally:
       during_evals.append([c for c in compiles[before:] if c[0] == "MainThread"])
-  monkeypatch.setattr(train, "evaluate_group", counted)
+  monkeypatch.setattr(members_lib, "evaluate", counted)
   jax.monitoring.register_event_listener(count)
   jax.monitoring.register_event_duration_secs_listener(count)
   try:
@@ -92,11 +94,11 @@ def test_member_equals_its_separate_run(tmp_path, monkeypatch):
   assert during_evals == [[], []], during_evals
   # The members' decode loop compiled twice (sampling, then the evals' greedy settings), both
   # in the sampler's compile thread: the first from the group's start, on the stacked params'
-  # spec (train.stacked_spec), before anything was sampled.
+  # spec (members_lib.stacked_spec), before anything was sampled.
   assert [c for c in compiles if c[1] == "jit(_decode_members_in_turn_impl)"] == [
       ("grpo_jax-compile-sampler_0", "jit(_decode_members_in_turn_impl)")] * 2, compiles
   # The members' train program compiled once, ahead, for the stacked states' placement
-  # (train.stacked_spec, before they were stacked): every step ran that executable.
+  # (members_lib.stacked_spec, before they were stacked): every step ran that executable.
   assert [c for c in compiles if c[1] == "jit(traced)"] == [
       ("grpo_jax-compile_0", "jit(traced)")], compiles
 
@@ -109,8 +111,8 @@ def test_member_equals_its_separate_run(tmp_path, monkeypatch):
   # On a CPU the members run in turn (train.members 'auto'): each member's sampling and step
   # are its own run's programs, and the member is its separate run to the bit.
   for w, g in zip(want, got):
-    assert {k: g[k] for k in w if k not in train.TIMING_METRICS} == {
-        k: w[k] for k in w if k not in train.TIMING_METRICS}, w["step"]
+    assert {k: g[k] for k in w if k not in logging_io.TIMING_METRICS} == {
+        k: w[k] for k in w if k not in logging_io.TIMING_METRICS}, w["step"]
   assert all(np.array_equal(p_sep[k], p_b[k]) for k in p_sep)
   assert sorted(os.listdir(os.path.join(b, "checkpoints"))) == ["0", "2", "3"]
 
@@ -124,7 +126,7 @@ def test_member_equals_its_separate_run(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 2, 2)])
 def test_a_program_compiled_for_stacked_spec_runs_on_the_stacked_states(mesh_shape):
-  """train.stacked_spec describes train.stack's output before it exists (what a group's train
+  """members_lib.stacked_spec describes members_lib.stack's output before it exists (what a group's train
   program compiles ahead for): the members' leaves stacked as np.stack stacks them, placed as
   the spec says, so that the program compiled for the spec runs on them without compiling."""
   from grpo_jax import sharding  # pylint: disable=import-outside-toplevel
@@ -137,7 +139,7 @@ def test_a_program_compiled_for_stacked_spec_runs_on_the_stacked_states(mesh_sha
   members = [{"w": jax.device_put(rng.normal(size=(4, 6)).astype(np.float32), split),
               "step": jax.device_put(np.int32(k), step_at),
               "lr": np.float32(10.0 ** -k)} for k in range(3)]  # a host leaf too
-  spec = train.stacked_spec(members)
+  spec = members_lib.stacked_spec(members)
   double = jax.jit(lambda t: jax.tree.map(lambda x: x * 2, t))
   double.lower(spec).compile()
   compiles = []
@@ -147,7 +149,7 @@ def test_a_program_compiled_for_stacked_spec_runs_on_the_stacked_states(mesh_sha
       compiles.append(kw.get("fun_name"))
   jax.monitoring.register_event_duration_secs_listener(count)
   try:
-    stacked = train.stack(members)
+    stacked = members_lib.stack(members)
     jax.block_until_ready(stacked)
     before = list(compiles)
     doubled = double(stacked)
@@ -167,18 +169,18 @@ def test_a_program_compiled_for_stacked_spec_runs_on_the_stacked_states(mesh_sha
 
 def test_settings_that_change_the_program_are_rejected(monkeypatch):
   base = _config(FIXED)
-  with pytest.raises(train.VmapError, match=r"config\.sampling\.temperature differs"):
-    train.check_vmappable([base, _config({**FIXED, "sampling.temperature": 0.7})])
-  with pytest.raises(train.VmapError, match=r"config\.train\.prompts_per_step differs"):
-    train.check_vmappable([base, _config({**FIXED, "train.prompts_per_step": 8})])
-  with pytest.raises(train.VmapError, match=r"config\.loss\.beta is 0 for some"):
-    train.check_vmappable([base, _config({**FIXED, "loss.beta": 0.0})])
-  train.check_vmappable([base, _config(OTHER), _config({**FIXED, "seed": 3})])
+  with pytest.raises(members_lib.VmapError, match=r"config\.sampling\.temperature differs"):
+    members_lib.check_vmappable([base, _config({**FIXED, "sampling.temperature": 0.7})])
+  with pytest.raises(members_lib.VmapError, match=r"config\.train\.prompts_per_step differs"):
+    members_lib.check_vmappable([base, _config({**FIXED, "train.prompts_per_step": 8})])
+  with pytest.raises(members_lib.VmapError, match=r"config\.loss\.beta is 0 for some"):
+    members_lib.check_vmappable([base, _config({**FIXED, "loss.beta": 0.0})])
+  members_lib.check_vmappable([base, _config(OTHER), _config({**FIXED, "seed": 3})])
   # Several processes: generate_members samples each process's rows as if they were all.
-  monkeypatch.setattr(train.hosts, "count", lambda: 2)
-  with pytest.raises(train.VmapError, match=r"runs in one process, and this is one of 2"):
-    train.check_vmappable([base, _config(OTHER)])
-  train.check_vmappable([base])  # one run: several processes share it (grpo_jax/hosts.py)
+  monkeypatch.setattr(members_lib.hosts, "count", lambda: 2)
+  with pytest.raises(members_lib.VmapError, match=r"runs in one process, and this is one of 2"):
+    members_lib.check_vmappable([base, _config(OTHER)])
+  members_lib.check_vmappable([base])  # one run: several processes share it (grpo_jax/hosts.py)
   # What members vary enters the program as arrays, formed in float64 and rounded once, as a
   # separate run's Python constants are (1.0 - epsilon folded, then float32).
   hp = [train_step.hparams(c.loss, c.optim, c.rewards.weights) for c in (base, _config(OTHER))]
@@ -206,7 +208,7 @@ def test_the_runner_groups_what_one_program_can_run():
 def test_a_rerun_groups_only_members_that_resume_from_the_same_step(tmp_path):
   """One member failed alone at step ~60 (checkpoints 0, 50); the other two went on to 200
   (keep_checkpoints=3 left 100, 150, 200). A rerun groups the two at 200 and runs the third
-  alone, and train._start resumes each unit: one group would have needed step 50 from all."""
+  alone, and start_lib.start resumes each unit: one group would have needed step 50 from all."""
   import jax
   import jax.numpy as jnp
   from types import SimpleNamespace as NS
@@ -237,14 +239,14 @@ def test_a_rerun_groups_only_members_that_resume_from_the_same_step(tmp_path):
     members = [NS(workdir=runner.run_dir(r), config=config,
                   setup=NS(train_rows=[0] * 10, previous_config=None))
                for r in runner._members(u)]
-    start, states, _ = train._start(members, [trainer] * len(members))
+    start, states, _ = start_lib.start(members, [trainer] * len(members))
     assert start == want
     for st in states:
       np.testing.assert_array_equal(np.asarray(st["x"]), np.arange(4.0) + want)
   # Grouped as before (all four), the group cannot start.
   members = [NS(workdir=runner.run_dir(r)) for r in runs[:2]]
-  with pytest.raises(train.VmapError, match="no checkpoint at step 50"):
-    train._start(members, [trainer] * 2)
+  with pytest.raises(members_lib.VmapError, match="no checkpoint at step 50"):
+    start_lib.start(members, [trainer] * 2)
 
 
 def test_a_group_resumes_below_a_members_damaged_latest_step(tmp_path, capsys):
@@ -272,7 +274,7 @@ def test_a_group_resumes_below_a_members_damaged_latest_step(tmp_path, capsys):
   members = [NS(workdir=str(tmp_path / n), config=config,
                 setup=NS(train_rows=[0] * 10, previous_config=None))
              for n in ("a", "b")]
-  start, states, _ = train._start(members, [trainer] * 2)
+  start, states, _ = start_lib.start(members, [trainer] * 2)
   assert start == 1
   for st in states:
     np.testing.assert_array_equal(np.asarray(st["x"]), np.arange(4.0) + 1)
@@ -361,14 +363,14 @@ def test_a_failing_member_is_recorded_as_failed_and_its_group_goes_on(tmp_path, 
            "train.members": "vmap"}
   good = {**fixed, "optim.lr": 1e-4}
   bad_config = _config(good)  # told apart by identity: its hparams get NaN reward weights
-  real_hparams = train.Trainer.hparams
+  real_hparams = trainer_lib.Trainer.hparams
 
   def hparams(self, config):
     hp = real_hparams(self, config)
     if config is bad_config:
       hp = dict(hp, reward_weights=np.full_like(hp["reward_weights"], np.nan))
     return hp
-  monkeypatch.setattr(train.Trainer, "hparams", hparams)
+  monkeypatch.setattr(trainer_lib.Trainer, "hparams", hparams)
   sep, a, b = (str(tmp_path / n) for n in ("separate", "bad", "good"))
   train.run(_config(good), sep)
   for d in (a, b):
@@ -385,7 +387,7 @@ def test_a_failing_member_is_recorded_as_failed_and_its_group_goes_on(tmp_path, 
   assert read(b, "summary.json") == read(sep, "summary.json")
   assert os.path.isfile(os.path.join(b, "final_model", "model.safetensors"))
   assert sorted(os.listdir(os.path.join(b, "checkpoints"))) == ["0", "1", "2", "3"]
-  assert not os.path.exists(os.path.join(b, train.FAILURE_FILE))
+  assert not os.path.exists(os.path.join(b, members_lib.FAILURE_FILE))
 
   # The failed member: what its separate run leaves (no metrics for the step that failed, no
   # checkpoint after the last good one, no summary or model) and the failure record.
@@ -393,7 +395,7 @@ def test_a_failing_member_is_recorded_as_failed_and_its_group_goes_on(tmp_path, 
   assert sorted(os.listdir(os.path.join(a, "checkpoints"))) == ["0"]
   assert not os.path.exists(os.path.join(a, "summary.json"))
   assert not os.path.exists(os.path.join(a, "final_model"))
-  record = json.loads(read(a, train.FAILURE_FILE))
+  record = json.loads(read(a, members_lib.FAILURE_FILE))
   assert (record["error"], record["step"]) == ("TooManyBadSteps", 1)
 
   # The sweep runner's verdict on the group's exit (status 0): failed with the reason, and done.
@@ -410,9 +412,9 @@ def test_a_failing_member_is_recorded_as_failed_and_its_group_goes_on(tmp_path, 
   assert "consecutive non-finite steps" in verdicts[0][1]
 
   # Run again (as the sweep does with an unfinished member): the record goes when it starts.
-  with pytest.raises(train.TooManyBadSteps):
+  with pytest.raises(runs_lib.TooManyBadSteps):
     train.run(bad_config, a)
-  assert not os.path.exists(os.path.join(a, train.FAILURE_FILE))
+  assert not os.path.exists(os.path.join(a, members_lib.FAILURE_FILE))
 
 
 def test_a_member_whose_reward_goes_missing_fails_alone(tmp_path, monkeypatch):
@@ -421,7 +423,7 @@ def test_a_member_whose_reward_goes_missing_fails_alone(tmp_path, monkeypatch):
   MissingRewardsError at step 1. As its separate run, it logs that step and saves its
   checkpoint, then stops; the other member (the first here) runs to the end."""
   from grpo_jax.rewards import Reward
-  real_setup = train.setup
+  real_setup = prepare.setup
 
   def setup(config, workdir, shared=None):  # the second member's reward never scores
     s = real_setup(config, workdir, shared)
@@ -429,7 +431,7 @@ def test_a_member_whose_reward_goes_missing_fails_alone(tmp_path, monkeypatch):
       s.rewards = [Reward(r.name, r.weight, lambda p, c, **kw: [None] * len(c))
                    for r in s.rewards]
     return s
-  monkeypatch.setattr(train, "setup", setup)
+  monkeypatch.setattr(prepare, "setup", setup)
   fixed = {"sft.steps": 0, "train.steps": 2, "train.eval_examples": 8, "train.eval_every": 0,
            "train.checkpoint_every": 1, "train.keep_checkpoints": 10,
            "train.tensorboard": False, "train.max_missing_reward_steps": 1}
@@ -446,7 +448,7 @@ def test_a_member_whose_reward_goes_missing_fails_alone(tmp_path, monkeypatch):
   assert os.path.isfile(os.path.join(a, "summary.json"))
   assert not os.path.exists(os.path.join(b, "summary.json"))
   assert not os.path.exists(os.path.join(b, "final_model"))
-  record = json.loads(open(os.path.join(b, train.FAILURE_FILE)).read())
+  record = json.loads(open(os.path.join(b, members_lib.FAILURE_FILE)).read())
   assert (record["error"], record["step"]) == ("MissingRewardsError", 1)
   assert sweep_runner.failure(b).startswith("MissingRewardsError at step 1: ")
   assert sweep_runner.failure(a) is None and sweep_runner.summary_complete(a)
