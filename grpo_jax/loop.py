@@ -64,9 +64,7 @@ class _Loop:
     trainer = trainer_lib.Trainer(config, s0.cfg, mesh, s0.tokenizer, s0.stop_ids,
                                   interrupt=s0.interrupt)
     members_lib.announce(self.runs, s0.cfg, mesh)
-    # Each run's own view of the shared compiled pieces: its config, tokenizer and rollout.
-    self.trainers = [trainer] + [trainer.for_member(m.config, m.setup.tokenizer)
-                                 for m in self.runs[1:]]
+    self.trainers = members_lib.trainers(trainer, self.runs)
     self.start, states, refs = start_lib.start(self.runs, self.trainers, stop)
     hparams = [trainer.hparams(m.config) for m in self.runs]
     shared_ref = trainer.lora is not None

@@ -15,6 +15,7 @@ may differ only in VARIABLE (check_vmappable). A member that fails alone is reco
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -216,6 +217,20 @@ class Failures:
       raise error
 
 
+def trainers(trainer, runs) -> list:
+  """Each run's view of the shared compiled pieces: `trainer` for the first, and for each other
+  member the same sampler and train step (compiled once for all) with its own config,
+  tokenizer and rollout (its prompts, decoding and warm-start examples)."""
+  out = [trainer]
+  for m in runs[1:]:
+    other = copy.copy(trainer)
+    other.config, other.tokenizer = m.config, m.setup.tokenizer
+    other.rollout = rollout.SingleTurn(m.config, m.setup.tokenizer, trainer.sampler)
+    other.accuracy = rollout.accuracy_reward(m.config)
+    out.append(other)
+  return out
+
+
 def label(m, members) -> str:
   """What a message about run m starts with: nothing for a plain run, a member's workdir."""
   return "" if len(members) == 1 else f"{m.workdir}: "
@@ -349,7 +364,7 @@ def compile_evals_ahead(trainers, group, rows_K):
 
 
 def evaluate(trainers, group: Group, rows_K) -> list[float]:
-  """Greedy pass@1 of each member on its rows (trainers: one per member, for_member)."""
+  """Greedy pass@1 of each member on its rows (trainers: one per member, as trainers() makes)."""
   policy = trainers[0].policy(group.state["params"], group.ref, members=group.k > 1)
   if group.k == 1:
     return [trainers[0].evaluate(policy, rows_K[0], group.ref)]
@@ -358,7 +373,7 @@ def evaluate(trainers, group: Group, rows_K) -> list[float]:
 
 
 def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
-  """One GRPO step of K >= 1 runs (trainers: one per member, Trainer.for_member): rollouts
+  """One GRPO step of K >= 1 runs (trainers: one per member, as trainers() makes): rollouts
   (host; one sampler call per round for all of them), then one compiled program on the device
   (advantages, reference log-probs and the loss.num_iterations updates). next_rows_K[k]()
   returns run k's next train.prompts_per_step dataset rows, or next_rows_K[k] is None for a

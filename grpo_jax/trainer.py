@@ -7,7 +7,6 @@ step, its LoRA settings, and how its train state, reference and sampled policy a
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import jax
@@ -52,16 +51,6 @@ class Trainer:
     self.accuracy = rollout.accuracy_reward(config)
     # A vmapped group's members: batched under jax.vmap, or each in turn (train.members).
     self.members_batched = config_lib.members_batched(config, jax.default_backend())
-
-  def for_member(self, config, tokenizer) -> Trainer:
-    """This trainer for another member of a vmapped group: the same sampler and train step
-    (compiled once for all), the member's own config, tokenizer and rollout (its prompts,
-    decoding and warm-start examples)."""
-    other = copy.copy(self)
-    other.config, other.tokenizer = config, tokenizer
-    other.rollout = rollout.SingleTurn(config, tokenizer, self.sampler)
-    other.accuracy = rollout.accuracy_reward(config)
-    return other
 
   def hparams(self, config):
     """A run's train-step hyperparameters (its lr, β, ε, ε_high, reward weights and LoRA
