@@ -119,76 +119,12 @@ class QwenConfig:
     weights, RoPE scaling, sliding windows, layer_types other than full attention) is refused
     rather than loaded as something else.
     """
-    model_type = hf.get("model_type")
-    if model_type not in ARCHITECTURES:
-      raise ValueError(
-          f"{source}: unsupported model_type {model_type!r} (architectures="
-          f"{hf.get('architectures')}); grpo_jax supports {sorted(ARCHITECTURES)}")
-    quantization = hf.get("quantization_config")
-    if quantization:
-      method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-      raise ValueError(f"{source}: quantization_config (quant_method={method!r}) is not "
-                       "supported; use the unquantized checkpoint")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads"):
-      if key not in hf:
-        raise ValueError(f"{source}: missing field {key!r}")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim",
-                "max_position_embeddings"):
-      value = hf.get(key)
-      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                or value <= 0):
-        raise ValueError(f"{source}: {key}={value!r} must be a positive integer")
-    for key in ("rope_theta", "rms_norm_eps"):
-      value = hf.get(key)
-      if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ValueError(f"{source}: {key}={value!r} must be a number")
-    # transformers (4.x and 5.x) reads rope_scaling first, rope_parameters only without it.
-    rope_field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-    rope = hf.get(rope_field) or {}
-    if not isinstance(rope, dict):
-      raise ValueError(f"{source}: {rope_field}={rope!r} must be an object")
-    nested = [key for key, value in rope.items() if isinstance(value, dict)]
-    if nested:  # transformers 5's per-layer-type form, e.g. {"full_attention": {...}}
-      raise ValueError(f"{source}: {rope_field}: RoPE parameters per layer type ({nested}) are "
-                       "not supported; give one flat object")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-      raise ValueError(f"{source}: {rope_field}: rope type {rope_type!r} is not supported "
-                       "(only 'default')")
-    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
-      raise ValueError(f"{source}: {rope_field}.rope_theta={rope_theta!r} must be a number")
-    sliding = hf.get("use_sliding_window")
-    if sliding is not None and not isinstance(sliding, bool):
-      raise ValueError(f"{source}: use_sliding_window must be true or false, got {sliding!r}")
-    if sliding:
-      raise ValueError(f"{source}: use_sliding_window=true is not supported")
-    # transformers 5 builds each layer's attention from layer_types: only full attention is ours.
-    layer_types = hf.get("layer_types")
-    if layer_types is not None:
-      if not isinstance(layer_types, list) or len(layer_types) != hf["num_hidden_layers"]:
-        raise ValueError(f"{source}: layer_types={layer_types!r} must list one entry per layer "
-                         f"(num_hidden_layers={hf['num_hidden_layers']})")
-      other = [t for t in layer_types if t != "full_attention"]
-      if other:
-        raise ValueError(f"{source}: layer_types entry {other[0]!r} is not supported (only "
-                         "'full_attention')")
-    if hf.get("hidden_act", "silu") != "silu":
-      raise ValueError(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported")
-    is_causal = hf.get("is_causal", True)
-    if not isinstance(is_causal, bool):
-      raise ValueError(f"{source}: is_causal must be true or false, got {is_causal!r}")
-    heads = hf["num_attention_heads"]
+    _check_hf_fields(hf, source)
+    rope_theta = _hf_rope_theta(hf, source)
+    _check_hf_attention(hf, source)
+    head_dim = _hf_head_dim(hf, source)
+    model_type, heads = hf["model_type"], hf["num_attention_heads"]
     qwen3 = model_type == "qwen3"
-    # transformers' rule: Qwen3Config's head_dim defaults to 128 (and may not be null); Qwen2's
-    # attention takes the config's head_dim when it has one, else hidden_size // heads.
-    if qwen3 and "head_dim" in hf and hf["head_dim"] is None:
-      raise ValueError(f"{source}: head_dim=None must be a positive integer (qwen3 configs "
-                       "without the field have head_dim 128)")
-    head_dim = (hf.get("head_dim", 128) if qwen3
-                else hf.get("head_dim") or hf["hidden_size"] // heads)
     attention_bias = bool(hf.get("attention_bias", False))
     try:
       return cls(
@@ -207,7 +143,7 @@ class QwenConfig:
           qk_norm=qwen3,
           max_position_embeddings=hf.get("max_position_embeddings", 32768),
           model_type=model_type,
-          is_causal=is_causal,
+          is_causal=hf.get("is_causal", True),
       )
     except ValueError as e:  # __post_init__'s checks, e.g. heads not a multiple of kv heads
       raise ValueError(f"{source}: {e}") from e
@@ -247,6 +183,95 @@ class QwenConfig:
     elif self.o_bias or not self.qkv_bias:
       raise ValueError("a qwen2 config must have qkv_bias=True and o_bias=False")
     return hf
+
+
+def _check_hf_fields(hf: dict[str, Any], source: str) -> None:
+  """ValueError unless config.json is a Qwen2/Qwen3 of unquantized weights whose required sizes
+  are there, its sizes positive integers and its rope_theta and rms_norm_eps numbers."""
+  model_type = hf.get("model_type")
+  if model_type not in ARCHITECTURES:
+    raise ValueError(
+        f"{source}: unsupported model_type {model_type!r} (architectures="
+        f"{hf.get('architectures')}); grpo_jax supports {sorted(ARCHITECTURES)}")
+  quantization = hf.get("quantization_config")
+  if quantization:
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    raise ValueError(f"{source}: quantization_config (quant_method={method!r}) is not "
+                     "supported; use the unquantized checkpoint")
+  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads"):
+    if key not in hf:
+      raise ValueError(f"{source}: missing field {key!r}")
+  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim",
+              "max_position_embeddings"):
+    value = hf.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value <= 0):
+      raise ValueError(f"{source}: {key}={value!r} must be a positive integer")
+  for key in ("rope_theta", "rms_norm_eps"):
+    value = hf.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+      raise ValueError(f"{source}: {key}={value!r} must be a number")
+
+
+def _hf_rope_theta(hf: dict[str, Any], source: str) -> float | int:
+  """config.json's RoPE base; ValueError for any RoPE but the default one (scaled, per layer)."""
+  # transformers (4.x and 5.x) reads rope_scaling first, rope_parameters only without it.
+  rope_field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  rope = hf.get(rope_field) or {}
+  if not isinstance(rope, dict):
+    raise ValueError(f"{source}: {rope_field}={rope!r} must be an object")
+  nested = [key for key, value in rope.items() if isinstance(value, dict)]
+  if nested:  # transformers 5's per-layer-type form, e.g. {"full_attention": {...}}
+    raise ValueError(f"{source}: {rope_field}: RoPE parameters per layer type ({nested}) are "
+                     "not supported; give one flat object")
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type != "default":
+    raise ValueError(f"{source}: {rope_field}: rope type {rope_type!r} is not supported "
+                     "(only 'default')")
+  rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+  if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
+    raise ValueError(f"{source}: {rope_field}.rope_theta={rope_theta!r} must be a number")
+  return rope_theta
+
+
+def _check_hf_attention(hf: dict[str, Any], source: str) -> None:
+  """ValueError unless every layer is full attention (no sliding window) over SiLU MLPs, and
+  is_causal, when given, is a boolean."""
+  sliding = hf.get("use_sliding_window")
+  if sliding is not None and not isinstance(sliding, bool):
+    raise ValueError(f"{source}: use_sliding_window must be true or false, got {sliding!r}")
+  if sliding:
+    raise ValueError(f"{source}: use_sliding_window=true is not supported")
+  # transformers 5 builds each layer's attention from layer_types: only full attention is ours.
+  layer_types = hf.get("layer_types")
+  if layer_types is not None:
+    if not isinstance(layer_types, list) or len(layer_types) != hf["num_hidden_layers"]:
+      raise ValueError(f"{source}: layer_types={layer_types!r} must list one entry per layer "
+                       f"(num_hidden_layers={hf['num_hidden_layers']})")
+    other = [t for t in layer_types if t != "full_attention"]
+    if other:
+      raise ValueError(f"{source}: layer_types entry {other[0]!r} is not supported (only "
+                       "'full_attention')")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported")
+  is_causal = hf.get("is_causal", True)
+  if not isinstance(is_causal, bool):
+    raise ValueError(f"{source}: is_causal must be true or false, got {is_causal!r}")
+
+
+def _hf_head_dim(hf: dict[str, Any], source: str) -> int:
+  """The head width transformers would use for config.json (its default differs by family)."""
+  heads = hf["num_attention_heads"]
+  qwen3 = hf["model_type"] == "qwen3"
+  # transformers' rule: Qwen3Config's head_dim defaults to 128 (and may not be null); Qwen2's
+  # attention takes the config's head_dim when it has one, else hidden_size // heads.
+  if qwen3 and "head_dim" in hf and hf["head_dim"] is None:
+    raise ValueError(f"{source}: head_dim=None must be a positive integer (qwen3 configs "
+                     "without the field have head_dim 128)")
+  return (hf.get("head_dim", 128) if qwen3
+          else hf.get("head_dim") or hf["hidden_size"] // heads)
 
 
 def positions_from_mask(mask_BT: Array) -> Array:
