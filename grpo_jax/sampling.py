@@ -219,7 +219,7 @@ def _inverse_cdf(w_BR: Array, u_BS: Array) -> Array:
   weight 0 is never returned even where rounding makes neighbouring partial sums disagree.
   """
   r = w_BR.shape[-1]
-  # The triangle as a NumPy constant: built with jnp, a GPU compile made it (and its padding for
+  # The triangle as a NumPy constant: built with jnp, a GPU compile makes it (and its padding for
   # the matmul) again in every decode step, two kernels of about 270.
   cum_BR = jnp.einsum("BR,RQ->BQ", w_BR, np.triu(np.ones((r, r), w_BR.dtype)),
                       precision=jax.lax.Precision.HIGHEST)
@@ -467,9 +467,9 @@ class _Uniforms:
 
   def __call__(self, round_, shape):
     # Drawn flat, then shaped: the same numbers (threefry counts elements in row-major order),
-    # and XLA:CPU compiles the flat draw faster. The [64, 19, 1, 3] draws were the decode
-    # program's two largest kernels, 0.49 s of LLVM time, 0.19 s flat; the small benchmark's
-    # decode program compiles in 1.35 s instead of 1.52 s.
+    # and XLA:CPU compiles the flat draw faster. Drawn [64, 19, 1, 3], they are the small
+    # benchmark decode program's two largest kernels, 0.49 s of LLVM time, against 0.19 s flat;
+    # that program compiles in 1.35 s drawing flat, 1.52 s shaped.
     flat = lambda k: jax.random.uniform(jax.random.fold_in(k, round_), (math.prod(shape),))
     return jax.vmap(lambda k: flat(k).reshape(shape))(self.keys_B)
 

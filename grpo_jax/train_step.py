@@ -819,11 +819,11 @@ def _update(spec, hp, state, ref_params, batch, norm):
   def apply(st):
     updates, opt_state = optimizer.update(grads, st["opt_state"], st["params"])
     return {"params": optax.apply_updates(st["params"], updates), "opt_state": opt_state}
-  # where(ok, new, old) per leaf, which XLA fuses into each leaf's in-place update. A lax.cond
-  # with an identity branch made a GPU compile copy params and moments out of the cond into the
-  # donated buffers every step (1.5B, gpu_step.py's workload, H100 target: 9.2 GB more peak
-  # memory, 26 GB more written; the 0.5b preset 3.1 GB more peak). XLA:CPU: the same peak
-  # within 0.04 GB (benchmarks/memory.py).
+  # where(ok, new, old) per leaf, which XLA fuses into each leaf's in-place update. Not a
+  # lax.cond with an identity branch: a GPU compile copies its result, params and moments, into
+  # the donated buffers every step (1.5B, gpu_step.py's workload, H100 target: 9.2 GB more peak
+  # memory, 26 GB more written; the 0.5b preset 3.1 GB more peak; XLA:CPU's peak is the same
+  # within 0.04 GB, benchmarks/memory.py; experiments/train_traffic_2026-11-27.md).
   old = {"params": params, "opt_state": state["opt_state"]}
   new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), apply(old), old)
   new_state["step"] = state["step"] + ok.astype(jnp.int32)

@@ -168,7 +168,7 @@ class QwenConfig:
         "tie_word_embeddings": self.tie_word_embeddings,
         "use_sliding_window": False,
     }
-    if not self.is_causal:  # absent means causal, so causal exports stay as they were
+    if not self.is_causal:  # absent means causal: only a bidirectional model needs the field
       hf["is_causal"] = False
     # config.json says only model_type (and attention_bias for qwen3); transformers derives
     # the switches from it, so a config it cannot express would be read back as another model.
@@ -430,7 +430,7 @@ class Attention(nn.Module):
       if k.shape[1] == cache["k"].shape[3]:
         # This call fills every slot of the layer (a prefill, so cache_index is 0): reading the
         # layer back would give k/v as the cache stores them, so they are used as such. The
-        # dynamic slice of the stack was the prefill program's costliest kernel to compile
+        # dynamic slice of the stack is the prefill program's costliest kernel to compile
         # (small benchmark: the prefill compiles in 0.45 s against 0.52 s, medians of 3).
         keys, values, start = k.astype(cache["k"].dtype), v.astype(cache["v"].dtype), 0
       else:
@@ -525,9 +525,10 @@ def scores_einsum(q_BTKGH: Array, k: Array, *, kv: str, heads_major: bool) -> Ar
   (experiments/train_traffic_2026-11-27.md).
 
   The CPU keeps q in the tokens' order (heads_major False): there a decode step's dot (one query
-  per row) was 1.8x slower the other way (fp32, 64 rows x 352 slots: 0.84 against 0.48 ms), the
-  whole CPU step was no faster, and its programs stay bitwise what they were (the tiny presets'
-  results over seeds were measured with them)."""
+  per row) is 1.8x slower the other way (fp32, 64 rows x 352 slots: 0.84 against 0.48 ms) and
+  the whole CPU step no faster, while the other order moves the CPU's training numbers by fp32
+  rounding, which a long warm start amplifies: the tiny presets' results over seeds in
+  experiments/ hold for this order."""
   if heads_major:
     return jnp.einsum(f"BKGTH,{kv}->BKGTS", q_BTKGH.transpose(0, 2, 3, 1, 4), k,
                       preferred_element_type=jnp.float32)
@@ -538,10 +539,10 @@ def _grouped_attend(q_BTNH, k, v, visible_B1TS, causal_aligned: bool, heads_firs
   """softmax(q k^T / sqrt(H)) v with the G = N / K query heads of a kv head batched against its
   keys: no copy of k or v per query head, the mask applied once for all heads.
 
-  Why not jax.nn.dot_product_attention's XLA path (what the model used before): it transposes
-  the cache's [B, K, S, H] to [B, S, K, H] every decode step and, under jax.vmap (a sweep's
-  members), XLA:CPU ran its [B, K, G, T, S] dots much slower: the tiny sweep's vmapped sampler
-  spent 0.64 s against 0.48 s with this formulation (experiments/one_loop.md)."""
+  Not jax.nn.dot_product_attention's XLA path: it transposes the cache's [B, K, S, H] to
+  [B, S, K, H] every decode step and, under jax.vmap (a sweep's members), XLA:CPU runs its
+  [B, K, G, T, S] dots much slower: the tiny sweep's vmapped sampler takes 0.64 s with it
+  against 0.48 s with this formulation (experiments/one_loop.md)."""
   b, t, n, h = q_BTNH.shape
   kv = "BKSH" if heads_first else "BSKH"
   kh = k.shape[1 if heads_first else 2]
