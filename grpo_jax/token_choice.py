@@ -1,10 +1,10 @@
-"""Sampling maths for grpo_jax.sampler: one token per row from last hidden states, with the
-[B, V] logits never materialised.
+"""How grpo_jax.sampler chooses each next token: the sampling settings (SamplingParams) and the
+choice of one token per row from last hidden states, with the [B, V] logits never materialised.
 
-    sp = sampling.parse_settings(temperature=0.7, top_p=0.95)  # a static SamplingParams
-    head = sampling.prepare_head(head_VD, valid_vocab_size, vocab_chunk)
-    tok_B, logp_B, extra_rounds, fell_back_B = sampling.next_token(sp, head, h_BD, step_keys_B,
-                                                                   valid_vocab_size, top_p_draws)
+    sp = token_choice.parse_settings(temperature=0.7, top_p=0.95)  # a static SamplingParams
+    head = token_choice.prepare_head(head_VD, valid_vocab_size, vocab_chunk)
+    tok_B, logp_B, extra_rounds, fell_back_B = token_choice.next_token(
+        sp, head, h_BD, step_keys_B, valid_vocab_size, top_p_draws)
 
 Settings: `greedy` (or temperature=0: the first argmax), `temperature`, `top_k`, `top_p`,
 `min_p`, applied as transformers' generate applies its warpers (Temperature-, TopK-, TopP- and
