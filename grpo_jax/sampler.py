@@ -168,7 +168,7 @@ class Sampler:
       raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {cfg.vocab_size})")
     block = token_choice.ARGMAX_BLOCK
     platform = compile_cache.platform(mesh)
-    if cfg.decode_attention == "pallas" and platform != "gpu":
+    if cfg.run.decode_attention == "pallas" and platform != "gpu":
       runs = ("Pallas's interpreter (exact, and slow)" if platform == "cpu"
               else "the same attention in jax.numpy")
       errors.warn(f"model.decode_attention='pallas' is a GPU kernel; on {platform} the decode "
@@ -245,8 +245,8 @@ class Sampler:
 
   def _decode_setup(self, params, rng, row_ids_R2):
     """(variables with the layers in the compute dtype, the sampling head, each row's key).
-    With cfg.unroll_decode the variables are a qwen.Unrolled, one narrowed copy per layer."""
-    if self.cfg.unroll_decode:
+    With cfg.run.unroll_decode the variables are a qwen.Unrolled, one narrowed copy per layer."""
+    if self.cfg.run.unroll_decode:
       v = qwen.unroll(self._narrow(params))
       return v, self._head(v.rest["params"]), self._row_keys(rng, row_ids_R2)
     v = self._narrow(params)
@@ -364,7 +364,7 @@ class Sampler:
       v_K[col] = dict(tree, layers=jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), tree["layers"]))
       p_axes[col] = jax.tree.map(lambda _: 0, v_K[col])
       p_axes[col]["layers"] = jax.tree.map(lambda _: 1, v_K[col]["layers"])
-    if self.cfg.unroll_decode:  # layer i of [L, K, ...] is [K, ...]: the members' axis is 0
+    if self.cfg.run.unroll_decode:  # layer i of [L, K, ...] is [K, ...]: the members' axis is 0
       v_K = qwen.unroll(v_K)
       p_axes = qwen.Unrolled(
           {col: None if a is None else {k: x for k, x in a.items() if k != "layers"}

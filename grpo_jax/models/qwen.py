@@ -52,7 +52,7 @@ Array = jax.Array
 Cache = dict[str, Array]
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# QwenConfig.attention: None (JAX's choice, XLA today), 'xla', 'cudnn' (NVIDIA GPUs, bf16/fp16).
+# RunOptions.attention: None (JAX's choice, XLA today), 'xla', 'cudnn' (NVIDIA GPUs, bf16/fp16).
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 
 
@@ -61,7 +61,39 @@ class BidirectionalDecodeError(UserError, ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class RunOptions:
+  """How the model runs, not what the checkpoint is: never read from or written to config.json
+  (config.model's choices, set by inputs.runtime_options).
+
+  attention: jax.nn.dot_product_attention's `implementation`. None lets JAX choose (XLA today),
+    'xla' forces it, 'cudnn' is cuDNN's fused flash kernel on NVIDIA GPUs (bf16/fp16 only); see
+    ATTENTION_IMPLEMENTATIONS and docs/performance.md.
+  unroll_decode: how the sampler's decode step runs its layers. False, one scan over the
+    stacked [L, ...] weights, as prefill and training run them; True, the L layers written out,
+    each on its own copy of its weights made once per generate call (see apply_unrolled). On a
+    GPU the scan is a loop inside every decode step.
+  decode_attention: a decode step's attention. 'xla', the grouped einsum of `attend`; 'pallas',
+    one fused kernel per layer that applies RoPE, writes the step's k and v and reads the
+    stacked cache in place (grpo_jax/models/decode_attention.py: Triton on NVIDIA GPUs, Pallas's
+    interpreter on CPU).
+  """
+  attention: str | None = None
+  unroll_decode: bool = False
+  decode_attention: str = "xla"
+
+  def __post_init__(self):
+    if self.attention not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f"attention={self.attention!r} is not one of "
+                       f"{ATTENTION_IMPLEMENTATIONS} (jax.nn.dot_product_attention's)")
+    if self.decode_attention not in decode_attention.IMPLEMENTATIONS:
+      raise ValueError(f"decode_attention={self.decode_attention!r} is not one of "
+                       f"{decode_attention.IMPLEMENTATIONS}")
+
+
+@dataclasses.dataclass(frozen=True)
 class QwenConfig:
+  """The architecture, as the checkpoint's config.json says it (from_hf, to_hf), and in `run`
+  how this process runs it (RunOptions, which config.json never holds)."""
   vocab_size: int
   hidden_size: int
   intermediate_size: int
@@ -79,21 +111,7 @@ class QwenConfig:
   model_type: str = "qwen2"
   # False: every token attends to every real token (config.json "is_causal": false).
   is_causal: bool = True
-  # How attention runs, not what the checkpoint is (never read from or written to config.json):
-  # jax.nn.dot_product_attention's `implementation`. None lets JAX choose (XLA today), 'xla'
-  # forces it, 'cudnn' is cuDNN's fused flash kernel on NVIDIA GPUs (bf16/fp16 only); see
-  # ATTENTION_IMPLEMENTATIONS and docs/performance.md.
-  attention: str | None = None
-  # How the sampler's decode step runs its layers (also not part of the checkpoint): False, one
-  # scan over the stacked [L, ...] weights, as prefill and training run them; True, the L layers
-  # written out, each on its own copy of its weights made once per generate call (see
-  # apply_unrolled). On a GPU the scan is a loop inside every decode step.
-  unroll_decode: bool = False
-  # A decode step's attention (also not part of the checkpoint): 'xla', the grouped einsum of
-  # `attend`; 'pallas', one fused kernel per layer that applies RoPE, writes the step's k and v
-  # and reads the stacked cache in place (grpo_jax/models/decode_attention.py: Triton on NVIDIA
-  # GPUs, Pallas's interpreter on CPU).
-  decode_attention: str = "xla"
+  run: RunOptions = RunOptions()
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -102,14 +120,12 @@ class QwenConfig:
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates the two halves of "
                        "each head)")
-    if self.attention not in ATTENTION_IMPLEMENTATIONS:
-      raise ValueError(f"attention={self.attention!r} is not one of "
-                       f"{ATTENTION_IMPLEMENTATIONS} (jax.nn.dot_product_attention's)")
-    if self.decode_attention not in decode_attention.IMPLEMENTATIONS:
-      raise ValueError(f"decode_attention={self.decode_attention!r} is not one of "
-                       f"{decode_attention.IMPLEMENTATIONS}")
-    if self.decode_attention == "pallas":
+    if self.run.decode_attention == "pallas":  # the fused kernel's bound on the architecture
       decode_attention.check_head_dim(self.head_dim)
+
+  def with_run(self, **changes) -> "QwenConfig":
+    """The same architecture run otherwise: cfg.with_run(unroll_decode=True)."""
+    return dataclasses.replace(self, run=dataclasses.replace(self.run, **changes))
 
   @classmethod
   def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "QwenConfig":
@@ -404,7 +420,7 @@ class Attention(nn.Module):
     if cfg.qk_norm:
       q = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "head_dim", name="q_norm")(q)
       k = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "head_dim", name="k_norm")(k)
-    if (cfg.decode_attention == "pallas" and cache is not None and self.packed is None
+    if (cfg.run.decode_attention == "pallas" and cache is not None and self.packed is None
         and k.shape[1] == 1 < cache["k"].shape[3]):
       # One query per row (a decode step): one kernel applies RoPE to q and k, writes k and v
       # into slot cache_index of layer `layer` of the stacked caches and attends over slots
@@ -440,10 +456,10 @@ class Attention(nn.Module):
         # experiments/one_loop.md.)
         out_BTNH = attend(q, cache["k"][layer].astype(self.dtype),
                           cache["v"][layer].astype(self.dtype), attn_mask_BS, cache_index,
-                          cfg.is_causal, cfg.attention, heads_first=True)
+                          cfg.is_causal, cfg.run.attention, heads_first=True)
         return self._out(out_BTNH), cache
     out_BTNH = attend(q, keys.astype(self.dtype), values.astype(self.dtype), attn_mask_BS, start,
-                      cfg.is_causal, cfg.attention)
+                      cfg.is_causal, cfg.run.attention)
     return self._out(out_BTNH), cache
 
   def _out(self, out_BTNH):
@@ -460,7 +476,7 @@ class Attention(nn.Module):
     prompt_mask_bP, mask_BS = masks
     b, t, n, h = q_bTNH.shape
     c = (t - p) // g
-    causal, impl = self.cfg.is_causal, self.cfg.attention
+    causal, impl = self.cfg.is_causal, self.cfg.run.attention
     out_p = attend(q_bTNH[:, :p], k_bTKH[:, :p], v_bTKH[:, :p], prompt_mask_bP, 0, causal, impl)
     rows = lambda a_bTxH: a_bTxH[:, p:].reshape(b * g, c, *a_bTxH.shape[2:])
     keys, values = (jnp.concatenate([jnp.repeat(a_bTKH[:, :p], g, axis=0), rows(a_bTKH)], axis=1)
