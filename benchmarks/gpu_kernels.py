@@ -89,8 +89,8 @@ def workload(size: str, smoke: bool, unroll: bool = False, decode_attention: str
   cfg = qwen.QwenConfig(vocab_size=vocab, hidden_size=m["hidden"], intermediate_size=m["mlp"],
                         num_layers=m["layers"], num_heads=m["heads"], num_kv_heads=m["kv_heads"],
                         head_dim=m["hidden"] // m["heads"], tie_word_embeddings=True,
-                        unroll_decode=unroll, decode_attention=decode_attention,
-                        attention=attention)
+                        run=qwen.RunOptions(unroll_decode=unroll, attention=attention,
+                                            decode_attention=decode_attention))
   batch = (2, 2, 4, 8) if smoke else (gpu_step.NUM_PROMPTS, gpu_step.G, gpu_step.NEW_TOKENS,
                                       gpu_step.BUCKET)
   return (cfg, valid) + batch

@@ -458,7 +458,7 @@ def _sampler_figures(spec, sampler, params, out, kernels):
   out["prefill_s"], out["decode_s"] = min(times["prefill"]), min(times["decode"])
   out["rows"], out["slots"] = int(conv.row_ids.shape[0]), int(conv.cache["k"].shape[3])
   out["prompt_slots"] = int(conv.state["slot"]) - out["decode_steps"]  # the prompt bucket
-  if sampler.cfg.decode_attention == "pallas":
+  if sampler.cfg.run.decode_attention == "pallas":
     out["fused_attention_error"] = fused_attention_error(sampler.cfg, conv)
   if kernels:
     try:  # the decode program as the sampler compiles it, lowered again for its HLO

@@ -288,9 +288,9 @@ def run_grpo_jax(spec: dict, forced: bool, out: dict) -> None:
   rewards = build_rewards(c.rewards)
   trainer = trainer_lib.Trainer(c, cfg, mesh, tokenizer, stop_ids)
   # What the sampler and step really run with (gpu_step.py prints these, not its flags).
-  out["model_options"] = {"attention": trainer.sampler.cfg.attention,
-                          "unroll_decode": trainer.sampler.cfg.unroll_decode,
-                          "decode_attention": trainer.sampler.cfg.decode_attention,
+  run = trainer.sampler.cfg.run
+  out["model_options"] = {"attention": run.attention, "unroll_decode": run.unroll_decode,
+                          "decode_attention": run.decode_attention,
                           "vocab_chunk": trainer.sampler.vocab_chunk,
                           "logprob_block_bytes": trainer.step_fn.spec.optim.logprob_block_bytes}
   spies = {"step_fn": _Spy(trainer.step_fn)}

@@ -12,7 +12,6 @@ checks the tokens are equal, and the last line is `unroll_decode_speedup=<scan /
 for (1).
 """
 import argparse
-import dataclasses
 import functools
 import os
 import statistics
@@ -31,7 +30,7 @@ from grpo_jax.models import qwen  # noqa: E402
 def compare(name, cfg, make, repeats):
   """Median seconds per call for the scan and the unrolled decode, make(cfg) giving each one's
   call (its sampler built once: the first call compiles); their tokens equal."""
-  calls = {u: make(dataclasses.replace(cfg, unroll_decode=u)) for u in (False, True)}
+  calls = {u: make(cfg.with_run(unroll_decode=u)) for u in (False, True)}
   times, tokens = {False: [], True: []}, {}
   for rep in range(repeats + 1):
     for u, call in calls.items():

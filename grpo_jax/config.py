@@ -57,7 +57,7 @@ def model() -> ConfigDict:
       attention=placeholder(str),
       # True: the sampler's decode step runs the layers written out, on per-layer copies of
       # their weights made once per call, instead of a scan over the stacked weights
-      # (qwen.QwenConfig.unroll_decode; docs/performance.md). The same numbers either way.
+      # (qwen.RunOptions.unroll_decode; docs/performance.md). The same numbers either way.
       unroll_decode=False,
       # A decode step's attention: 'xla' (the grouped einsum) or 'pallas' (one fused kernel per
       # layer reading the KV cache in place: Triton on NVIDIA GPUs, Pallas's interpreter on CPU,

@@ -121,10 +121,10 @@ def runtime_options(config, cfg: qwen.QwenConfig) -> qwen.QwenConfig:
   """cfg with config.model's choices of how the model runs (attention kernels, unrolled decode),
   which are no part of a checkpoint: for a cfg read from one, or built by hand."""
   m = config.model
-  try:  # QwenConfig checks these fields (values, head_dim for the fused kernel): one rule each
-    return dataclasses.replace(cfg, attention=m.get("attention"),
-                               unroll_decode=bool(m.unroll_decode),
-                               decode_attention=m.get("decode_attention", "xla"))
+  try:  # RunOptions and QwenConfig check them (values, head_dim for the fused kernel)
+    return dataclasses.replace(cfg, run=qwen.RunOptions(
+        attention=m.get("attention"), unroll_decode=bool(m.unroll_decode),
+        decode_attention=m.get("decode_attention", "xla")))
   except ValueError as e:
     raise validate.ConfigError(f"config.model.{e}") from None
 

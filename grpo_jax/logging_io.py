@@ -33,8 +33,10 @@ import numpy as np
 
 from grpo_jax import storage
 from grpo_jax.errors import UserError
+# The metrics log's name and reader live in jsonl, so that plots reads the log without importing
+# this writer, which imports plots to draw it; logging_io.read_jsonl stays for its callers.
+from grpo_jax.jsonl import METRICS_FILE, read_jsonl  # pylint: disable=unused-import
 
-METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 SAMPLES_MD_FILE = "samples.md"
 TENSORBOARD_DIR = "tensorboard"
@@ -56,26 +58,6 @@ def _scalar(key: str, value: Any) -> float | int | bool | str | None:
     raise ValueError(f"metric {key!r} must be a scalar, got {type(value).__name__} with shape "
                      f"{array.shape} and dtype {array.dtype}")
   return _scalar(key, array.item())
-
-
-def read_jsonl(path: str) -> list[dict]:
-  """Records of a JSONL log (a local path or a gs:// URL); a torn last line (a crash mid-write)
-  is ignored."""
-  path = storage.path(path)
-  if not path.exists():
-    return []
-  lines = storage.read_text(path).split("\n")
-  records = []
-  for number, line in enumerate(lines, start=1):
-    if not line.strip():
-      continue
-    try:
-      records.append(json.loads(line))
-    except json.JSONDecodeError as e:
-      if number == len(lines):  # the last line has no newline: it was never finished
-        break
-      raise ValueError(f"{path}:{number}: not valid JSON ({e}); fix or delete that line") from e
-  return records
 
 
 def _truncate_after(path: str, step: int) -> list[dict]:
@@ -236,7 +218,7 @@ def _wandb_log_plot(run, root, step: int) -> None:
   close) and logged as an image at the run's last step."""
   import tempfile
   import wandb
-  from grpo_jax import plots  # plots reads this module's files
+  from grpo_jax import plots
   with tempfile.TemporaryDirectory() as tmp:
     path = plots.plot_metrics(os.fspath(root), out_path=os.path.join(tmp, plots.PLOT_FILE))
     if path is not None:

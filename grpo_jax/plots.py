@@ -43,7 +43,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from grpo_jax import logging_io, storage
+from grpo_jax import jsonl, storage
 
 PLOT_FILE = "metrics.png"
 CONFIG_FILE = "config.json"  # written into the workdir by train.run
@@ -190,10 +190,10 @@ def plot_metrics(workdir: str, out_path: str | None = None,
   smoothing: the EMA weight in [0, 1); None picks one from the run's length (module docstring).
   """
   root = storage.path(workdir)
-  metrics_path = root / logging_io.METRICS_FILE
+  metrics_path = root / jsonl.METRICS_FILE
   if not metrics_path.exists():
-    raise FileNotFoundError(f"no {logging_io.METRICS_FILE} in {workdir!r}")
-  drawn = panels(logging_io.read_jsonl(metrics_path), beta=config_beta(workdir))
+    raise FileNotFoundError(f"no {jsonl.METRICS_FILE} in {workdir!r}")
+  drawn = panels(jsonl.read_jsonl(metrics_path), beta=config_beta(workdir))
   if not drawn:
     return None
   fig = figure(drawn, root.name, smoothing)
@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = plot_metrics(workdir, args.out, args.smoothing)
     if path is None:
       if not args.quiet:
-        print(f"nothing to plot in {workdir}/{logging_io.METRICS_FILE}", file=sys.stderr)
+        print(f"nothing to plot in {workdir}/{jsonl.METRICS_FILE}", file=sys.stderr)
       status = 1
     elif not args.quiet:
       print(path)

@@ -321,26 +321,19 @@ _informative_groups = jax.jit(grpo.informative_groups, static_argnums=(1, 3))
 _weighted_total = jax.jit(grpo.weighted_total, static_argnums=(3,))
 
 
-def collect(config, sample_fn, next_rows, key):
-  """Rollouts for one GRPO step; next_rows() gives train.prompts_per_step dataset rows and
-  sample_fn(rows, key) samples and scores them (sample_and_score, or the agent's).
+class Collection:
+  """The rollouts of one GRPO step, gathered in rounds: while wants_round(), the caller samples
+  and scores train.prompts_per_step rows with round_key(key) (sample_and_score, or the agent's)
+  and add()s them; result() gives (Rollouts of the batch, metrics). A state machine, so that a
+  caller can drive several at once (train.Trainer.group_step samples a round for every member
+  of a sweep that wants one).
 
   With train.dynamic_sampling (DAPO), groups whose G rewards are all equal (zero advantage:
   they teach nothing) are set aside and further prompts sampled, up to
   train.max_sampling_rounds rounds in all; a batch still short of prompts_per_step informative
   groups is completed with set-aside groups, so the train step's row count never changes.
-  Returns (Rollouts of the batch, metrics): reward and completion metrics describe the first
-  round, an unbiased sample of the policy.
+  Reward and completion metrics describe the first round, an unbiased sample of the policy.
   """
-  c = Collection(config)
-  while c.wants_round():
-    c.add(*sample_fn(next_rows(), c.round_key(key)))
-  return c.result()
-
-
-class Collection:
-  """collect's rounds as a state machine, so that a caller can drive several at once
-  (train.Trainer.group_step samples a round for every member of a sweep that wants one)."""
 
   def __init__(self, config):
     cfg = self.config = config

@@ -21,7 +21,7 @@ What happens in one call (C = max_new_tokens, P = the smallest bucket holding ev
      which is then padded to P + C slots and tiled G times (never a G-fold prefill);
   3. `decode` (jitted per (B, P, G, settings); the cache is donated, so the loop updates the
      prefill's buffer in place): a `lax.while_loop` samples one token per row from the last
-     hidden state (grpo_jax.sampling.next_token), feeds it through the model, and exits as soon
+     hidden state (grpo_jax.token_choice.next_token), feeds it through the model, and exits as soon
      as every row has produced a stop id or C tokens.
 The batch (B, and B*G after tiling) is split over the mesh's data × fsdp axes; B is padded to a
 multiple of that size with copies of the last prompt, whose rows are dropped from the output.
@@ -39,7 +39,7 @@ the rows' conversations need not be aligned.
 
 Sampling settings (defaults given to the Sampler, overridable per call; each distinct setting
 compiles once): `greedy` (or temperature=0), `temperature`, `top_k`, `top_p`, `min_p`, defined
-in grpo_jax.sampling (the cuts, their order and how they are drawn from exactly).
+in grpo_jax.token_choice (the cuts, their order and how they are drawn from exactly).
 
 `logprobs` are log_softmax(logits / temperature) over the valid vocabulary at the sampled token,
 BEFORE the top-k/top-p/min-p cut: the policy's own distribution, the quantity the loss uses
@@ -53,7 +53,7 @@ Randomness: each row has its own key, fold_in(fold_in(key, prompt_id), g) with p
 defaulting to the prompt's index in the batch (pass `prompt_ids` for stable ids), and every
 step folds in the step number, so a row's tokens do not depend on the other rows of its batch.
 metrics['sampler/cut_extra_rounds'] counts the steps' extra rounds of the cuts (top-p redraws,
-top-k ties; see grpo_jax.sampling), and metrics['sampler/cut_fallback_rows'] the draws whose
+top-k ties; see grpo_jax.token_choice), and metrics['sampler/cut_fallback_rows'] the draws whose
 top-p redraws ran out and took the row's top token instead (0 unless top_p is tiny).
 """
 
@@ -69,7 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from grpo_jax import compile_cache, data, errors, hosts, sampling
+from grpo_jax import compile_cache, data, errors, hosts, token_choice
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.models import qwen
 
@@ -124,7 +124,7 @@ class Sampler:
     max_new_tokens: C, the fixed completion length budget.
     stop_ids: token ids that end a completion (kept in the output, counted in `lengths`).
     buckets: prompt lengths P the batch is left-padded to (the smallest that fits is used).
-    greedy, temperature, top_k, top_p, min_p: default sampling settings (grpo_jax.sampling);
+    greedy, temperature, top_k, top_p, min_p: default sampling settings (grpo_jax.token_choice);
       each call may override them. temperature=0 means greedy (log-probs then at temperature 1).
     valid_vocab_size: ids >= this are never sampled (default: the whole embedding).
     pad_id: written after a row's stop token and used to left-pad prompts.
@@ -133,7 +133,8 @@ class Sampler:
     vocab_chunk: columns of the head processed at a time. Default: the whole vocabulary on a
       GPU, where each chunk costs its kernel launches in every decode step; VOCAB_CHUNK
       elsewhere (on a CPU one chunk's logits stay in cache; docs/performance.md).
-    top_p_draws: candidates drawn per row and step for top-p's rejection step (grpo_jax.sampling).
+    top_p_draws: candidates drawn per row and step for top-p's rejection step
+      (grpo_jax.token_choice).
   """
 
   def __init__(self, model: qwen.Qwen | qwen.QwenConfig, *, max_new_tokens: int,
@@ -165,9 +166,9 @@ class Sampler:
       raise ValueError(f"stop_ids {bad} are outside the vocabulary [0, {cfg.vocab_size})")
     if not 0 <= pad_id < cfg.vocab_size:
       raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {cfg.vocab_size})")
-    block = sampling.ARGMAX_BLOCK
+    block = token_choice.ARGMAX_BLOCK
     platform = compile_cache.platform(mesh)
-    if cfg.decode_attention == "pallas" and platform != "gpu":
+    if cfg.run.decode_attention == "pallas" and platform != "gpu":
       runs = ("Pallas's interpreter (exact, and slow)" if platform == "cpu"
               else "the same attention in jax.numpy")
       errors.warn(f"model.decode_attention='pallas' is a GPU kernel; on {platform} the decode "
@@ -179,7 +180,7 @@ class Sampler:
                        f"the whole vocabulary ({valid})")
     if top_p_draws < 1:
       raise ValueError(f"top_p_draws={top_p_draws} must be >= 1")
-    self.defaults = sampling.parse_settings(greedy, temperature, top_k, top_p, min_p)
+    self.defaults = token_choice.parse_settings(greedy, temperature, top_k, top_p, min_p)
     self.max_new_tokens, self.stop_ids, self.buckets = int(max_new_tokens), stop_ids, buckets
     self.valid, self.pad_id, self.mesh = valid, int(pad_id), mesh
     self.vocab_chunk = min(int(vocab_chunk), valid)
@@ -230,7 +231,7 @@ class Sampler:
     }
 
   def _decode_impl(self, params, cache, state, rng, row_ids_R2, active_R,
-                   sp: sampling.SamplingParams, c: int):
+                   sp: token_choice.SamplingParams, c: int):
     """A while_loop: sample a token per row from the last hidden state, feed it, repeat; at
     most c tokens, written from slot state['slot']; rows not active_R sample nothing."""
     params, head, keys_R = self._decode_setup(params, rng, row_ids_R2)
@@ -244,8 +245,8 @@ class Sampler:
 
   def _decode_setup(self, params, rng, row_ids_R2):
     """(variables with the layers in the compute dtype, the sampling head, each row's key).
-    With cfg.unroll_decode the variables are a qwen.Unrolled, one narrowed copy per layer."""
-    if self.cfg.unroll_decode:
+    With cfg.run.unroll_decode the variables are a qwen.Unrolled, one narrowed copy per layer."""
+    if self.cfg.run.unroll_decode:
       v = qwen.unroll(self._narrow(params))
       return v, self._head(v.rest["params"]), self._row_keys(rng, row_ids_R2)
     v = self._narrow(params)
@@ -280,7 +281,7 @@ class Sampler:
     # anyway, and a GPU compile keeps that cast inside each decode step (fp32 params: a read of
     # the fp32 head and a write of its bf16 copy per step).
     head_VD = self._narrow_leaf(qwen.head_kernel(params, self.cfg).T)
-    return sampling.prepare_head(head_VD, self.valid, self.vocab_chunk)
+    return token_choice.prepare_head(head_VD, self.valid, self.vocab_chunk)
 
   @staticmethod
   def _row_keys(rng, row_ids_R2):
@@ -303,7 +304,7 @@ class Sampler:
     # The forward after a row's last step is wasted work, one model step per call.
     i = s["step"] if i is None else i
     step_keys_R = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys_R)
-    tok, logp, extra, fell_back = sampling.next_token(sp, head, s["hidden"], step_keys_R,
+    tok, logp, extra, fell_back = token_choice.next_token(sp, head, s["hidden"], step_keys_R,
                                                       self.valid, self.top_p_draws)
     live = ~s["done"]
     tok = jnp.where(live, tok, self.pad_id)
@@ -338,7 +339,7 @@ class Sampler:
     return results, new_state
 
   def _decode_members_impl(self, params_K, cache_K, state_K, rng_K, row_ids_R2, active_R,
-                           sp: sampling.SamplingParams, c: int):
+                           sp: token_choice.SamplingParams, c: int):
     """_decode_impl for K members at once (params, cache, state and key stacked on a leading K;
     state_K['slot'] one scalar for all): each member's results are those of its own loop.
 
@@ -363,7 +364,7 @@ class Sampler:
       v_K[col] = dict(tree, layers=jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), tree["layers"]))
       p_axes[col] = jax.tree.map(lambda _: 0, v_K[col])
       p_axes[col]["layers"] = jax.tree.map(lambda _: 1, v_K[col]["layers"])
-    if self.cfg.unroll_decode:  # layer i of [L, K, ...] is [K, ...]: the members' axis is 0
+    if self.cfg.run.unroll_decode:  # layer i of [L, K, ...] is [K, ...]: the members' axis is 0
       v_K = qwen.unroll(v_K)
       p_axes = qwen.Unrolled(
           {col: None if a is None else {k: x for k, x in a.items() if k != "layers"}
@@ -397,7 +398,7 @@ class Sampler:
     return results, cache_K, new_state
 
   def _decode_members_in_turn_impl(self, params_K, cache_K, state_K, rng_K, row_ids_R2,
-                                   active_R, sp: sampling.SamplingParams, c: int):
+                                   active_R, sp: token_choice.SamplingParams, c: int):
     """_decode_members_impl's results with the members' loops run one after another
     (jax.lax.map) in the one program: member k's decode is its own run's _decode_impl, with no
     batching across members (what a CPU runs fastest; train.members). No cache or state comes
@@ -476,11 +477,11 @@ class Sampler:
       return 1
     return int(np.prod([self.mesh.shape[a] for a in sharding_lib.BATCH_AXES]))
 
-  def _settings(self, settings) -> sampling.SamplingParams:
+  def _settings(self, settings) -> token_choice.SamplingParams:
     unknown = set(settings) - {"greedy", "temperature", "top_k", "top_p", "min_p"}
     if unknown:
       raise TypeError(f"unknown sampling settings {sorted(unknown)}")
-    return sampling.parse_settings(**{**dataclasses.asdict(self.defaults), **settings})
+    return token_choice.parse_settings(**{**dataclasses.asdict(self.defaults), **settings})
 
   def _put(self, x):
     """This process's rows → the batch-sharded array (with several processes, each passes its
@@ -765,7 +766,7 @@ class _MembersInputs:
   capacity: int        # the cache's slots: the bucket and max_new_tokens
   row_ids: jax.Array   # [B_pad * G, 2]: (prompt, sample) of each row, folded into its key
   active: jax.Array    # [B_pad * G]: False for the rows padding the batch to the mesh
-  settings: sampling.SamplingParams
+  settings: token_choice.SamplingParams
   keys: jax.Array      # [K] PRNG keys
   b: int               # the prompts a member gave
   own_buckets: list    # the bucket each member's own prompts need

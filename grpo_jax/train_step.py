@@ -88,7 +88,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from grpo_jax import compile_cache, grpo, hosts, logprobs, sharding
+from grpo_jax import compile_cache, config as config_lib, grpo, hosts, logprobs, sharding
 from grpo_jax.models import lora as lora_lib, qwen, quant
 
 SCHEDULES = ("constant", "cosine")
@@ -541,52 +541,34 @@ def make_logprob_fn(model_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_
 # The step: one pure function of (state, batch, hparams, ref_params) and a static spec.
 
 
-def _fields_of(cls, cfg):
-  """A frozen spec of cls's fields, read from a config section."""
-  return cls(**{f.name: cfg[f.name] for f in dataclasses.fields(cls)})
+class _SectionSpec:
+  """A frozen copy of a config section, hashable, so that a StepSpec holding it can be jit's
+  static argument. Its fields are the schema's for that section (_section_spec)."""
+
+  @classmethod
+  def of(cls, cfg):
+    """The spec of a config section (a ConfigDict holding the schema's fields)."""
+    return cls(**{f.name: cfg[f.name] for f in dataclasses.fields(cls)})
 
 
-@dataclasses.dataclass(frozen=True)
-class LossSpec:
-  """The static part of a loss config (grpo_jax.config.loss): what shapes the program.
-  beta, epsilon and epsilon_high are kept for reading; the program takes them from hparams."""
-  loss_type: str
-  beta: float
-  kl_estimator: str
-  epsilon: float
-  epsilon_high: float
-  delta: float | None
-  importance_sampling_level: str
-  num_iterations: int
-  scale_rewards: str
-  reward_aggregation: str
-  mask_truncated_completions: bool
-
-  @staticmethod
-  def of(cfg) -> LossSpec:
-    return _fields_of(LossSpec, cfg)
+def _section_spec(name: str, section, doc: str) -> type:
+  """A frozen dataclass with one field per field of the schema's section `section()`
+  (grpo_jax.config), typed as the schema types it: the spec is declared once, by the schema."""
+  block = section()
+  cls = dataclasses.make_dataclass(
+      name, [(key, block.get_type(key)) for key in block.keys()], bases=(_SectionSpec,),
+      frozen=True, namespace={"__doc__": doc, "__module__": __name__})
+  cls.__qualname__ = name
+  return cls
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimSpec:
-  """The static part of an optimizer config (grpo_jax.config.optim); lr comes from hparams."""
-  lr: float
-  warmup_steps: int
-  schedule: str
-  total_steps: int
-  weight_decay: float
-  b1: float
-  b2: float
-  max_grad_norm: float
-  grad_accum_steps: int
-  param_dtype: str
-  compute_dtype: str
-  remat: bool
-  logprob_block_bytes: int
+LossSpec = _section_spec("LossSpec", config_lib.loss, """\
+The static part of a loss config (grpo_jax.config.loss, every field): what shapes the program.
+beta, epsilon and epsilon_high are kept for reading; the program takes them from hparams.""")
 
-  @staticmethod
-  def of(cfg) -> OptimSpec:
-    return _fields_of(OptimSpec, cfg)
+OptimSpec = _section_spec("OptimSpec", config_lib.optim, """\
+The static part of an optimizer config (grpo_jax.config.optim, every field); lr comes from
+hparams.""")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -819,11 +801,11 @@ def _update(spec, hp, state, ref_params, batch, norm):
   def apply(st):
     updates, opt_state = optimizer.update(grads, st["opt_state"], st["params"])
     return {"params": optax.apply_updates(st["params"], updates), "opt_state": opt_state}
-  # where(ok, new, old) per leaf, which XLA fuses into each leaf's in-place update. A lax.cond
-  # with an identity branch made a GPU compile copy params and moments out of the cond into the
-  # donated buffers every step (1.5B, gpu_step.py's workload, H100 target: 9.2 GB more peak
-  # memory, 26 GB more written; the 0.5b preset 3.1 GB more peak). XLA:CPU: the same peak
-  # within 0.04 GB (benchmarks/memory.py).
+  # where(ok, new, old) per leaf, which XLA fuses into each leaf's in-place update. Not a
+  # lax.cond with an identity branch: a GPU compile copies its result, params and moments, into
+  # the donated buffers every step (1.5B, gpu_step.py's workload, H100 target: 9.2 GB more peak
+  # memory, 26 GB more written; the 0.5b preset 3.1 GB more peak; XLA:CPU's peak is the same
+  # within 0.04 GB, benchmarks/memory.py; experiments/train_traffic_2026-11-27.md).
   old = {"params": params, "opt_state": state["opt_state"]}
   new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), apply(old), old)
   new_state["step"] = state["step"] + ok.astype(jnp.int32)

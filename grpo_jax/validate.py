@@ -1,7 +1,7 @@
 """The one config validator: before anything loads or compiles, each error names the setting.
 
 Each rule is written once, where its subject lives, and checked here for a config:
-sampling.SamplingParams (sampling.temperature through logprobs.check_temperature, top_k, top_p,
+token_choice.SamplingParams (sampling.temperature through logprobs.check_temperature, top_k, top_p,
 min_p), sharding.mesh_shape (mesh), rewards.options.weighted_names (rewards.names,
 rewards.weights), grpo.validate_loss_config (loss), models.lora.LoraConfig (model.lora),
 train_step.validate_optim_config (optim), data.check_user_template (data.user_template),
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from grpo_jax import (config as config_lib, data, grpo, logging_io, sampling, sharding,
+from grpo_jax import (config as config_lib, data, grpo, logging_io, sharding, token_choice,
                       train_step)
 from grpo_jax.errors import UserError
 from grpo_jax.models import lora
@@ -63,7 +63,7 @@ def validate(config, num_devices: int) -> None:
          f"must be an int >= 2 (group-relative advantages need a group), got {g!r}")
   _check(s.max_new_tokens >= 1, "sampling.max_new_tokens", f"must be >= 1, got {s.max_new_tokens}")
   try:
-    sampling.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+    token_choice.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                             min_p=s.min_p)
   except ValueError as e:
     raise ConfigError(f"config.sampling.{e}") from None

@@ -3,7 +3,6 @@ conversation: the carried cache (with the holes rows leave after stopping early)
 same next turn as a fresh prefill of the compacted conversation, and the same log-probs as the
 train step's forward over the trajectory row the rollout builds."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +39,7 @@ def test_carried_cache_equals_reprefilling_the_conversation(params, decode_atten
   g, turns, action = 2, 3, 6
   # Stop ids taken from the greedy continuations, so rows stop early and leave holes.
   probe = np.asarray(_sampler().generate(params, prompts, greedy=True).tokens)
-  cfg = dataclasses.replace(CFG, decode_attention=decode_attention)
+  cfg = CFG.with_run(decode_attention=decode_attention)
   s = _sampler(stop_ids=[int(probe[0, 2]), int(probe[1, 1])], cfg=cfg)
   conv = s.begin(params, prompts, num_samples=g, room=turns * (action + 5))
   history = [list(prompts[i // g]) for i in range(len(prompts) * g)]

@@ -8,7 +8,6 @@ and decode steps from it, the plain forward, and the packed training forward (a 
 by its G completions). The transformers parity tests stay in qwen_test.py.
 """
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -312,8 +311,8 @@ def test_scores_einsum_layouts_agree_with_numpy(kv, dtype):
 
 def test_attention_setting_is_checked():
   with pytest.raises(ValueError, match="attention='flash' is not one of"):
-    dataclasses.replace(CFG, attention="flash")
-  assert "attention" not in dataclasses.replace(CFG, attention="xla").to_hf()
+    CFG.with_run(attention="flash")
+  assert "attention" not in CFG.with_run(attention="xla").to_hf()
   q, k, v, mask = _qkv(2, 4, 4)
   with pytest.raises(ValueError, match="attention='cudnn' needs bf16 or fp16 compute"):
     qwen.attend(q, k, v, mask, 0, True, "cudnn")
@@ -333,9 +332,9 @@ def test_config_model_attention_reaches_the_model_config():
   from grpo_jax import inputs, validate
   config = gsm8k.get_config("tiny")
   tokenizer = list(range(config.model.tiny.vocab_size))  # model_config needs only its length
-  assert inputs.model_config(config, tokenizer)[0].attention is None
+  assert inputs.model_config(config, tokenizer)[0].run.attention is None
   config.model.attention = "cudnn"
-  assert inputs.model_config(config, tokenizer)[0].attention == "cudnn"
+  assert inputs.model_config(config, tokenizer)[0].run.attention == "cudnn"
   config.model.attention = "flash"
   with pytest.raises(validate.ConfigError, match="config.model.attention='flash' is not one of"):
     inputs.model_config(config, tokenizer)

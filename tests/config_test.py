@@ -96,7 +96,7 @@ def test_an_option_that_defaults_to_none_takes_a_command_line_value(tmp_path):
 
 
 def test_one_rule_for_the_sampling_settings():
-  """validate checks config.sampling with the sampler's own rules (sampling.SamplingParams)."""
+  """validate checks config.sampling with the sampler's own rules (token_choice.SamplingParams)."""
   for field, value, message in (("temperature", 0.0, "must be a finite number > 0, got 0.0"),
                                 ("top_k", -1, "must be an int >= 0"),
                                 ("min_p", 1.0, r"must be in \[0, 1\)")):

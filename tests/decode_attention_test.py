@@ -1,7 +1,6 @@
 """The fused decode attention (model.decode_attention='pallas', grpo_jax/models/decode_attention.py)
 against qwen.attend (the einsum the decode step runs otherwise) and a NumPy formula, run here by
 Pallas's interpreter: the same kernel program a GPU compiles with Triton."""
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -144,7 +143,7 @@ def test_head_dim_and_heads_are_checked():
   with pytest.raises(ValueError, match="5 query heads are not a multiple of 2 kv heads"):
     decode_attention.step(q[:, :5], k_new, v_new, tables, k, v, 0, mask, 3)
   with pytest.raises(ValueError, match="decode_attention='flash' is not one of"):
-    dataclasses.replace(qwen.QwenConfig(64, 32, 64, 1, 2, 1, 16), decode_attention="flash")
+    qwen.QwenConfig(64, 32, 64, 1, 2, 1, 16).with_run(decode_attention="flash")
 
 
 def test_config_model_decode_attention_reaches_the_model_config():
@@ -152,9 +151,9 @@ def test_config_model_decode_attention_reaches_the_model_config():
   from grpo_jax import inputs, validate
   config = gsm8k.get_config("tiny")
   tokenizer = list(range(config.model.tiny.vocab_size))
-  assert inputs.model_config(config, tokenizer)[0].decode_attention == "xla"
+  assert inputs.model_config(config, tokenizer)[0].run.decode_attention == "xla"
   config.model.decode_attention = "pallas"
-  assert inputs.model_config(config, tokenizer)[0].decode_attention == "pallas"
+  assert inputs.model_config(config, tokenizer)[0].run.decode_attention == "pallas"
   config.model.decode_attention = "triton"
   with pytest.raises(validate.ConfigError,
                      match="config.model.decode_attention='triton' is not one of"):

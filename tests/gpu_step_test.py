@@ -145,7 +145,8 @@ def test_an_async_fusion_is_one_kernel():
 
 def _decode_hlo(layers, unroll=False):
   cfg = qwen.QwenConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=layers,
-                        num_heads=4, num_kv_heads=2, head_dim=8, unroll_decode=unroll)
+                        num_heads=4, num_kv_heads=2, head_dim=8,
+                        run=qwen.RunOptions(unroll_decode=unroll))
   smp = sampler_lib.Sampler(qwen.Qwen(cfg, dtype=jnp.bfloat16), max_new_tokens=4, buckets=(8,),
                             pad_id=0, stop_ids=(1,))
   params = jax.eval_shape(lambda: qwen.init_params(cfg, jax.random.key(0)))
@@ -171,7 +172,7 @@ def test_decode_kernels_grow_by_the_same_count_per_layer():
 
 
 def test_unrolled_decode_has_no_layer_loop():
-  """cfg.unroll_decode: the one while loop that carries the KV cache (bf16[L=3, rows 4, kv
+  """cfg.run.unroll_decode: the one while loop that carries the KV cache (bf16[L=3, rows 4, kv
   heads 2, slots 12, 8]) is the token loop; the scan adds a second, over layers. (The other
   loops are the random bits' threefry rounds.) Its kernels still grow by the same count per
   layer."""

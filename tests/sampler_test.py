@@ -6,7 +6,6 @@ tiny vocabulary whose head is scaled so that temperature and the cuts change the
 lot. Compilations are counted with jax.monitoring.
 """
 
-import dataclasses
 import types
 
 import jax
@@ -196,11 +195,11 @@ def test_sharded_batch_matches_unsharded(greedy_cases):
 
 @pytest.mark.parametrize("kind", ["qwen2_tied", "qwen3"])
 def test_unrolled_decode_equals_transformers_and_the_layer_scan(greedy_cases, kind):
-  """cfg.unroll_decode (the layers written out in the decode step, on per-layer copies of
+  """cfg.run.unroll_decode (the layers written out in the decode step, on per-layer copies of
   their weights): greedy tokens equal transformers' generate, and sampled tokens and log-probs
   equal the layer scan's on a (2, 2, 2) mesh as well as on one device."""
   case = greedy_cases[kind]
-  unrolled = dataclasses.replace(case["cfg"], unroll_decode=True)
+  unrolled = case["cfg"].with_run(unroll_decode=True)
   settings = dict(max_new_tokens=12, stop_ids=case["stop"], buckets=(16,), pad_id=PAD,
                   vocab_chunk=CHUNK)
   greedy = sampler_lib.Sampler(unrolled, greedy=True, temperature=0.7, **settings)
@@ -231,12 +230,12 @@ def _same_samples(case, settings, cfg, other, params, mesh, atol):
 
 
 def test_pallas_decode_attention_equals_transformers_and_the_einsum(greedy_cases):
-  """cfg.decode_attention='pallas' (one fused kernel per layer, run here by Pallas's
+  """cfg.run.decode_attention='pallas' (one fused kernel per layer, run here by Pallas's
   interpreter): greedy tokens equal transformers' generate, and sampled tokens and log-probs
   equal the einsum attention's, with the layers scanned and written out, on one device and on
   a (2, 2, 2) mesh (the kernel under shard_map)."""
   case = greedy_cases["qwen2_tied"]
-  fused = dataclasses.replace(case["cfg"], decode_attention="pallas")
+  fused = case["cfg"].with_run(decode_attention="pallas")
   settings = dict(max_new_tokens=12, stop_ids=case["stop"], buckets=(16,), pad_id=PAD,
                   vocab_chunk=CHUNK)
   out = sampler_lib.Sampler(fused, greedy=True, temperature=0.7, **settings)(
@@ -246,12 +245,12 @@ def test_pallas_decode_attention_equals_transformers_and_the_einsum(greedy_cases
   mesh = sharding.make_mesh((2, 2, 2))
   for params, m, unroll in ((case["params"], None, False), (case["params"], None, True),
                             (_sharded(case, mesh), mesh, False)):
-    _same_samples(case, settings, dataclasses.replace(case["cfg"], unroll_decode=unroll),
-                  dataclasses.replace(fused, unroll_decode=unroll), params, m, atol=1e-5)
+    _same_samples(case, settings, case["cfg"].with_run(unroll_decode=unroll),
+                  fused.with_run(unroll_decode=unroll), params, m, atol=1e-5)
 
 
 def test_pallas_decode_attention_off_a_gpu_says_what_runs(greedy_cases, capsys):
-  cfg = dataclasses.replace(greedy_cases["qwen2_tied"]["cfg"], decode_attention="pallas")
+  cfg = greedy_cases["qwen2_tied"]["cfg"].with_run(decode_attention="pallas")
   sampler_lib.Sampler(cfg, max_new_tokens=3, buckets=(16,), pad_id=PAD)
   err = capsys.readouterr().err
   assert ("grpo_jax: warning: model.decode_attention='pallas' is a GPU kernel; on cpu the decode "
@@ -262,7 +261,7 @@ def test_pallas_decode_attention_names_a_head_dim_it_cannot_take(greedy_cases):
   """Said when the model config is made, before anything is compiled."""
   with pytest.raises(ValueError, match="decode_attention='pallas' needs a head_dim that is a "
                                        "power of two >= 16.*got 24"):
-    dataclasses.replace(greedy_cases["qwen3"]["cfg"], decode_attention="pallas")  # head_dim 24
+    greedy_cases["qwen3"]["cfg"].with_run(decode_attention="pallas")  # head_dim 24
 
 
 # ------------------------------------------------------------------------------------------------
@@ -423,10 +422,10 @@ def test_members_equal_their_own_generate_calls(checkpoints, unroll, decode, bat
   generate gives: tokens, lengths, truncation and step counts exactly, log-probs to fp32
   rounding. The members stop at different steps (stop ids cover 40% of the vocabulary, so rows
   stop within a few steps), so a member steps on after its own loop would have ended. With
-  cfg.unroll_decode too (the members' per-layer copies), with the fused decode attention
+  cfg.run.unroll_decode too (the members' per-layer copies), with the fused decode attention
   (its kernel under jax.vmap), and with each member's own loop in turn (batched=False)."""
   params, cfg = weights.load_checkpoint(checkpoints["qwen2_tied"])
-  cfg = dataclasses.replace(cfg, unroll_decode=unroll, decode_attention=decode)
+  cfg = cfg.with_run(unroll_decode=unroll, decode_attention=decode)
   members = [params] + [jax.tree.map(lambda x, k=k: x * (1.0 + 0.3 * k), params)
                         for k in (1, 2)]
   smp = sampler_lib.Sampler(cfg, max_new_tokens=9, stop_ids=range(1, 49), valid_vocab_size=VALID,
@@ -482,7 +481,7 @@ def test_precompiled_members_layout_compiles_once_and_samples_the_same(checkpoin
 
 
 def test_lora_members_unrolled_equal_the_layer_scan(checkpoints):
-  """LoRA members (one shared base, stacked adapters): generate_members with cfg.unroll_decode
+  """LoRA members (one shared base, stacked adapters): generate_members with cfg.run.unroll_decode
   gives the layer scan's tokens and log-probs, and so does each member's loop in turn
   (batched=False, the base still one copy)."""
   params, cfg = weights.load_checkpoint(checkpoints["qwen3"])
@@ -495,7 +494,7 @@ def test_lora_members_unrolled_equal_the_layer_scan(checkpoints):
                                       *[lora.variables(params, a, lcfg)["lora"] for a in adapters])}
   prompts = [_prompts(seed) for seed in (0, 1, 2)]
   keys = [jax.random.key(k) for k in (5, 6, 7)]
-  outs = [sampler_lib.Sampler(dataclasses.replace(cfg, unroll_decode=u), max_new_tokens=9,
+  outs = [sampler_lib.Sampler(cfg.with_run(unroll_decode=u), max_new_tokens=9,
                               pad_id=PAD, buckets=(16,), vocab_chunk=CHUNK, temperature=1.5)
           .generate_members(variables_K, prompts, num_samples=3, keys_K=keys, batched=b)
           for u, b in ((False, True), (True, True), (False, False))]
@@ -515,7 +514,7 @@ def test_int8_base_samples_the_train_steps_policy(checkpoints, unroll):
   samples on the dequantized values (q · scale in fp32: quant_test's numbers of the forward)."""
   params, cfg = weights.load_checkpoint(checkpoints["qwen3"])
   qparams = quant.quantize(params)
-  model = qwen.Qwen(dataclasses.replace(cfg, unroll_decode=unroll), dtype=jnp.bfloat16)
+  model = qwen.Qwen(cfg.with_run(unroll_decode=unroll), dtype=jnp.bfloat16)
   sampler = sampler_lib.Sampler(model, max_new_tokens=8, buckets=(16,), temperature=0.9,
                                 pad_id=PAD, vocab_chunk=CHUNK)
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, VALID, (4, 12)))

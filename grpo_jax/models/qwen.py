@@ -52,7 +52,7 @@ Array = jax.Array
 Cache = dict[str, Array]
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# QwenConfig.attention: None (JAX's choice, XLA today), 'xla', 'cudnn' (NVIDIA GPUs, bf16/fp16).
+# RunOptions.attention: None (JAX's choice, XLA today), 'xla', 'cudnn' (NVIDIA GPUs, bf16/fp16).
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 
 
@@ -61,7 +61,39 @@ class BidirectionalDecodeError(UserError, ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class RunOptions:
+  """How the model runs, not what the checkpoint is: never read from or written to config.json
+  (config.model's choices, set by inputs.runtime_options).
+
+  attention: jax.nn.dot_product_attention's `implementation`. None lets JAX choose (XLA today),
+    'xla' forces it, 'cudnn' is cuDNN's fused flash kernel on NVIDIA GPUs (bf16/fp16 only); see
+    ATTENTION_IMPLEMENTATIONS and docs/performance.md.
+  unroll_decode: how the sampler's decode step runs its layers. False, one scan over the
+    stacked [L, ...] weights, as prefill and training run them; True, the L layers written out,
+    each on its own copy of its weights made once per generate call (see apply_unrolled). On a
+    GPU the scan is a loop inside every decode step.
+  decode_attention: a decode step's attention. 'xla', the grouped einsum of `attend`; 'pallas',
+    one fused kernel per layer that applies RoPE, writes the step's k and v and reads the
+    stacked cache in place (grpo_jax/models/decode_attention.py: Triton on NVIDIA GPUs, Pallas's
+    interpreter on CPU).
+  """
+  attention: str | None = None
+  unroll_decode: bool = False
+  decode_attention: str = "xla"
+
+  def __post_init__(self):
+    if self.attention not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f"attention={self.attention!r} is not one of "
+                       f"{ATTENTION_IMPLEMENTATIONS} (jax.nn.dot_product_attention's)")
+    if self.decode_attention not in decode_attention.IMPLEMENTATIONS:
+      raise ValueError(f"decode_attention={self.decode_attention!r} is not one of "
+                       f"{decode_attention.IMPLEMENTATIONS}")
+
+
+@dataclasses.dataclass(frozen=True)
 class QwenConfig:
+  """The architecture, as the checkpoint's config.json says it (from_hf, to_hf), and in `run`
+  how this process runs it (RunOptions, which config.json never holds)."""
   vocab_size: int
   hidden_size: int
   intermediate_size: int
@@ -79,21 +111,7 @@ class QwenConfig:
   model_type: str = "qwen2"
   # False: every token attends to every real token (config.json "is_causal": false).
   is_causal: bool = True
-  # How attention runs, not what the checkpoint is (never read from or written to config.json):
-  # jax.nn.dot_product_attention's `implementation`. None lets JAX choose (XLA today), 'xla'
-  # forces it, 'cudnn' is cuDNN's fused flash kernel on NVIDIA GPUs (bf16/fp16 only); see
-  # ATTENTION_IMPLEMENTATIONS and docs/performance.md.
-  attention: str | None = None
-  # How the sampler's decode step runs its layers (also not part of the checkpoint): False, one
-  # scan over the stacked [L, ...] weights, as prefill and training run them; True, the L layers
-  # written out, each on its own copy of its weights made once per generate call (see
-  # apply_unrolled). On a GPU the scan is a loop inside every decode step.
-  unroll_decode: bool = False
-  # A decode step's attention (also not part of the checkpoint): 'xla', the grouped einsum of
-  # `attend`; 'pallas', one fused kernel per layer that applies RoPE, writes the step's k and v
-  # and reads the stacked cache in place (grpo_jax/models/decode_attention.py: Triton on NVIDIA
-  # GPUs, Pallas's interpreter on CPU).
-  decode_attention: str = "xla"
+  run: RunOptions = RunOptions()
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -102,14 +120,12 @@ class QwenConfig:
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates the two halves of "
                        "each head)")
-    if self.attention not in ATTENTION_IMPLEMENTATIONS:
-      raise ValueError(f"attention={self.attention!r} is not one of "
-                       f"{ATTENTION_IMPLEMENTATIONS} (jax.nn.dot_product_attention's)")
-    if self.decode_attention not in decode_attention.IMPLEMENTATIONS:
-      raise ValueError(f"decode_attention={self.decode_attention!r} is not one of "
-                       f"{decode_attention.IMPLEMENTATIONS}")
-    if self.decode_attention == "pallas":
+    if self.run.decode_attention == "pallas":  # the fused kernel's bound on the architecture
       decode_attention.check_head_dim(self.head_dim)
+
+  def with_run(self, **changes) -> "QwenConfig":
+    """The same architecture run otherwise: cfg.with_run(unroll_decode=True)."""
+    return dataclasses.replace(self, run=dataclasses.replace(self.run, **changes))
 
   @classmethod
   def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "QwenConfig":
@@ -119,76 +135,12 @@ class QwenConfig:
     weights, RoPE scaling, sliding windows, layer_types other than full attention) is refused
     rather than loaded as something else.
     """
-    model_type = hf.get("model_type")
-    if model_type not in ARCHITECTURES:
-      raise ValueError(
-          f"{source}: unsupported model_type {model_type!r} (architectures="
-          f"{hf.get('architectures')}); grpo_jax supports {sorted(ARCHITECTURES)}")
-    quantization = hf.get("quantization_config")
-    if quantization:
-      method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-      raise ValueError(f"{source}: quantization_config (quant_method={method!r}) is not "
-                       "supported; use the unquantized checkpoint")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads"):
-      if key not in hf:
-        raise ValueError(f"{source}: missing field {key!r}")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim",
-                "max_position_embeddings"):
-      value = hf.get(key)
-      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                or value <= 0):
-        raise ValueError(f"{source}: {key}={value!r} must be a positive integer")
-    for key in ("rope_theta", "rms_norm_eps"):
-      value = hf.get(key)
-      if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ValueError(f"{source}: {key}={value!r} must be a number")
-    # transformers (4.x and 5.x) reads rope_scaling first, rope_parameters only without it.
-    rope_field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-    rope = hf.get(rope_field) or {}
-    if not isinstance(rope, dict):
-      raise ValueError(f"{source}: {rope_field}={rope!r} must be an object")
-    nested = [key for key, value in rope.items() if isinstance(value, dict)]
-    if nested:  # transformers 5's per-layer-type form, e.g. {"full_attention": {...}}
-      raise ValueError(f"{source}: {rope_field}: RoPE parameters per layer type ({nested}) are "
-                       "not supported; give one flat object")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-      raise ValueError(f"{source}: {rope_field}: rope type {rope_type!r} is not supported "
-                       "(only 'default')")
-    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
-      raise ValueError(f"{source}: {rope_field}.rope_theta={rope_theta!r} must be a number")
-    sliding = hf.get("use_sliding_window")
-    if sliding is not None and not isinstance(sliding, bool):
-      raise ValueError(f"{source}: use_sliding_window must be true or false, got {sliding!r}")
-    if sliding:
-      raise ValueError(f"{source}: use_sliding_window=true is not supported")
-    # transformers 5 builds each layer's attention from layer_types: only full attention is ours.
-    layer_types = hf.get("layer_types")
-    if layer_types is not None:
-      if not isinstance(layer_types, list) or len(layer_types) != hf["num_hidden_layers"]:
-        raise ValueError(f"{source}: layer_types={layer_types!r} must list one entry per layer "
-                         f"(num_hidden_layers={hf['num_hidden_layers']})")
-      other = [t for t in layer_types if t != "full_attention"]
-      if other:
-        raise ValueError(f"{source}: layer_types entry {other[0]!r} is not supported (only "
-                         "'full_attention')")
-    if hf.get("hidden_act", "silu") != "silu":
-      raise ValueError(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported")
-    is_causal = hf.get("is_causal", True)
-    if not isinstance(is_causal, bool):
-      raise ValueError(f"{source}: is_causal must be true or false, got {is_causal!r}")
-    heads = hf["num_attention_heads"]
+    _check_hf_fields(hf, source)
+    rope_theta = _hf_rope_theta(hf, source)
+    _check_hf_attention(hf, source)
+    head_dim = _hf_head_dim(hf, source)
+    model_type, heads = hf["model_type"], hf["num_attention_heads"]
     qwen3 = model_type == "qwen3"
-    # transformers' rule: Qwen3Config's head_dim defaults to 128 (and may not be null); Qwen2's
-    # attention takes the config's head_dim when it has one, else hidden_size // heads.
-    if qwen3 and "head_dim" in hf and hf["head_dim"] is None:
-      raise ValueError(f"{source}: head_dim=None must be a positive integer (qwen3 configs "
-                       "without the field have head_dim 128)")
-    head_dim = (hf.get("head_dim", 128) if qwen3
-                else hf.get("head_dim") or hf["hidden_size"] // heads)
     attention_bias = bool(hf.get("attention_bias", False))
     try:
       return cls(
@@ -207,7 +159,7 @@ class QwenConfig:
           qk_norm=qwen3,
           max_position_embeddings=hf.get("max_position_embeddings", 32768),
           model_type=model_type,
-          is_causal=is_causal,
+          is_causal=hf.get("is_causal", True),
       )
     except ValueError as e:  # __post_init__'s checks, e.g. heads not a multiple of kv heads
       raise ValueError(f"{source}: {e}") from e
@@ -232,7 +184,7 @@ class QwenConfig:
         "tie_word_embeddings": self.tie_word_embeddings,
         "use_sliding_window": False,
     }
-    if not self.is_causal:  # absent means causal, so causal exports stay as they were
+    if not self.is_causal:  # absent means causal: only a bidirectional model needs the field
       hf["is_causal"] = False
     # config.json says only model_type (and attention_bias for qwen3); transformers derives
     # the switches from it, so a config it cannot express would be read back as another model.
@@ -247,6 +199,95 @@ class QwenConfig:
     elif self.o_bias or not self.qkv_bias:
       raise ValueError("a qwen2 config must have qkv_bias=True and o_bias=False")
     return hf
+
+
+def _check_hf_fields(hf: dict[str, Any], source: str) -> None:
+  """ValueError unless config.json is a Qwen2/Qwen3 of unquantized weights whose required sizes
+  are there, its sizes positive integers and its rope_theta and rms_norm_eps numbers."""
+  model_type = hf.get("model_type")
+  if model_type not in ARCHITECTURES:
+    raise ValueError(
+        f"{source}: unsupported model_type {model_type!r} (architectures="
+        f"{hf.get('architectures')}); grpo_jax supports {sorted(ARCHITECTURES)}")
+  quantization = hf.get("quantization_config")
+  if quantization:
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    raise ValueError(f"{source}: quantization_config (quant_method={method!r}) is not "
+                     "supported; use the unquantized checkpoint")
+  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads"):
+    if key not in hf:
+      raise ValueError(f"{source}: missing field {key!r}")
+  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim",
+              "max_position_embeddings"):
+    value = hf.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value <= 0):
+      raise ValueError(f"{source}: {key}={value!r} must be a positive integer")
+  for key in ("rope_theta", "rms_norm_eps"):
+    value = hf.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+      raise ValueError(f"{source}: {key}={value!r} must be a number")
+
+
+def _hf_rope_theta(hf: dict[str, Any], source: str) -> float | int:
+  """config.json's RoPE base; ValueError for any RoPE but the default one (scaled, per layer)."""
+  # transformers (4.x and 5.x) reads rope_scaling first, rope_parameters only without it.
+  rope_field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  rope = hf.get(rope_field) or {}
+  if not isinstance(rope, dict):
+    raise ValueError(f"{source}: {rope_field}={rope!r} must be an object")
+  nested = [key for key, value in rope.items() if isinstance(value, dict)]
+  if nested:  # transformers 5's per-layer-type form, e.g. {"full_attention": {...}}
+    raise ValueError(f"{source}: {rope_field}: RoPE parameters per layer type ({nested}) are "
+                     "not supported; give one flat object")
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type != "default":
+    raise ValueError(f"{source}: {rope_field}: rope type {rope_type!r} is not supported "
+                     "(only 'default')")
+  rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+  if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
+    raise ValueError(f"{source}: {rope_field}.rope_theta={rope_theta!r} must be a number")
+  return rope_theta
+
+
+def _check_hf_attention(hf: dict[str, Any], source: str) -> None:
+  """ValueError unless every layer is full attention (no sliding window) over SiLU MLPs, and
+  is_causal, when given, is a boolean."""
+  sliding = hf.get("use_sliding_window")
+  if sliding is not None and not isinstance(sliding, bool):
+    raise ValueError(f"{source}: use_sliding_window must be true or false, got {sliding!r}")
+  if sliding:
+    raise ValueError(f"{source}: use_sliding_window=true is not supported")
+  # transformers 5 builds each layer's attention from layer_types: only full attention is ours.
+  layer_types = hf.get("layer_types")
+  if layer_types is not None:
+    if not isinstance(layer_types, list) or len(layer_types) != hf["num_hidden_layers"]:
+      raise ValueError(f"{source}: layer_types={layer_types!r} must list one entry per layer "
+                       f"(num_hidden_layers={hf['num_hidden_layers']})")
+    other = [t for t in layer_types if t != "full_attention"]
+    if other:
+      raise ValueError(f"{source}: layer_types entry {other[0]!r} is not supported (only "
+                       "'full_attention')")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported")
+  is_causal = hf.get("is_causal", True)
+  if not isinstance(is_causal, bool):
+    raise ValueError(f"{source}: is_causal must be true or false, got {is_causal!r}")
+
+
+def _hf_head_dim(hf: dict[str, Any], source: str) -> int:
+  """The head width transformers would use for config.json (its default differs by family)."""
+  heads = hf["num_attention_heads"]
+  qwen3 = hf["model_type"] == "qwen3"
+  # transformers' rule: Qwen3Config's head_dim defaults to 128 (and may not be null); Qwen2's
+  # attention takes the config's head_dim when it has one, else hidden_size // heads.
+  if qwen3 and "head_dim" in hf and hf["head_dim"] is None:
+    raise ValueError(f"{source}: head_dim=None must be a positive integer (qwen3 configs "
+                     "without the field have head_dim 128)")
+  return (hf.get("head_dim", 128) if qwen3
+          else hf.get("head_dim") or hf["hidden_size"] // heads)
 
 
 def positions_from_mask(mask_BT: Array) -> Array:
@@ -379,7 +420,7 @@ class Attention(nn.Module):
     if cfg.qk_norm:
       q = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "head_dim", name="q_norm")(q)
       k = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, "head_dim", name="k_norm")(k)
-    if (cfg.decode_attention == "pallas" and cache is not None and self.packed is None
+    if (cfg.run.decode_attention == "pallas" and cache is not None and self.packed is None
         and k.shape[1] == 1 < cache["k"].shape[3]):
       # One query per row (a decode step): one kernel applies RoPE to q and k, writes k and v
       # into slot cache_index of layer `layer` of the stacked caches and attends over slots
@@ -405,7 +446,7 @@ class Attention(nn.Module):
       if k.shape[1] == cache["k"].shape[3]:
         # This call fills every slot of the layer (a prefill, so cache_index is 0): reading the
         # layer back would give k/v as the cache stores them, so they are used as such. The
-        # dynamic slice of the stack was the prefill program's costliest kernel to compile
+        # dynamic slice of the stack is the prefill program's costliest kernel to compile
         # (small benchmark: the prefill compiles in 0.45 s against 0.52 s, medians of 3).
         keys, values, start = k.astype(cache["k"].dtype), v.astype(cache["v"].dtype), 0
       else:
@@ -415,10 +456,10 @@ class Attention(nn.Module):
         # experiments/one_loop.md.)
         out_BTNH = attend(q, cache["k"][layer].astype(self.dtype),
                           cache["v"][layer].astype(self.dtype), attn_mask_BS, cache_index,
-                          cfg.is_causal, cfg.attention, heads_first=True)
+                          cfg.is_causal, cfg.run.attention, heads_first=True)
         return self._out(out_BTNH), cache
     out_BTNH = attend(q, keys.astype(self.dtype), values.astype(self.dtype), attn_mask_BS, start,
-                      cfg.is_causal, cfg.attention)
+                      cfg.is_causal, cfg.run.attention)
     return self._out(out_BTNH), cache
 
   def _out(self, out_BTNH):
@@ -435,7 +476,7 @@ class Attention(nn.Module):
     prompt_mask_bP, mask_BS = masks
     b, t, n, h = q_bTNH.shape
     c = (t - p) // g
-    causal, impl = self.cfg.is_causal, self.cfg.attention
+    causal, impl = self.cfg.is_causal, self.cfg.run.attention
     out_p = attend(q_bTNH[:, :p], k_bTKH[:, :p], v_bTKH[:, :p], prompt_mask_bP, 0, causal, impl)
     rows = lambda a_bTxH: a_bTxH[:, p:].reshape(b * g, c, *a_bTxH.shape[2:])
     keys, values = (jnp.concatenate([jnp.repeat(a_bTKH[:, :p], g, axis=0), rows(a_bTKH)], axis=1)
@@ -500,9 +541,10 @@ def scores_einsum(q_BTKGH: Array, k: Array, *, kv: str, heads_major: bool) -> Ar
   (experiments/train_traffic_2026-11-27.md).
 
   The CPU keeps q in the tokens' order (heads_major False): there a decode step's dot (one query
-  per row) was 1.8x slower the other way (fp32, 64 rows x 352 slots: 0.84 against 0.48 ms), the
-  whole CPU step was no faster, and its programs stay bitwise what they were (the tiny presets'
-  results over seeds were measured with them)."""
+  per row) is 1.8x slower the other way (fp32, 64 rows x 352 slots: 0.84 against 0.48 ms) and
+  the whole CPU step no faster, while the other order moves the CPU's training numbers by fp32
+  rounding, which a long warm start amplifies: the tiny presets' results over seeds in
+  experiments/ hold for this order."""
   if heads_major:
     return jnp.einsum(f"BKGTH,{kv}->BKGTS", q_BTKGH.transpose(0, 2, 3, 1, 4), k,
                       preferred_element_type=jnp.float32)
@@ -513,10 +555,10 @@ def _grouped_attend(q_BTNH, k, v, visible_B1TS, causal_aligned: bool, heads_firs
   """softmax(q k^T / sqrt(H)) v with the G = N / K query heads of a kv head batched against its
   keys: no copy of k or v per query head, the mask applied once for all heads.
 
-  Why not jax.nn.dot_product_attention's XLA path (what the model used before): it transposes
-  the cache's [B, K, S, H] to [B, S, K, H] every decode step and, under jax.vmap (a sweep's
-  members), XLA:CPU ran its [B, K, G, T, S] dots much slower: the tiny sweep's vmapped sampler
-  spent 0.64 s against 0.48 s with this formulation (experiments/one_loop.md)."""
+  Not jax.nn.dot_product_attention's XLA path: it transposes the cache's [B, K, S, H] to
+  [B, S, K, H] every decode step and, under jax.vmap (a sweep's members), XLA:CPU runs its
+  [B, K, G, T, S] dots much slower: the tiny sweep's vmapped sampler takes 0.64 s with it
+  against 0.48 s with this formulation (experiments/one_loop.md)."""
   b, t, n, h = q_BTNH.shape
   kv = "BKSH" if heads_first else "BSKH"
   kh = k.shape[1 if heads_first else 2]

@@ -1,4 +1,4 @@
-"""grpo_jax.sampling's cuts against transformers' sampling warpers.
+"""grpo_jax.token_choice's cuts against transformers' sampling warpers.
 
 `cut_probs` (the cuts computed densely) against TemperatureLogitsWarper, TopKLogitsWarper,
 TopPLogitsWarper and MinPLogitsWarper applied on torch tensors in the order generate applies them,
@@ -20,7 +20,7 @@ from transformers.generation import (MinPLogitsWarper, TemperatureLogitsWarper, 
                                      TopPLogitsWarper)
 
 import chi2
-from grpo_jax import sampling
+from grpo_jax import token_choice
 
 V = 200
 CHUNK = 64  # 3 chunks of 64 + a rest of 8: the streaming code's two kinds of chunk both run
@@ -75,7 +75,8 @@ def _transformers_probs(logits_RV, temperature=1.0, top_k=0, top_p=1.0, min_p=0.
 
 
 def _cut_probs(logits_RV, **settings):
-  return np.asarray(sampling.cut_probs(sampling.parse_settings(**settings), jnp.asarray(logits_RV)))
+  sp = token_choice.parse_settings(**settings)
+  return np.asarray(token_choice.cut_probs(sp, jnp.asarray(logits_RV)))
 
 
 def _assert_same_cut(got_RV, want_RV):
@@ -94,16 +95,16 @@ def test_cut_probs_equal_transformers_warpers(settings):
     assert ((probs > 0).sum(1) < V).any()  # the cuts bite
 
 
-_next_token = jax.jit(sampling.next_token, static_argnums=(0, 4, 5))
+_next_token = jax.jit(token_choice.next_token, static_argnums=(0, 4, 5))
 
 
 def _draw(logits_RV, draws=DRAWS, seed=0, top_p_draws=4, chunk=CHUNK, **settings):
   """next_token for `draws` copies of each row: (tokens [R, draws], log-probs [R, draws])."""
   r = logits_RV.shape[0]
-  head = sampling.prepare_head(jnp.eye(V), V, chunk)  # logits = the hidden state
+  head = token_choice.prepare_head(jnp.eye(V), V, chunk)  # logits = the hidden state
   h_BD = jnp.repeat(jnp.asarray(logits_RV), draws, 0)
   keys_B = jax.random.split(jax.random.key(seed), r * draws)
-  tok, logp, _, _ = _next_token(sampling.parse_settings(**settings), head, h_BD, keys_B, V,
+  tok, logp, _, _ = _next_token(token_choice.parse_settings(**settings), head, h_BD, keys_B, V,
                                 top_p_draws)
   return np.asarray(tok).reshape(r, draws), np.asarray(logp).reshape(r, draws)
 
@@ -176,14 +177,14 @@ def test_rows_whose_top_p_redraws_run_out_take_a_kept_token(top_p):
   row = (np.random.default_rng(4).normal(size=v) * 0.1).astype(np.float32)
   kept = np.flatnonzero(_transformers_probs(row[None], top_p=top_p)[0])
   assert 1 <= len(kept) <= 8
-  head = sampling.prepare_head(jnp.eye(v), v, 128)
-  sp = sampling.parse_settings(top_p=top_p)
-  next_token = jax.jit(lambda h, k: sampling.next_token(sp, head, h, k, v, 4))
+  head = token_choice.prepare_head(jnp.eye(v), v, 128)
+  sp = token_choice.parse_settings(top_p=top_p)
+  next_token = jax.jit(lambda h, k: token_choice.next_token(sp, head, h, k, v, 4))
   tok, _, rounds, fell_back = next_token(jnp.repeat(jnp.asarray(row)[None], n, 0),
                                          jax.random.split(jax.random.key(0), n))
   tok, fell_back = np.asarray(tok), np.asarray(fell_back)
   assert np.isin(tok, kept).all(), np.setdiff1d(tok, kept)
-  assert int(rounds) == sampling.MAX_EXTRA_ROUNDS
+  assert int(rounds) == token_choice.MAX_EXTRA_ROUNDS
   assert fell_back.any()
   assert (tok[fell_back] == row.argmax()).all()  # the top token
 
@@ -191,14 +192,14 @@ def test_rows_whose_top_p_redraws_run_out_take_a_kept_token(top_p):
 def _one_ulp_up_in_the_judging_pass(monkeypatch):
   """Makes the pass that measures the mass above each candidate round every logit one ulp up from
   the value the draw pass recorded, as two differently compiled matmuls may."""
-  scan = sampling._vocab_scan
+  scan = token_choice._vocab_scan
 
   def vocab_scan(head, h_BD, inv_temp, body, carry, per_chunk=None):
     if body.__qualname__.startswith("_mass_above_pass"):
       inner = body
       body = lambda c, l_cB, off, x: inner(c, jnp.nextafter(l_cB, jnp.inf), off, x)
     return scan(head, h_BD, inv_temp, body, carry, per_chunk)
-  monkeypatch.setattr(sampling, "_vocab_scan", vocab_scan)
+  monkeypatch.setattr(token_choice, "_vocab_scan", vocab_scan)
 
 
 @pytest.mark.parametrize("settings", [dict(top_p=0.5), dict(top_p=P), dict(top_p=P, min_p=M)],
@@ -210,10 +211,10 @@ def test_a_candidate_never_counts_its_own_mass_as_above_it(settings, monkeypatch
   _one_ulp_up_in_the_judging_pass(monkeypatch)
   rows = ROWS if settings["top_p"] == P else _two_leaders(np.random.default_rng(1))[None]
   rows = rows.astype(np.float32)
-  head = sampling.prepare_head(jnp.eye(V), V, CHUNK)
-  sp = sampling.parse_settings(**settings)
+  head = token_choice.prepare_head(jnp.eye(V), V, CHUNK)
+  sp = token_choice.parse_settings(**settings)
   r, n = rows.shape[0], DRAWS
-  next_token = jax.jit(lambda h, k: sampling.next_token(sp, head, h, k, V, 4))
+  next_token = jax.jit(lambda h, k: token_choice.next_token(sp, head, h, k, V, 4))
   tok, _, rounds, _ = next_token(jnp.repeat(jnp.asarray(rows), n, 0),
                                  jax.random.split(jax.random.key(0), r * n))
   assert int(rounds) < 4  # without the exclusion: every round rejects the top token
@@ -225,9 +226,9 @@ def test_top_k_tie_path_never_counts_a_candidates_own_mass(monkeypatch):
   _one_ulp_up_in_the_judging_pass(monkeypatch)
   row = _tied_at_k(5)
   settings = dict(top_k=5, top_p=0.7, min_p=0.1)
-  head = sampling.prepare_head(jnp.eye(V), V, CHUNK)
-  sp = sampling.parse_settings(**settings)
-  next_token = jax.jit(lambda h, k: sampling.next_token(sp, head, h, k, V, 4))
+  head = token_choice.prepare_head(jnp.eye(V), V, CHUNK)
+  sp = token_choice.parse_settings(**settings)
+  next_token = jax.jit(lambda h, k: token_choice.next_token(sp, head, h, k, V, 4))
   tok, _, rounds, _ = next_token(jnp.repeat(jnp.asarray(row), DRAWS, 0),
                                  jax.random.split(jax.random.key(0), DRAWS))
   assert int(rounds) < 4
@@ -282,7 +283,7 @@ def test_uniforms_are_jax_random_uniform_of_each_row_key():
   """_Uniforms draws flat and reshapes (it compiles faster): the numbers must stay those of
   jax.random.uniform(fold_in(row key, round), shape), so that sampled streams do not move."""
   keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3), i))(jnp.arange(5))
-  uniforms = sampling._Uniforms(keys, num_chunks=7)
+  uniforms = token_choice._Uniforms(keys, num_chunks=7)
   for round_, shape in ((1, (7, 2, 3)), (4, (1,)), (0, (3, 5))):
     want = np.stack([np.asarray(jax.random.uniform(jax.random.fold_in(k, round_), shape))
                      for k in keys])

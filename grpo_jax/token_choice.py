@@ -1,10 +1,10 @@
-"""Sampling maths for grpo_jax.sampler: one token per row from last hidden states, with the
-[B, V] logits never materialised.
+"""How grpo_jax.sampler chooses each next token: the sampling settings (SamplingParams) and the
+choice of one token per row from last hidden states, with the [B, V] logits never materialised.
 
-    sp = sampling.parse_settings(temperature=0.7, top_p=0.95)  # a static SamplingParams
-    head = sampling.prepare_head(head_VD, valid_vocab_size, vocab_chunk)
-    tok_B, logp_B, extra_rounds, fell_back_B = sampling.next_token(sp, head, h_BD, step_keys_B,
-                                                                   valid_vocab_size, top_p_draws)
+    sp = token_choice.parse_settings(temperature=0.7, top_p=0.95)  # a static SamplingParams
+    head = token_choice.prepare_head(head_VD, valid_vocab_size, vocab_chunk)
+    tok_B, logp_B, extra_rounds, fell_back_B = token_choice.next_token(
+        sp, head, h_BD, step_keys_B, valid_vocab_size, top_p_draws)
 
 Settings: `greedy` (or temperature=0: the first argmax), `temperature`, `top_k`, `top_p`,
 `min_p`, applied as transformers' generate applies its warpers (Temperature-, TopK-, TopP- and
@@ -219,7 +219,7 @@ def _inverse_cdf(w_BR: Array, u_BS: Array) -> Array:
   weight 0 is never returned even where rounding makes neighbouring partial sums disagree.
   """
   r = w_BR.shape[-1]
-  # The triangle as a NumPy constant: built with jnp, a GPU compile made it (and its padding for
+  # The triangle as a NumPy constant: built with jnp, a GPU compile makes it (and its padding for
   # the matmul) again in every decode step, two kernels of about 270.
   cum_BR = jnp.einsum("BR,RQ->BQ", w_BR, np.triu(np.ones((r, r), w_BR.dtype)),
                       precision=jax.lax.Precision.HIGHEST)
@@ -467,9 +467,9 @@ class _Uniforms:
 
   def __call__(self, round_, shape):
     # Drawn flat, then shaped: the same numbers (threefry counts elements in row-major order),
-    # and XLA:CPU compiles the flat draw faster. The [64, 19, 1, 3] draws were the decode
-    # program's two largest kernels, 0.49 s of LLVM time, 0.19 s flat; the small benchmark's
-    # decode program compiles in 1.35 s instead of 1.52 s.
+    # and XLA:CPU compiles the flat draw faster. Drawn [64, 19, 1, 3], they are the small
+    # benchmark decode program's two largest kernels, 0.49 s of LLVM time, against 0.19 s flat;
+    # that program compiles in 1.35 s drawing flat, 1.52 s shaped.
     flat = lambda k: jax.random.uniform(jax.random.fold_in(k, round_), (math.prod(shape),))
     return jax.vmap(lambda k: flat(k).reshape(shape))(self.keys_B)
 
