@@ -58,6 +58,7 @@ from grpo_jax import (checkpoint, compile_cache, config as config_lib, data, grp
                       interrupts, logging_io, plots, preflight, progress, rollout,
                       sampler as sampler_lib, sft, sharding, storage, sweep, sweep_runner,
                       tokenizer as tokenizer_lib, train_step, validate)
+from grpo_jax import members as members_lib
 from grpo_jax.agent import rollout as agent_rollout
 from grpo_jax.errors import UserError, warn
 from grpo_jax.models import lora as lora_lib, qwen, weights
@@ -903,13 +904,13 @@ class Trainer:
     train_step.reference_dtype (LoRA: int8 kernels where model.lora.quantize says)."""
     return train_step.reference_params(params, self.cfg, self.optim, self.mesh, self.lora)
 
-  def policy(self, params, frozen, members: bool = False):
+  def policy(self, params, frozen):
     """What the sampler runs: the params, or with LoRA the base with the adapters merged into
-    its target kernels (model.lora.merge_for_sampling, one run), or beside them (members: K
-    adapters on one base)."""
+    its target kernels (model.lora.merge_for_sampling), or beside them (a group's K adapters:
+    members.policy)."""
     if self.lora is None:
       return params
-    if self.lora.merge_for_sampling and not members:
+    if self.lora.merge_for_sampling:
       return lora_lib.merged_policy(frozen, params, self.lora, self._merge)
     return lora_lib.variables(frozen, params, self.lora)
 
@@ -945,11 +946,11 @@ class Trainer:
     padded = pad_batches(empty, self.tokenizer.pad_token_id)
     spec = {name: jax.ShapeDtypeStruct((group.k,) + b.shape, b.dtype)
             for name, b in padded[0].items()}
-    self.step_fn.precompile(group.state, spec, group.ref, k=group.k,
-                            batched=self.members_batched, hparams=group.hparams)
+    members_lib.precompile_train(self.step_fn, group.state, spec, group.ref,
+                                 hparams_K=group.hparams, batched=self.members_batched)
     if self.lora is None:  # (a LoRA policy is built from the arrays: compiled when sampled)
-      rollout.precompile_sample_members([t.rollout for t in trainers], group.state["params"],
-                                        rows_K, batched=self.members_batched)
+      members_lib.precompile_sample([t.rollout for t in trainers], group.state["params"],
+                                    rows_K, batched=self.members_batched)
 
   def compile_evals_ahead(self, trainers, group, rows_K):
     """Starts compiling, in the background, the programs evaluate_group will run on rows_K: a
@@ -958,9 +959,9 @@ class Trainer:
     compiles its eval's programs at its first eval."""
     if group.k == 1:
       return
-    policy = self.policy(group.state["params"], group.ref, members=True)
-    rollout.precompile_evaluate_members([t.rollout for t in trainers], policy, rows_K,
-                                        batched=self.members_batched)
+    policy = members_lib.policy(self.lora, group.state["params"], group.ref)
+    members_lib.precompile_evaluate([t.rollout for t in trainers], policy, rows_K,
+                                    batched=self.members_batched)
 
   def grpo_step(self, state, ref_params, next_rows, rewards, step):
     """One run's GRPO step (group_step with K = 1): next_rows() returns the next
@@ -972,11 +973,12 @@ class Trainer:
 
 def evaluate_group(trainers, group: Group, rows_K) -> list[float]:
   """Greedy pass@1 of each member on its rows (trainers: one per member, for_member)."""
-  policy = trainers[0].policy(group.state["params"], group.ref, members=group.k > 1)
   if group.k == 1:
+    policy = trainers[0].policy(group.state["params"], group.ref)
     return [trainers[0].evaluate(policy, rows_K[0], group.ref)]
-  return rollout.evaluate_members([t.rollout for t in trainers], policy, rows_K,
-                                  trainers[0].accuracy, batched=trainers[0].members_batched)
+  policy = members_lib.policy(trainers[0].lora, group.state["params"], group.ref)
+  return members_lib.evaluate([t.rollout for t in trainers], policy, rows_K,
+                              trainers[0].accuracy, batched=trainers[0].members_batched)
 
 
 def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
@@ -988,7 +990,8 @@ def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
   gets None metrics and samples. Returns (group, per run metrics, per run samples)."""
   first, k = trainers[0], group.k
   configs = [t.config for t in trainers]
-  params = first.policy(group.state["params"], group.ref, members=k > 1)  # what the sampler runs
+  params = (first.policy(group.state["params"], group.ref) if k == 1  # what the sampler runs
+            else members_lib.policy(first.lora, group.state["params"], group.ref))
   colls = [rollout.Collection(c) for c in configs]
   keys = [jax.random.fold_in(jax.random.key(c.seed), step) for c in configs]
   live = [f is not None for f in next_rows_K]
@@ -1004,8 +1007,8 @@ def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
       parts = [first.rollout.sample(params, rows[0], rewards_K[0], round_keys[0],
                                     ref_params=group.ref)]
     else:
-      parts = rollout.sample_members([t.rollout for t in trainers], params, rows, rewards_K,
-                                     round_keys, batched=first.members_batched)
+      parts = members_lib.sample([t.rollout for t in trainers], params, rows, rewards_K,
+                                 round_keys, batched=first.members_batched)
     for c, part in zip(colls, parts):
       if part is not None:
         c.add(*part)
@@ -1022,9 +1025,9 @@ def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
     train_m, adv = hosts.fetch((train_m, adv))
     train_m, adv = [train_m], [adv]
   else:
-    state, train_m, adv = first.step_fn.members(group.state, pad_batches(batches, pad_id),
-                                                group.hparams, group.ref,
-                                                batched=first.members_batched)
+    state, train_m, adv = members_lib.train(first.step_fn, group.state,
+                                            pad_batches(batches, pad_id), group.hparams,
+                                            group.ref, batched=first.members_batched)
     train_m, adv = jax.device_get((train_m, adv))
     train_m = [{name: v[j] for name, v in train_m.items()} for j in range(k)]
   train_s = time.perf_counter() - t0
