@@ -261,7 +261,7 @@ def collect(config, sample_fn, next_rows, key):
 
 class Collection:
   """collect's rounds as a state machine, so that a caller can drive several at once
-  (train.Trainer.group_step samples a round for every member of a sweep that wants one)."""
+  (train.group_step samples one round for all the collections that want one)."""
 
   def __init__(self, config):
     cfg = self.config = config

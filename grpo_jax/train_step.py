@@ -421,7 +421,7 @@ def make_batch(rollout, loss_cfg, *, group_size, reward_weights):
              else cmask_BC * (rollout["loss_mask_BC"] > 0).astype(jnp.int32))
   adv_B, stats = grpo.group_advantages(
       rollout["rewards_BR"], group_size,
-      # jnp: the weights are hparams, traced (one row per member in a vmapped sweep).
+      # jnp: the weights are hparams, traced (arrays, which a caller may batch).
       weights_R=jnp.asarray(reward_weights, jnp.float32),
       scale_rewards=loss_cfg.scale_rewards, aggregation=loss_cfg.reward_aggregation)
   batch = {
@@ -647,7 +647,7 @@ class StepSpec:
 
 
 def hparams(loss_cfg, optim_cfg, reward_weights=(), lora=None) -> dict[str, np.ndarray]:
-  """The step's array settings, which a vmapped sweep varies per member: float32 scalars (and
+  """The step's array settings, which may differ between runs of one program: float32 scalars (and
   the reward weights; with LoRA its scale alpha / r). The clip bounds are formed here in
   float64 and rounded once, as Python folds `1.0 - epsilon` when it is a constant."""
   f32 = lambda x: np.asarray(x, np.float32)
