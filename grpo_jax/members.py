@@ -391,7 +391,7 @@ def train(step, state_K, batches, hparams_K, ref_K=None, batched=True):
     step.check(b, ref_K is not None)
   batch_K = {name: np.stack([b[name] for b in batches]) for name in batches[0]}
   need_ref = step.needs_ref(batch_K)
-  return _train_program(step, batch_K, need_ref, batched)(state_K, hparams_K,
+  return train_program(step, batch_K, need_ref, batched)(state_K, hparams_K,
                                                           ref_K if need_ref else None, batch_K)
 
 
@@ -401,7 +401,7 @@ def precompile_train(step, state_K, batch_spec_K, ref_K=None, *, hparams_K, batc
   stacks them), as TrainStep.precompile does for one run."""
   need_ref = step.needs_ref(batch_spec_K)
   step.precompile_program(_train_key(batch_spec_K, need_ref, batched),
-                          lambda: _train_program(step, batch_spec_K, need_ref, batched),
+                          lambda: train_program(step, batch_spec_K, need_ref, batched),
                           state_K, batch_spec_K, ref_K if need_ref else None, hparams_K)
 
 
@@ -409,10 +409,10 @@ def _train_key(batch_K, with_ref: bool, batched: bool) -> tuple:
   return (__name__, batched) + train_step_lib.layout_key(batch_K, with_ref)
 
 
-def _train_program(step, batch_K, with_ref: bool, batched: bool):
-  """The members' jitted program for this stacked layout, kept by step: train_step.train_step
-  under jax.vmap (its cond over all members, _cond_all) or under jax.lax.map. Its shardings
-  follow its inputs."""
+def train_program(step, batch_K, with_ref: bool, batched: bool):
+  """The members' jitted program (state_K, hparams_K, ref_K, batch_K) for this stacked layout,
+  kept by step (a train_step.TrainStep): train_step.train_step under jax.vmap (its cond over
+  all members, _cond_all) or under jax.lax.map. Its shardings follow its inputs."""
   def make():
     spec = dataclasses.replace(step.spec, with_ref=with_ref,
                                **({"cond": _cond_all} if batched else {}))
