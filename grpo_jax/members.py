@@ -149,6 +149,9 @@ def precompile_generate(sampler, params_K, prompts_K, *, num_samples, greedy=Fal
   g = int(num_samples)
   prefill, decode = _programs(sampler, params_K, batched)
   x = _inputs(sampler, prompts_K, g, greedy, None)
+  key = _ahead_key(params_K, batched, x, g)
+  if sampler.cached(key) is not None:
+    return
   params = jax.tree.map(compile_cache.abstract, params_K)
   # (Abstract params, train.stacked_spec's, are committed where they have a sharding.)
   committed = any(getattr(leaf, "committed", getattr(leaf, "sharding", None) is not None)
@@ -161,8 +164,7 @@ def precompile_generate(sampler, params_K, prompts_K, *, num_samples, greedy=Fal
     cache, state = jax.tree.map(lambda o: compile_cache.abstract(o, committed), out)
     decode.lower(params, cache, state, x.keys, x.row_ids, x.active, x.settings,
                  sampler.max_new_tokens).compile()
-  sampler.cached(_ahead_key(params_K, batched, x, g),
-                 lambda: compile_cache.in_background(compile_both, lane="sampler"))
+  sampler.cached(key, lambda: compile_cache.in_background(compile_both, lane="sampler"))
 
 
 def _programs(sampler, params_K, batched):
