@@ -26,11 +26,11 @@ What it owns:
   - policy: what the sampler runs. With LoRA that is the K adapters beside the one base the
     members share; a single run instead merges its adapters into the base.
 
-`batched` (config.members_batched) chooses the transformation. True batches the members under
-jax.vmap. False runs each member's own program in turn inside the one program (jax.lax.map),
-which is what a CPU runs fastest: batching gives it no extra arithmetic rate. In turn, a
-member's numbers are its separate run's to the bit. Batched, they match within rounding
-(tests/vmapped_test.py).
+`batched` (config.members_batched, from the setting train.members) chooses the transformation.
+True batches the members under jax.vmap. False runs each member's own program in turn inside
+the one program (jax.lax.map), which is what a CPU runs fastest: batching gives it no extra
+arithmetic rate. In turn, a member's numbers are its separate run's to the bit. Batched, they
+match within rounding (tests/vmapped_test.py).
 
 Why the members' decode loop is its own: jax.vmap of Sampler._decode_impl's while_loop, whose
 condition differs per member, selects every carried array between its old and new value at
