@@ -39,9 +39,9 @@ PHASES = (
     ("grpo_jax.train", "run_group"), ("grpo_jax.train", "setup"),
     ("grpo_jax.inputs", "datasets"), ("grpo_jax.inputs", "tokenizer"),
     ("grpo_jax.train", "Trainer.__init__"), ("grpo_jax.train", "_start"),
-    ("grpo_jax.train", "group_step"), ("grpo_jax.rollout", "sample_members"),
-    ("grpo_jax.sampler", "Sampler.generate_members"), ("grpo_jax.rollout", "score_samples"),
-    ("grpo_jax.train_step", "TrainStep.members"), ("grpo_jax.train", "evaluate_group"),
+    ("grpo_jax.train", "group_step"), ("grpo_jax.members", "sample"),
+    ("grpo_jax.members", "generate"), ("grpo_jax.rollout", "score_samples"),
+    ("grpo_jax.members", "train"), ("grpo_jax.train", "evaluate_group"),
     ("grpo_jax.checkpoint", "Checkpointer.save"), ("grpo_jax.logging_io", "MetricsWriter.write"),
     ("grpo_jax.logging_io", "SamplesWriter.write"), ("grpo_jax.train", "_finish"),
     ("grpo_jax.plots", "plot_metrics"), ("grpo_jax.models.weights", "save_checkpoint"),
@@ -103,7 +103,7 @@ def _child(spec: str) -> int:
         out = fn(*args, **kwargs)
         # Dispatched programs: waited for, so that their device time counts in their own row
         # and not in whatever waits for their output next.
-        if label in ("TrainStep.members", "stack", "unstack"):
+        if label in ("train", "stack", "unstack"):
           jax.block_until_ready(out)
         return out
       finally:

@@ -11,11 +11,12 @@ grad_accum_steps: one group of G = 8), twice:
 
   K = 1   `TrainStep.program(batch, True)`: one run's state (adapters + AdamW moments), the base,
           its batch;
-  K       `TrainStep.program(batch_K, True, k=K)`: the same train_step under jax.vmap, the
-          members' states, hparams and batches stacked on a leading K axis, the base unstacked
-          (one copy, in_axes None), as `python -m grpo_jax.sweep --vmap` runs LoRA members
-          with train.members 'vmap' (the default off the CPU); with --members=map each
-          member's step in turn under jax.lax.map ('map', the default on a CPU).
+  K       `members.train_program(step, batch_K, True, batched)`: the same train_step under
+          jax.vmap, the members' states, hparams and batches stacked on a leading K axis, the
+          base unstacked (one copy, in_axes None), as `python -m grpo_jax.sweep --vmap` runs
+          LoRA members with train.members 'vmap' (the default off the CPU); with
+          --members=map each member's step in turn under jax.lax.map ('map', the default on a
+          CPU).
 
 With --member_accum=m each member splits its rows into m micro-batches (the K program only; the
 K = 1 baseline keeps the preset's micro-batch), trading steps of the accumulation loop for
@@ -31,7 +32,7 @@ loop, a CPU-only cost that is the same for K = 1 and K = 8 and would flatter the
 reference ("this member's b are all 0"). Under jax.vmap a per-member predicate would turn that
 lax.cond into a select with every operand batched, the shared base among them (K copies of its
 layers in temporaries: 42.4 GB at K = 8 here); train_step therefore branches on all members at
-once (lax.pmin over the members' axis). The flag replaces the predicate by one constant False
+once (members.py's StepSpec.cond: lax.pmin over the members' axis). The flag replaces the predicate by one constant False
 (train_step._policy_is_reference patched in this process): its figure should equal the
 default's.
 """
@@ -79,7 +80,7 @@ def measure(preset: str, k: int, member_accum: int, prompt_len: int = 0,
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from configs import gsm8k  # pylint: disable=import-outside-toplevel
-  from grpo_jax import config as config_lib, sharding, train_step, trainer as trainer_lib  # pylint: disable=C0415
+  from grpo_jax import config as config_lib, members, sharding, train_step, trainer as trainer_lib  # pylint: disable=C0415
 
   if one_predicate:
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -115,7 +116,7 @@ def measure(preset: str, k: int, member_accum: int, prompt_len: int = 0,
       lowered = step.program(batch, True).lower(state, hp, base, batch)
     else:
       batch_k = _stacked(batch, kk)
-      lowered = step.program(batch_k, True, k=kk, batched=batched).lower(
+      lowered = members.train_program(step, batch_k, True, batched).lower(
           _stacked(state, kk), _stacked(hp, kk), _plain(base), batch_k)
     compiled = lowered.compile()
     peak, line = memory.peak_bytes(compiled)

@@ -5,7 +5,7 @@ process, alternated so that both see the same machine load.
 
 (1) generate: 8 prompts × G = 8 = 64 rows, 64 new tokens, a random Qwen2 of --layers × --hidden
     (vocabulary 4,096), fp32 on JAX's default device.
-(2) generate_members: a sweep's 8 members of the tiny preset's shape (2 layers × 128, vocabulary
+(2) members.generate: a sweep's 8 members of the tiny preset's shape (2 layers × 128, vocabulary
     512), 16 prompts × G = 8 each, 20 new tokens.
 Each prints the median seconds per call of --repeats calls after one warm-up (compile) call,
 checks the tokens are equal, and the last line is `unroll_decode_speedup=<scan / unrolled>`
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from grpo_jax import sampler as sampler_lib  # noqa: E402
+from grpo_jax import members, sampler as sampler_lib  # noqa: E402
 from grpo_jax.models import qwen  # noqa: E402
 
 
@@ -73,9 +73,10 @@ def main():
       jax.random.split(jax.random.key(0), k))
   prompts_k = [[rng.integers(1, 500, 30).tolist() for _ in range(16)] for _ in range(k)]
   keys = list(jax.random.split(jax.random.key(1), k))
-  compare("generate_members (8 tiny members, 128 rows each, 20 tokens)", tiny,
+  compare("members.generate (8 tiny members, 128 rows each, 20 tokens)", tiny,
           lambda c: functools.partial(
-              sampler_lib.Sampler(c, max_new_tokens=20, buckets=(32,), pad_id=0).generate_members,
+              members.generate, sampler_lib.Sampler(c, max_new_tokens=20, buckets=(32,),
+                                                    pad_id=0),
               params_k, prompts_k, num_samples=8, keys_K=keys), a.repeats)
   print(f"unroll_decode_speedup={speedup:.3f}")
 

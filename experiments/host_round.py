@@ -1,9 +1,9 @@
 """What one sampling round of a vmapped group costs the host, for this checkout and, with
 --tree, another one, side by side: encoding the prompts of K = 8 members that drew the same 16
-rows (rollout.encode_members, or 8 rollout.encode calls in a checkout without it), and scoring
-one member's 128 completions (rollout.score_samples: decoding them and running the run's
-rewards). A group does both every round while the device waits, scoring the members one after
-another.
+rows (members.encode, rollout.encode_members in an older checkout, or 8 rollout.encode calls
+in one without either), and scoring one member's 128 completions (rollout.score_samples:
+decoding them and running the run's rewards). A group does both every round while the device
+waits, scoring the members one after another.
 
     PYTHONPATH=$PWD python3 experiments/host_round.py RUN_WORKDIR [--tree=OTHER_CHECKOUT]
 
@@ -21,6 +21,19 @@ import sys
 import time
 
 ROUNDS, CALLS, ROWS, WIDTH, K = 20, 10, 128, 20, 8
+
+
+def _encode_members(rollout, members, rows, config, tok):
+  """The call that encodes K members' rows in the checkout imported: members.encode, or
+  rollout.encode_members where it is older, or K rollout.encode calls."""
+  try:
+    from grpo_jax import members as members_lib  # pylint: disable=import-outside-toplevel
+    return lambda: members_lib.encode(members, [rows] * K)
+  except ImportError:
+    pass
+  if hasattr(rollout, "encode_members"):
+    return lambda: rollout.encode_members(members, [rows] * K)
+  return lambda: [rollout.encode(config, tok, rows) for _ in range(K)]
 
 
 def _time_calls(workdir: str) -> None:
@@ -46,9 +59,7 @@ def _time_calls(workdir: str) -> None:
   rewards = build_rewards(config.rewards)
   members = [rollout.SingleTurn(config, tok, None)] * K
   calls = {
-      "encode": ((lambda: rollout.encode_members(members, [rows] * K))
-                 if hasattr(rollout, "encode_members") else
-                 (lambda: [rollout.encode(config, tok, rows) for _ in range(K)])),
+      "encode": _encode_members(rollout, members, rows, config, tok),
       "score": lambda: rollout.score_samples(config, tok, rows, prompts, out, rewards, 0.0)}
   for call in calls.values():
     call()

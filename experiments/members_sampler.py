@@ -1,4 +1,4 @@
-"""The members' sampler against the separate runs' on the CPU: K = 8 tiny models' generate_members
+"""The members' sampler against the separate runs' on the CPU: K = 8 tiny models' members.generate
 call, batched and in turn (batched=False), against 8 generate calls, at the vmapped sweep's
 shapes (the tiny preset's model, 16 prompts x G = 8, 20 new tokens). Medians of 5 alternated
 calls after one warm-up each.
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import sampler as sampler_lib
+from grpo_jax import members as members_lib, sampler as sampler_lib
 from grpo_jax.models import qwen
 
 K, B, G, NEW = 8, 16, 8, 20
@@ -37,9 +37,9 @@ def main():
   arms = {
       "8 separate": lambda: [s.generate(params[k], prompts[k], num_samples=G, key=keys[k])
                              for k in range(K)],
-      "members": lambda: s.generate_members(params_K, prompts, num_samples=G, keys_K=keys),
-      "members in turn": lambda: s.generate_members(params_K, prompts, num_samples=G,
-                                                    keys_K=keys, batched=False),
+      "members": lambda: members_lib.generate(s, params_K, prompts, num_samples=G, keys_K=keys),
+      "members in turn": lambda: members_lib.generate(s, params_K, prompts, num_samples=G,
+                                                      keys_K=keys, batched=False),
   }
   times = {name: [] for name in arms}
   for f in arms.values():

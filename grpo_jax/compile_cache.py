@@ -27,8 +27,8 @@ Compiling ahead: `in_background(fn)` runs fn (a `.lower(...).compile()` of a jit
 abstract arguments) in a compile thread (the train step's, or the sampler's: a group's first
 step compiles both at once). jax.jit keeps the executable, so the
 call that needs it later runs it without compiling, or waits for the compile still under way
-(train_step.TrainStep.precompile, sampler.Sampler.precompile_members). XLA compiles without
-holding the GIL: the host goes on sampling, scoring or training meanwhile.
+(train_step.TrainStep.precompile, members.precompile_generate). XLA compiles without holding
+the GIL: the host goes on sampling, scoring or training meanwhile.
 
 The options: `compiler_options(mesh)` goes to every jax.jit of a large program (sampler, train
 step, log-prob and reward-model passes). On the CPU it compiles with LLVM at -O1 instead of XLA's

@@ -12,9 +12,6 @@ The one rollout interface (SingleTurn here, the multi-turn Agent in grpo_jax.age
   sft_examples(rows) -> (prompt ids, completion ids, loss masks or None): the warm start's data
   batch_layout(rows, num_rewards) -> the likely train batch's layout, or None
   completion_width, max_turns: what the train step's spec takes from it
-and, where a sweep's K runs share one program (single-turn only), the module's
-sample_members and evaluate_members run K SingleTurns (one per run: its config and tokenizer)
-over params with a leading K axis.
 
 Host side only: strings (templating, decoding, reward parsing) live here; the device sees the
 padded integer arrays of `Rollouts.device_batch`, uploaded once.
@@ -42,13 +39,14 @@ class Prompts:
   ids: list[list[int]]
 
 
-def _prompt_settings(config) -> tuple:
-  """What prompt_texts reads of a run's config (encode_members keys on it too)."""
+def prompt_settings(config) -> tuple:
+  """What prompt_texts reads of a run's config: runs that agree on it and on their tokenizer
+  and rows have the same Prompts."""
   return config.data.system_prompt, config.data.user_template
 
 
 def prompt_texts(config, tokenizer, rows) -> list[str]:
-  system_prompt, user_template = _prompt_settings(config)
+  system_prompt, user_template = prompt_settings(config)
   return [data.build_prompt(tokenizer, r["question"], system_prompt, user_template)
           for r in rows]
 
@@ -164,82 +162,6 @@ class SingleTurn:
     return batch_layout(self.config, self.tokenizer, rows, num_rewards)
 
 
-def sample_members(rollouts_K, params_K, rows_K, rewards_K, keys_K, batched=True):
-  """One round of SingleTurn.sample for each of K runs at once (a sweep's members, params
-  stacked on a leading K axis), through the first one's sampler: rows_K[k] None for a member
-  that sits this round out (its result None). Each member's prompts, tokenizer and rewards are
-  its own; what shapes the program is shared (grpo_jax.train.check_vmappable). batched: as
-  Sampler.generate_members."""
-  t0 = time.perf_counter()
-  prompts = encode_members(rollouts_K, rows_K)
-  first = rollouts_K[0]
-  outs = first.sampler.generate_members(
-      params_K, [None if p is None else p.ids for p in prompts],
-      num_samples=config_lib.group_size(first.config), keys_K=keys_K, batched=batched)
-  return [None if rows is None else score_samples(r.config, r.tokenizer, rows, p, out, rewards,
-                                                  t0)
-          for r, rows, p, out, rewards in zip(rollouts_K, rows_K, prompts, outs, rewards_K)]
-
-
-def encode_members(rollouts_K, rows_K) -> list[Prompts | None]:
-  """encode for each member's rows (None for a member without rows), run once for members whose
-  rows, tokenizer and prompt settings agree, as a sweep's members from one seed draw the same
-  rows: those members hold the same Prompts."""
-  done, out = {}, []
-  for r, rows in zip(rollouts_K, rows_K):
-    if rows is None:
-      out.append(None)
-      continue
-    key = (id(r.tokenizer), _prompt_settings(r.config), tuple(x["question"] for x in rows))
-    if key not in done:
-      done[key] = encode(r.config, r.tokenizer, rows)
-    out.append(done[key])
-  return out
-
-
-def evaluate_members(rollouts_K, params_K, rows_K, reward, batched=True) -> list[float]:
-  """SingleTurn.evaluate for each of K runs at once, each on its own rows (of one length), with
-  its own tokenizer. batched: as Sampler.generate_members."""
-  first = rollouts_K[0]
-  correct = np.zeros(len(rows_K), int)
-  for chunks, prompts in _eval_chunks(rollouts_K, rows_K):
-    outs = first.sampler.generate_members(params_K, [p.ids for p in prompts], num_samples=1,
-                                          greedy=True, batched=batched)
-    for k, (r, chunk, p, out) in enumerate(zip(rollouts_K, chunks, prompts, outs)):
-      texts = r.tokenizer.batch_decode([t[:n] for t, n in zip(out.tokens, out.lengths)],
-                                       skip_special_tokens=True)
-      scores = reward.fn(p.texts, texts, group_size=1, **reward_columns(chunk, 1))
-      correct[k] += sum(s == 1.0 for s in scores)
-  return [c / max(len(rows), 1) for c, rows in zip(correct, rows_K)]
-
-
-def precompile_sample_members(rollouts_K, params_K, rows_K, batched=True) -> None:
-  """Starts compiling, in the background, the programs sample_members will run on these rows
-  (Sampler.precompile_members)."""
-  first = rollouts_K[0]
-  prompts = [p.ids for p in encode_members(rollouts_K, rows_K)]
-  first.sampler.precompile_members(params_K, prompts,
-                                   num_samples=config_lib.group_size(first.config),
-                                   batched=batched)
-
-
-def precompile_evaluate_members(rollouts_K, params_K, rows_K, batched=True) -> None:
-  """Starts compiling, in the background, the programs evaluate_members will run on these rows
-  (Sampler.precompile_members, once per distinct chunk layout)."""
-  for _, prompts in _eval_chunks(rollouts_K, rows_K):
-    rollouts_K[0].sampler.precompile_members(params_K, [p.ids for p in prompts], num_samples=1,
-                                             greedy=True, batched=batched)
-
-
-def _eval_chunks(rollouts_K, rows_K):
-  """evaluate_members' chunks of train.eval_batch_size rows: (each member's rows, their
-  encoded prompts)."""
-  bs = rollouts_K[0].config.train.eval_batch_size
-  for i in range(0, len(rows_K[0]), bs):
-    chunks = [rows[i:i + bs] for rows in rows_K]
-    yield chunks, encode_members(rollouts_K, chunks)
-
-
 def batch_layout(config, tokenizer, rows, num_rewards: int) -> dict[str, jax.ShapeDtypeStruct]:
   """The layout (shapes, dtypes) of the train batch that single-turn rollouts of `rows` give
   when their longest completion runs to sampling.max_new_tokens: what a run's first step
@@ -301,8 +223,7 @@ def _gather(part: Rollouts, reward_m, rewards):
 
 def score_samples(config, tokenizer, rows, prompts, out, rewards, t0):
   """sample_and_score's second half: the sampler's output (anything with tokens, lengths,
-  truncated, metrics; sample_members hands in one member's share) decoded and scored; t0 is
-  when sampling began."""
+  truncated, metrics) decoded and scored; t0 is when sampling began."""
   g = config_lib.group_size(config)
   completion_ids, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
   t1 = time.perf_counter()

@@ -4,6 +4,7 @@ reward health and the stopping rules' counts."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from typing import Any
 
@@ -85,6 +86,12 @@ class Run:
         f"{label}{self.bad} consecutive non-finite steps up to step {done} "
         f"(train.max_bad_steps); try a lower optim.lr or optim.max_grad_norm. The last "
         f"good checkpoint is in {checkpoint.checkpoint_dir(self.workdir)}")
+
+  def write_failure(self, error, step: int) -> None:
+    """The failure record of a group's member that failed while the others went on
+    (FAILURE_FILE: what grpo_jax.sweep_runner reads); a run that starts removes it."""
+    storage.write_text(storage.path(self.workdir) / workdir_files.FAILURE_FILE, json.dumps(
+        {"error": type(error).__name__, "message": str(error), "step": step}, indent=2))
 
   def close(self) -> None:
     """Checkpoints finished; on an object store the logs' appended parts folded in."""

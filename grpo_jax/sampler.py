@@ -1,4 +1,4 @@
-"""Jitted batched sampling from a functional Qwen model: prefill once, tile ×G, decode in a loop.
+"""Jitted sampling of a prompt batch from a functional Qwen model: prefill once, tile ×G, decode.
 
     sampler = Sampler(qwen.build(cfg), max_new_tokens=256, stop_ids=[151645, 151643],
                       buckets=(128, 256), valid_vocab_size=151665, pad_id=151643, mesh=mesh)
@@ -59,7 +59,6 @@ top-p redraws ran out and took the row's top token instead (0 unless top_p is ti
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import time
 from typing import NamedTuple, Sequence
@@ -192,8 +191,7 @@ class Sampler:
                            compiler_options=opts)
     self._append = jax.jit(self._append_impl, donate_argnums=(1,), compiler_options=opts)
     self._next_logprobs = jax.jit(self._next_logprobs_impl, compiler_options=opts)
-    self._members = {}  # generate_members' programs (by a shared LoRA base, and batched)
-    self._members_ahead = {}  # precompile_members' compiles, by their programs' layout
+    self._cache = {}  # what wrappers compose from this sampler's pieces (see cached)
 
   # --- device side -------------------------------------------------------------------------
 
@@ -235,11 +233,11 @@ class Sampler:
     """A while_loop: sample a token per row from the last hidden state, feed it, repeat; at
     most c tokens, written from slot state['slot']; rows not active_R sample nothing."""
     params, head, keys_R = self._decode_setup(params, rng, row_ids_R2)
-    step = lambda cache, s: self._decode_step(params, head, keys_R, state, sp, cache, s)
+    step = lambda cache, s: self.decode_step(params, head, keys_R, state, sp, cache, s)
     cond = lambda cs: (cs[1]["step"] < c) & ~jnp.all(cs[1]["done"])
     cache, out = jax.lax.while_loop(cond, lambda cs: step(*cs),
-                                    (cache, self._decode_carry(state, active_R, c)))
-    results, new_state = self._decode_results(state, out, active_R)
+                                    (cache, self.decode_carry(state, active_R, c)))
+    results, new_state = self.decode_results(state, out, active_R)
     # Returning the cache aliases it with the donated input, so no copy is made on entry.
     return results, cache, new_state
 
@@ -247,10 +245,10 @@ class Sampler:
     """(variables with the layers in the compute dtype, the sampling head, each row's key).
     With cfg.run.unroll_decode the variables are a qwen.Unrolled, one narrowed copy per layer."""
     if self.cfg.run.unroll_decode:
-      v = qwen.unroll(self._narrow(params))
-      return v, self._head(v.rest["params"]), self._row_keys(rng, row_ids_R2)
-    v = self._narrow(params)
-    return v, self._head(v["params"]), self._row_keys(rng, row_ids_R2)
+      v = qwen.unroll(self.narrow(params))
+      return v, self.head(v.rest["params"]), self.row_keys(rng, row_ids_R2)
+    v = self.narrow(params)
+    return v, self.head(v["params"]), self.row_keys(rng, row_ids_R2)
 
   def _forward(self, v, tokens_RT, positions_RT, mask_RS, cache, index):
     """The cached forward of a decode step: the layer scan, or the layers written out."""
@@ -258,7 +256,7 @@ class Sampler:
       return qwen.apply_unrolled(self.model, v, tokens_RT, positions_RT, mask_RS, cache, index)
     return self.model.apply(v, tokens_RT, positions_RT, mask_RS, cache, index)
 
-  def _narrow(self, params):
+  def narrow(self, params):
     """The variables, their decoder layers' weights in the compute dtype: cast once, before the
     loop, not in every step of it, so each step reads the narrow copy (fp32 params, bf16
     compute: half the bytes). The forward casts every weight to this dtype anyway, so the
@@ -275,7 +273,7 @@ class Sampler:
   def _narrow_leaf(self, x):
     return x.astype(self.model.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
-  def _head(self, params):
+  def head(self, params):
     # qwen.head_kernel is [D, V]; for a tied model its .T is the embedding itself. Narrowed once
     # here, before the loop: every pass over the vocabulary casts the head to the compute dtype
     # anyway, and a GPU compile keeps that cast inside each decode step (fp32 params: a read of
@@ -284,11 +282,11 @@ class Sampler:
     return token_choice.prepare_head(head_VD, self.valid, self.vocab_chunk)
 
   @staticmethod
-  def _row_keys(rng, row_ids_R2):
+  def row_keys(rng, row_ids_R2):
     return jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(rng, i[0]), i[1]))(
         row_ids_R2)
 
-  def _decode_carry(self, state, active_R, c: int):
+  def decode_carry(self, state, active_R, c: int):
     r = state["hidden"].shape[0]
     return dict(step=jnp.int32(0), hidden=state["hidden"],
                 tokens=jnp.full((r, c), self.pad_id, jnp.int32),
@@ -296,7 +294,7 @@ class Sampler:
                 stopped=jnp.zeros((r,), bool), lengths=jnp.zeros((r,), jnp.int32),
                 extra_rounds=jnp.int32(0), fallback_rows=jnp.int32(0))
 
-  def _decode_step(self, params, head, keys_R, state, sp, cache, s, i=None):
+  def decode_step(self, params, head, keys_R, state, sp, cache, s, i=None):
     """One step of the loop: sample from the carried hidden state, then run the forward for the
     next step. `i` (default s['step']) is the slot offset and token column written."""
     # One sampling site in the program (half the compile time of sampling token 0 separately):
@@ -322,7 +320,7 @@ class Sampler:
                        fallback_rows=s["fallback_rows"] + jnp.sum(live & fell_back,
                                                                   dtype=jnp.int32))
 
-  def _decode_results(self, state, out, active_R):
+  def decode_results(self, state, out, active_R):
     p = state["slot"]
     # Slots [p + length, p + steps) of a row hold what it was fed after stopping: holes.
     j_S = jnp.arange(state["mask"].shape[1]) - p
@@ -337,83 +335,6 @@ class Sampler:
         "fallback_rows": out["fallback_rows"],
     }
     return results, new_state
-
-  def _decode_members_impl(self, params_K, cache_K, state_K, rng_K, row_ids_R2, active_R,
-                           sp: token_choice.SamplingParams, c: int):
-    """_decode_impl for K members at once (params, cache, state and key stacked on a leading K;
-    state_K['slot'] one scalar for all): each member's results are those of its own loop.
-
-    Written as one loop over a vmapped step rather than the vmap of _decode_impl: under vmap a
-    while_loop whose condition differs per member selects every carried array, the KV cache
-    included, between its old and new value at every step (a copy of the cache per step). Here
-    the loop runs while any member has a live row; a member whose rows are all done steps on
-    with pads (its tokens, log-probs and lengths unchanged, as in its own loop, which would
-    have stopped) and counts only the steps its own loop takes."""
-    # LoRA members (variables with 'lora') share one base, unstacked; else all is stacked.
-    shared_base = "lora" in params_K
-    v_K = self._narrow(params_K)
-    head_K = self._head(v_K["params"]) if shared_base else jax.vmap(self._head)(v_K["params"])
-    keys_K = jax.vmap(self._row_keys, in_axes=(0, None))(rng_K, row_ids_R2)
-    # The layer scan slices its weights along the layer axis: with that axis first ([L, K, ...])
-    # a slice is one contiguous block, where [K, L, ...] made XLA copy every weight each step.
-    p_axes = {}
-    for col, tree in v_K.items():
-      if shared_base and col == "params":
-        p_axes[col] = None
-        continue
-      v_K[col] = dict(tree, layers=jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), tree["layers"]))
-      p_axes[col] = jax.tree.map(lambda _: 0, v_K[col])
-      p_axes[col]["layers"] = jax.tree.map(lambda _: 1, v_K[col]["layers"])
-    if self.cfg.run.unroll_decode:  # layer i of [L, K, ...] is [K, ...]: the members' axis is 0
-      v_K = qwen.unroll(v_K)
-      p_axes = qwen.Unrolled(
-          {col: None if a is None else {k: x for k, x in a.items() if k != "layers"}
-           for col, a in p_axes.items()},
-          [{col: None if p_axes[col] is None else jax.tree.map(lambda _: 0, tree)
-            for col, tree in layer.items()} for layer in v_K.layers])
-    params_K = v_K
-    s_axes = {name: None if name == "slot" else 0 for name in state_K}
-    carry_K = jax.vmap(lambda st: self._decode_carry(st, active_R, c), in_axes=(s_axes,))(
-        state_K)
-
-    def step_member(params, head, keys_R, state, cache, s, i):
-      running = ~jnp.all(s["done"])
-      cache, new = self._decode_step(params, head, keys_R, state, sp, cache, s, i)
-      return cache, dict(new, step=s["step"] + running,
-                         **{k: jnp.where(running, new[k], s[k])
-                            for k in ("extra_rounds", "fallback_rows")})
-
-    step_K = jax.vmap(step_member, in_axes=(p_axes, None if shared_base else 0, 0, s_axes, 0,
-                                            0, None))
-
-    def body(x):
-      i, cache, s = x
-      cache, s = step_K(params_K, head_K, keys_K, state_K, cache, s, i)
-      return i + 1, cache, s
-
-    cond = lambda x: (x[0] < c) & ~jnp.all(x[2]["done"])
-    _, cache_K, out_K = jax.lax.while_loop(cond, body, (jnp.int32(0), cache_K, carry_K))
-    results, new_state = jax.vmap(self._decode_results, in_axes=(s_axes, 0, None))(
-        state_K, out_K, active_R)
-    return results, cache_K, new_state
-
-  def _decode_members_in_turn_impl(self, params_K, cache_K, state_K, rng_K, row_ids_R2,
-                                   active_R, sp: token_choice.SamplingParams, c: int):
-    """_decode_members_impl's results with the members' loops run one after another
-    (jax.lax.map) in the one program: member k's decode is its own run's _decode_impl, with no
-    batching across members (what a CPU runs fastest; train.members). No cache or state comes
-    back (None, None): generate_members uses neither."""
-    shared_base = "lora" in params_K
-    slot = state_K["slot"]
-
-    def one(x):
-      p, cache, state, rng = x
-      p = dict(params_K, lora=p) if shared_base else p
-      return self._decode_impl(p, cache, dict(state, slot=slot), rng, row_ids_R2, active_R, sp,
-                               c)[0]
-    state = {name: x for name, x in state_K.items() if name != "slot"}
-    own = params_K["lora"] if shared_base else params_K  # what differs per member
-    return jax.lax.map(one, (own, cache_K, state, rng_K)), None, None
 
   def _append_impl(self, params, cache, state, tokens_RO, mask_RO):
     """Feeds right-padded tokens (an observation) to every row at slots [slot, slot + O): the
@@ -438,7 +359,7 @@ class Sampler:
 
   # --- host side ---------------------------------------------------------------------------
 
-  def _as_token_lists(self, prompts, mask) -> list[np.ndarray]:
+  def as_token_lists(self, prompts, mask) -> list[np.ndarray]:
     """Validates prompts (lists of ids, or a left-padded [B, P] array with its mask)."""
     if mask is not None or (hasattr(prompts, "ndim") and prompts.ndim == 2):
       tokens = np.asarray(prompts)
@@ -472,12 +393,12 @@ class Sampler:
                          f"{self.buckets[-1]} (buckets={self.buckets})")
     return rows
 
-  def _batch_multiple(self) -> int:
+  def batch_multiple(self) -> int:
     if self.mesh is None:
       return 1
     return int(np.prod([self.mesh.shape[a] for a in sharding_lib.BATCH_AXES]))
 
-  def _settings(self, settings) -> token_choice.SamplingParams:
+  def sampling_params(self, settings) -> token_choice.SamplingParams:
     unknown = set(settings) - {"greedy", "temperature", "top_k", "top_p", "min_p"}
     if unknown:
       raise TypeError(f"unknown sampling settings {sorted(unknown)}")
@@ -504,7 +425,7 @@ class Sampler:
     what is left raises a ValueError."""
     if not (isinstance(num_samples, (int, np.integer)) and num_samples >= 1):
       raise ValueError(f"num_samples={num_samples!r} (G) must be an int >= 1")
-    rows = self._as_token_lists(prompts, mask)
+    rows = self.as_token_lists(prompts, mask)
     b, g = len(rows), int(num_samples)
     # Several processes each pass their own prompts and pad them to common shapes: the most
     # prompts and the longest prompt of any process (one process: its own).
@@ -514,7 +435,7 @@ class Sampler:
     if ids.shape != (b,) or not np.issubdtype(ids.dtype, np.integer):
       raise ValueError(f"prompt_ids must be {b} ints (one per prompt), got shape {ids.shape}")
     # Rows added so the batch splits evenly over the mesh (copies of the last prompt); dropped.
-    multiple = max(1, self._batch_multiple() // hosts.count())  # this process's devices
+    multiple = max(1, self.batch_multiple() // hosts.count())  # this process's devices
     b_pad = -(-most // multiple) * multiple
     tokens, mask_BP = data.pad_to_bucket([rows[min(i, b - 1)] for i in range(b_pad)],
                                          self.buckets, self.pad_id, longest)
@@ -546,7 +467,7 @@ class Sampler:
     each conversation stands. Returns ({'tokens' [R, max_tokens], 'lengths', 'truncated',
     'logprobs', 'steps', 'extra_rounds', 'fallback_rows'} as in SampleOutput, the conversation
     continued). A row not active gets no tokens: lengths 0, truncated False."""
-    sp = self._settings(settings)
+    sp = self.sampling_params(settings)
     if key is None:
       if not sp.greedy:
         raise ValueError("key is required unless sampling greedily")
@@ -605,7 +526,7 @@ class Sampler:
     prompt_ids: B ints folded into each row's key instead of the prompt's batch index.
     settings: greedy / temperature / top_k / top_p / min_p overriding the Sampler's defaults.
     """
-    if key is None and not self._settings(settings).greedy:  # fail before any device work
+    if key is None and not self.sampling_params(settings).greedy:  # fail before any device work
       raise ValueError("key is required unless sampling greedily")
     start = time.perf_counter()
     conv = self.begin(params, prompts, mask, num_samples=num_samples, room=self.max_new_tokens,
@@ -640,143 +561,12 @@ class Sampler:
                    **settings):
     """The decode program lowered for these (abstract) arguments and sampling settings."""
     return self._decode.lower(params, cache, state, key, row_ids_R2, active_R,
-                              self._settings(settings), max_tokens)
+                              self.sampling_params(settings), max_tokens)
 
-  def generate_members(self, params_K, prompts_K, *, num_samples, keys_K=None, greedy=False,
-                       batched=True):
-    """generate for K runs of a sweep at once: params_K stacked on a leading K axis (LoRA
-    members: variables whose 'lora' adapters are stacked and whose 'params', the frozen base,
-    is one copy they share); the prefill under jax.vmap over the members' params, the decode
-    too (batched) or each member's own decode loop in turn in one program (batched=False,
-    jax.lax.map; config.members_batched says which a run uses).
-
-    prompts_K: per member a list of token-id lists (all of one length B), or None for a member
-    that sits this call out (it samples another member's prompts, thrown away). Returns per
-    member a SampleOutput (its prompt fields None), or None. As generate: rows b*G + g, each
-    row's key fold_in(fold_in(key, b), g); every member's prompts left-padded to one bucket
-    (the largest any member needs), which changes no number. One process only."""
-    g = int(num_samples)
-    prefill, decode = self._members_programs(params_K, batched)
-    sits_out = [p is None for p in prompts_K]
-    x = self._members_inputs(prompts_K, g, greedy, keys_K)
-    b, own_buckets = x.b, x.own_buckets
-    ahead = self._members_ahead.get(_members_key(params_K, batched, x, g))
-    if ahead is not None:  # compiled ahead: wait for it rather than compile the same again
-      concurrent.futures.wait([ahead])  # (had it failed, the call compiles and raises)
-    start = time.perf_counter()
-    cache, state = prefill(params_K, x.tokens, x.masks, g, x.capacity)
-    jax.block_until_ready(state)
-    prefill_s = time.perf_counter() - start
-    out, _, _ = decode(params_K, cache, state, x.keys, x.row_ids, x.active, x.settings,
-                       self.max_new_tokens)
-    out = jax.device_get(out)
-    seconds = time.perf_counter() - start
-    results = []
-    for k in range(len(prompts_K)):
-      lengths = out["lengths"][k, :b * g]
-      results.append(SampleOutput(out["tokens"][k, :b * g], lengths, out["truncated"][k, :b * g],
-                                  out["logprobs"][k, :b * g], None, None, {
-          "sampler/tokens_per_s": int(lengths.sum()) / seconds,
-          "sampler/seconds": seconds,
-          "sampler/prefill_seconds": prefill_s,
-          "sampler/decode_steps": int(out["steps"][k]),
-          "sampler/cut_extra_rounds": int(out["extra_rounds"][k]),
-          "sampler/cut_fallback_rows": int(out["fallback_rows"][k]),
-          "sampler/prompt_bucket": own_buckets[k],  # what the member's own run pads to
-      }))
-    return [None if out_k else r for r, out_k in zip(results, sits_out)]
-
-  def precompile_members(self, params_K, prompts_K, *, num_samples, greedy=False,
-                         batched=True):
-    """Starts compiling, in the sampler's compile thread (compile_cache.in_background), the two
-    programs that generate_members runs for prompts of this layout: their number and prompt
-    bucket (the token values do not matter) and the same num_samples, greedy and batched. A
-    later generate_members call runs them without compiling, or waits for the compile under
-    way. A vmapped group compiles its first step's sampling programs this way from its start,
-    and its evals' while it trains. params_K may be abstract (train.stacked_spec)."""
-    g = int(num_samples)
-    prefill, decode = self._members_programs(params_K, batched)
-    x = self._members_inputs(prompts_K, g, greedy, None)
-    key = _members_key(params_K, batched, x, g)
-    if key in self._members_ahead:
-      return
-    params = jax.tree.map(compile_cache.abstract, params_K)
-    # (Abstract params, train.stacked_spec's, are committed where they have a sharding.)
-    committed = any(getattr(leaf, "committed", getattr(leaf, "sharding", None) is not None)
-                    for leaf in jax.tree.leaves(params_K))
-
-    def compile_both():
-      # The prefill's outputs as the compiled program lays them out: what the decode gets
-      # (committed as its inputs were).
-      out = prefill.lower(params, x.tokens, x.masks, g, x.capacity).compile().out_info
-      cache, state = jax.tree.map(lambda o: compile_cache.abstract(o, committed), out)
-      decode.lower(params, cache, state, x.keys, x.row_ids, x.active, x.settings,
-                   self.max_new_tokens).compile()
-    self._members_ahead[key] = compile_cache.in_background(compile_both, lane="sampler")
-
-  def _members_programs(self, params_K, batched):
-    """generate_members' jitted (prefill, decode) for these params (a shared LoRA base or
-    not) and batched."""
-    shared_base = _shared_base(params_K)
-    if (shared_base, batched) not in self._members:
-      opts = compile_cache.compiler_options(self.mesh)
-      axes = {"params": None, "lora": 0} if shared_base else 0
-      # Every member's prompts are padded to one bucket: one slot to write from, for all.
-      prefill = lambda p, t, m, g, c: jax.vmap(
-          lambda p, t, m: self._prefill_impl(p, t, m, g, c), in_axes=(axes, 0, 0),
-          out_axes=(0, {"hidden": 0, "mask": 0, "pos": 0, "slot": None}))(p, t, m)
-      decode = self._decode_members_impl if batched else self._decode_members_in_turn_impl
-      self._members[shared_base, batched] = (
-          jax.jit(prefill, static_argnums=(3, 4), compiler_options=opts),
-          # Batched, the loop updates the prefill's cache in place; in turn, each member's loop
-          # works on its own slice of it, and nothing is returned to alias the donation with.
-          jax.jit(decode, static_argnums=(6, 7), donate_argnums=(1,) if batched else (),
-                  compiler_options=opts))
-    return self._members[shared_base, batched]
-
-  def _members_inputs(self, prompts_K, g, greedy, keys_K) -> _MembersInputs:
-    """generate_members' arguments on the host: every member's prompts left-padded to one
-    bucket (a member sitting out, None, takes the first given member's) and the batch padded
-    to the mesh; the decode's row ids, active rows, settings and keys."""
-    given = [p for p in prompts_K if p is not None]
-    rows_K = [self._as_token_lists(p if p is not None else given[0], None) for p in prompts_K]
-    b = len(rows_K[0])
-    own_buckets = [data.bucket_length(max(len(r) for r in rows), self.buckets)
-                   for rows in rows_K]
-    bucket = max(own_buckets)
-    b_pad = -(-b // self._batch_multiple()) * self._batch_multiple()
-    tokens, masks = zip(*[data.pad_to_bucket([rows[min(i, b - 1)] for i in range(b_pad)],
-                                             (bucket,), self.pad_id) for rows in rows_K])
-    row_ids = np.stack([np.repeat(np.arange(b_pad), g), np.tile(np.arange(g), b_pad)], 1)
-    active = np.zeros((b_pad * g,), bool)
-    active[:b * g] = True
-    if keys_K is None:
-      keys_K = [jax.random.key(0)] * len(prompts_K)
-    return _MembersInputs(
-        jnp.asarray(np.stack(tokens)), jnp.asarray(np.stack(masks).astype(np.int32)),
-        bucket + self.max_new_tokens, jnp.asarray(row_ids.astype(np.int32)),
-        jnp.asarray(active), self._settings({"greedy": True} if greedy else {}),
-        jnp.stack(keys_K), b, own_buckets)
-
-
-@dataclasses.dataclass(frozen=True)
-class _MembersInputs:
-  tokens: jax.Array    # [K, B_pad, bucket]
-  masks: jax.Array     # [K, B_pad, bucket] int32
-  capacity: int        # the cache's slots: the bucket and max_new_tokens
-  row_ids: jax.Array   # [B_pad * G, 2]: (prompt, sample) of each row, folded into its key
-  active: jax.Array    # [B_pad * G]: False for the rows padding the batch to the mesh
-  settings: token_choice.SamplingParams
-  keys: jax.Array      # [K] PRNG keys
-  b: int               # the prompts a member gave
-  own_buckets: list    # the bucket each member's own prompts need
-
-
-def _members_key(params_K, batched, x: _MembersInputs, g: int) -> tuple:
-  """What tells generate_members' programs apart, but the params' shapes (one run's)."""
-  return _shared_base(params_K), batched, tuple(x.tokens.shape), g, x.settings
-
-
-def _shared_base(params_K) -> bool:
-  """Whether params_K are LoRA members' variables: stacked adapters on one base."""
-  return isinstance(params_K, dict) and "lora" in params_K
+  def cached(self, key, make=None):
+    """What is kept under `key` for as long as the sampler lives: make() on the first call that
+    passes it, else None while nothing is. Programs and compiles that a wrapper composes from
+    the pieces above (_prefill_impl, decode_step, ...) live here, with the sampler's own."""
+    if key not in self._cache and make is not None:
+      self._cache[key] = make()
+    return self._cache.get(key)

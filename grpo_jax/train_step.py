@@ -4,7 +4,6 @@
                           valid_vocab_size=151665, group_size=8, num_rewards=2)
     hp = hparams(loss_cfg, optim_cfg, reward_weights=(1.0, 1.0))   # float32 arrays
     state, metrics, advantages_B = train_step(state, rollout, hp, ref_params, spec=spec)
-    # K runs of a sweep: jax.vmap(functools.partial(train_step, spec=spec)) over a leading K axis
 
     step = TrainStep(model_cfg, loss_cfg, optim_cfg, mesh, temperature=1.0,  # the host wrapper:
                      valid_vocab_size=151665, max_completion_length=1024,   # checks, shardings,
@@ -80,7 +79,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -94,7 +93,6 @@ from grpo_jax.models import lora as lora_lib, qwen, quant
 SCHEDULES = ("constant", "cosine")
 
 OBJECTIVES = ("grpo", "sft")
-MEMBERS_AXIS = "members"  # the vmap axis of K runs (TrainStep.members)
 
 
 def validate_optim_config(cfg) -> None:
@@ -423,7 +421,7 @@ def make_batch(rollout, loss_cfg, *, group_size, reward_weights):
              else cmask_BC * (rollout["loss_mask_BC"] > 0).astype(jnp.int32))
   adv_B, stats = grpo.group_advantages(
       rollout["rewards_BR"], group_size,
-      # jnp: the weights are hparams, traced (one row per member in a vmapped sweep).
+      # jnp: the weights are hparams, traced (arrays, which a caller may batch).
       weights_R=jnp.asarray(reward_weights, jnp.float32),
       scale_rewards=loss_cfg.scale_rewards, aggregation=loss_cfg.reward_aggregation)
   batch = {
@@ -586,8 +584,11 @@ class StepSpec:
     given), or with LoRA always (the base the adapters attach to, also the reference).
   lora: a lora.LoraConfig: the state's params are adapters on the frozen base; None: full
     fine-tuning.
-  members_axis: the vmap axis name when the step runs as K members of a sweep (TrainStep
-    sets it), else None.
+  cond: how the step branches on a traced predicate (whether the policy is the reference),
+    with jax.lax.cond's signature: jax.lax.cond itself by default. A program that runs the
+    step for several batches at once under a transformation (jax.vmap turns a cond whose
+    predicate it batches into a select that runs both branches) passes one that decides for
+    all of them; its result must be what jax.lax.cond's would be for each.
   """
   model: qwen.QwenConfig
   loss: LossSpec
@@ -602,7 +603,7 @@ class StepSpec:
   max_turns: int | None = None
   with_ref: bool = False
   lora: lora_lib.LoraConfig | None = None
-  members_axis: str | None = None
+  cond: Callable = jax.lax.cond
 
   @staticmethod
   def build(model_cfg, loss_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_size=None,
@@ -628,7 +629,7 @@ class StepSpec:
 
 
 def hparams(loss_cfg, optim_cfg, reward_weights=(), lora=None) -> dict[str, np.ndarray]:
-  """The step's array settings, which a vmapped sweep varies per member: float32 scalars (and
+  """The step's array settings, which may differ between runs of one program: float32 scalars (and
   the reward weights; with LoRA its scale alpha / r). The clip bounds are formed here in
   float64 and rounded once, as Python folds `1.0 - epsilon` when it is a constant."""
   f32 = lambda x: np.asarray(x, np.float32)
@@ -729,15 +730,7 @@ def _loss(spec, model, hp, params, ref_params, mb, norm, ref_is_policy):
       policy = lambda: jax.lax.stop_gradient(logp_BC)
       reference = lambda: jax.lax.stop_gradient(completion_logprobs(
           model, {"params": ref_params}, mb["tokens_BS"], mb["attn_mask_BS"], C, **kw)[0])
-      if spec.members_axis is None:
-        ref_BC = jax.lax.cond(ref_is_policy, policy, reference)
-      else:
-        # K members: a per-member predicate would make the cond a select that runs both
-        # branches with every operand broadcast to K, the members' shared LoRA base too (K
-        # copies of it). Branch on all members at once; mixed members select per member.
-        everyone = jax.lax.pmin(ref_is_policy.astype(jnp.int32), spec.members_axis) > 0
-        ref_BC = jax.lax.cond(everyone, policy,
-                              lambda: jnp.where(ref_is_policy, policy(), reference()))
+      ref_BC = spec.cond(ref_is_policy, policy, reference)
     weights_BC = grpo.token_weights(mask_BC, spec.loss.loss_type,
                                     num_sequences=norm["sequences"], num_tokens=norm["tokens"],
                                     max_completion_length=norm["max_completion_length"],
@@ -830,9 +823,8 @@ def _over_updates(ms):
 
 def train_step(state, batch, hparams, ref_params=None, *, spec: StepSpec):
   """One whole GRPO update, pure: (state, batch, hparams, ref_params) → (state, metrics,
-  advantages_B). `spec` is static; `hparams` (see `hparams`) are arrays, so `jax.vmap` of this
-  function over a leading K axis of state, batch, hparams and ref_params is a sweep of K runs.
-  See the module docstring for the batch layouts."""
+  advantages_B). `spec` is static; `hparams` (see `hparams`) are arrays. See the module
+  docstring for the batch layouts."""
   hp = hparams
   metrics, layout = {}, (1, 1)
   if is_rollout(batch):
@@ -874,9 +866,10 @@ def train_step(state, batch, hparams, ref_params=None, *, spec: StepSpec):
 # --- host side: checks, placement, one compiled program per layout ------------------------------
 
 
-def _layout_key(batch, with_ref: bool, k, batched: bool):
-  """What tells one program of TrainStep.program from another."""
-  return (with_ref, k, batched) + tuple(sorted(
+def layout_key(batch, with_ref: bool) -> tuple:
+  """What tells one program of TrainStep.program from another: the batch's keys, shapes and
+  dtypes, and whether the program takes frozen params."""
+  return (with_ref,) + tuple(sorted(
       (name, _shape(v), str(v.dtype) if hasattr(v, "dtype") else str(np.asarray(v).dtype))
       for name, v in batch.items()))
 
@@ -886,13 +879,11 @@ class TrainStep:
   compiled once per batch layout with explicit shardings and the state donated, after
   host-side checks of the batch (a bad batch raises and the state survives).
 
-  `step.members(state_K, batches, hparams_K, ref_K)` runs K > 1 runs as one program: the same
-  `train_step` under jax.vmap over a leading K axis of everything; with LoRA but the frozen
-  base, which the members share (one copy, unstacked).
-
   Keyword arguments as StepSpec.build; reward_weights and the configs' lr, beta, epsilon and
   epsilon_high (and LoRA's alpha / r) are the default hparams. With `lora` (a lora.LoraConfig)
   the state holds the adapters and `ref_params` is the frozen base, passed on every call.
+  `jitted` and `precompile_program` keep programs that a wrapper builds from `train_step` and
+  `spec` beside this step's own, counted and compiled ahead the same way.
   """
 
   def __init__(self, model_cfg, loss_cfg, optim_cfg, mesh, *, temperature=1.0,
@@ -911,14 +902,14 @@ class TrainStep:
                    else reference_shardings(model_cfg, self.spec.optim, mesh, lora))
     self.num_traces = 0  # programs traced (compiled): one per batch layout
     self._programs = {}
-    self._ahead = set()  # layout keys whose program precompile has started
+    self._ahead = set()  # program keys whose precompile has started
 
   def micro_layout(self, rows: int) -> tuple[int, int]:
     return micro_layout(self.spec, rows)
 
   @property
   def num_programs(self) -> int:
-    """Compiled programs held: one per batch layout (and K) seen."""
+    """Compiled programs held: one per key (batch layout) seen."""
     return len(self._programs)
 
   def needs_ref(self, batch) -> bool:
@@ -935,42 +926,32 @@ class TrainStep:
                 group_size=s.group_size, num_rewards=s.num_rewards, max_turns=s.max_turns,
                 valid=s.valid)
 
-  def program(self, batch, with_ref: bool, k: int | None = None, batched: bool = True):
-    """The jitted program for this batch layout (cached by keys, shapes, dtypes, K and
-    batched; k None: one run, k ≥ 2: k runs, every argument with a leading K axis, under
-    jax.vmap, or with batched False each member's own step in turn, under jax.lax.map)."""
-    key = _layout_key(batch, with_ref, k, batched)
+  def jitted(self, key, make):
+    """The program cached under key. On the first call make() gives (fn, jit_kw): fn(state,
+    hparams, ref_params, batch) → (state, metrics, advantages_B), jitted with jit_kw and this
+    step's compiler options; each trace of it counts in num_traces."""
     if key not in self._programs:
-      vmapped = k is not None and batched
-      spec = dataclasses.replace(self.spec, with_ref=with_ref,
-                                 members_axis=MEMBERS_AXIS if vmapped else None)
+      fn, jit_kw = make()
 
       def traced(state, hp, ref, b):
         self.num_traces += 1
-        one = functools.partial(train_step, spec=spec)
-        if k is None:
-          return one(state, b, hp, ref)
-        # LoRA members share one frozen base: it enters unbatched.
-        shared = ref is not None and spec.lora is not None
-        if not batched:
-          if shared:
-            return jax.lax.map(lambda x: one(*x, ref), (state, b, hp))
-          return jax.lax.map(lambda x: one(*x), (state, b, hp, ref))
-        return jax.vmap(one, in_axes=(0, 0, 0, None if shared else 0),
-                        axis_name=MEMBERS_AXIS)(state, b, hp, ref)
-      if k is None:
-        rep = sharding.replicated(self.mesh)
-        row_sh = NamedSharding(self.mesh, P(sharding.BATCH_AXES))
-        self._programs[key] = jax.jit(
-            traced, in_shardings=(self.state_sh, rep,
-                                  self.ref_sh if with_ref else None,
-                                  batch_shardings(batch, self.mesh)),
-            out_shardings=(self.state_sh, rep, row_sh), donate_argnums=0,
-            compiler_options=compile_cache.compiler_options(self.mesh))
-      else:  # the members' shardings follow their inputs
-        self._programs[key] = jax.jit(traced, donate_argnums=0,
-                                      compiler_options=compile_cache.compiler_options(self.mesh))
+        return fn(state, hp, ref, b)
+      self._programs[key] = jax.jit(
+          traced, compiler_options=compile_cache.compiler_options(self.mesh), **jit_kw)
     return self._programs[key]
+
+  def program(self, batch, with_ref: bool):
+    """The jitted program for this batch layout (cached by keys, shapes and dtypes)."""
+    def make():
+      spec = dataclasses.replace(self.spec, with_ref=with_ref)
+      rep = sharding.replicated(self.mesh)
+      row_sh = NamedSharding(self.mesh, P(sharding.BATCH_AXES))
+      one = functools.partial(train_step, spec=spec)
+      return (lambda state, hp, ref, b: one(state, b, hp, ref)), dict(
+          in_shardings=(self.state_sh, rep, self.ref_sh if with_ref else None,
+                        batch_shardings(batch, self.mesh)),
+          out_shardings=(self.state_sh, rep, row_sh), donate_argnums=0)
+    return self.jitted(layout_key(batch, with_ref), make)
 
   def __call__(self, state, batch, ref_params=None, hparams=None):
     self.check(batch, ref_params is not None)
@@ -979,39 +960,30 @@ class TrainStep:
     hp = self.hparams if hparams is None else hparams
     return self.program(batch, need_ref)(state, hp, ref_params if need_ref else None, batch)
 
-  def members(self, state_K, batches, hparams_K, ref_K=None, batched=True):
-    """K runs at once: batches is K host batches of one layout (pad_batches), hparams_K the
-    members' hparams stacked, state_K and ref_K their states stacked on a leading K axis (with
-    LoRA ref_K is the one frozen base they share, unstacked). batched: under jax.vmap, or each
-    member's own step in turn (config.members_batched)."""
-    for b in batches:
-      self.check(b, ref_K is not None)
-    k = len(batches)
-    batch_K = {name: np.stack([b[name] for b in batches]) for name in batches[0]}
-    need_ref = self.needs_ref(batch_K)
-    return self.program(batch_K, need_ref, k, batched)(state_K, hparams_K,
-                                                       ref_K if need_ref else None, batch_K)
-
-  def precompile(self, state, batch_spec, ref_params=None, *, k=None, batched=True,
-                 hparams=None):
+  def precompile(self, state, batch_spec, ref_params=None):
     """Starts compiling, in a background thread, the program for batches of batch_spec's
     layout (name -> jax.ShapeDtypeStruct, as __call__ will get them): a run's first step
     overlaps its compile with sampling this way. __call__ needs nothing more: jax.jit runs the
     executable that `.lower().compile()` made for the same program, and a call made while that
     compile runs waits for it instead of compiling again (tests/train_step_test.py counts the
     compiles). If the background compile fails, the call compiles and reports the error. A
-    layout no batch turns out to have costs that compile only. k, batched and hparams: the
-    program of `members` (batch_spec, state, hparams and ref_params as it gets them, stacked
-    on a leading K axis but a LoRA base)."""
+    layout no batch turns out to have costs that compile only."""
     need_ref = self.needs_ref(batch_spec)
-    key = _layout_key(batch_spec, need_ref, k, batched)
+    self.precompile_program(layout_key(batch_spec, need_ref),
+                            lambda: self.program(batch_spec, need_ref), state, batch_spec,
+                            ref_params if need_ref else None)
+
+  def precompile_program(self, key, program, state, batch_spec, ref_params=None,
+                         hparams=None):
+    """precompile for the program cached under key (program() gives it, as `jitted` does),
+    once per key: compiled for the layouts of state, batch_spec, ref_params and hparams
+    (default: this step's), as the program will get them."""
     if key in self._ahead:
       return
     self._ahead.add(key)
-    fn = self.program(batch_spec, need_ref, k, batched)
+    fn = program()
     # Abstract values: the thread holds no buffers (the step donates the state meanwhile).
-    state, ref = jax.tree.map(compile_cache.abstract,
-                              (state, ref_params if need_ref else None))
+    state, ref = jax.tree.map(compile_cache.abstract, (state, ref_params))
     hp = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                       self.hparams if hparams is None else hparams)
     compile_cache.in_background(lambda: fn.lower(state, hp, ref, batch_spec).compile())

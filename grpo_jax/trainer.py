@@ -49,8 +49,6 @@ class Trainer:
         group_size=config_lib.group_size(config), reward_weights=config.rewards.weights,
         max_turns=self.rollout.max_turns, lora=self.lora)
     self.accuracy = rollout.accuracy_reward(config)
-    # A vmapped group's members: batched under jax.vmap, or each in turn (train.members).
-    self.members_batched = config_lib.members_batched(config, jax.default_backend())
 
   def hparams(self, config):
     """A run's train-step hyperparameters (its lr, β, ε, ε_high, reward weights and LoRA
@@ -72,13 +70,13 @@ class Trainer:
     train_step.reference_dtype (LoRA: int8 kernels where model.lora.quantize says)."""
     return train_step.reference_params(params, self.cfg, self.optim, self.mesh, self.lora)
 
-  def policy(self, params, frozen, members: bool = False):
+  def policy(self, params, frozen):
     """What the sampler runs: the params, or with LoRA the base with the adapters merged into
-    its target kernels (model.lora.merge_for_sampling, one run), or beside them (members: K
-    adapters on one base)."""
+    its target kernels (model.lora.merge_for_sampling), or beside them (a group's K adapters:
+    members.policy)."""
     if self.lora is None:
       return params
-    if self.lora.merge_for_sampling and not members:
+    if self.lora.merge_for_sampling:
       return lora_lib.merged_policy(frozen, params, self.lora, self._merge)
     return lora_lib.variables(frozen, params, self.lora)
 

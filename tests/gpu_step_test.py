@@ -154,7 +154,7 @@ def _decode_hlo(layers, unroll=False):
   cache, state = jax.eval_shape(smp._prefill, params, tok, tok, 2, 12)
   text = smp._decode.lower(params, cache, state, jax.eval_shape(lambda: jax.random.key(0)),
                            jax.ShapeDtypeStruct((4, 2), jnp.int32),
-                           jax.ShapeDtypeStruct((4,), jnp.bool_), smp._settings({}),
+                           jax.ShapeDtypeStruct((4,), jnp.bool_), smp.sampling_params({}),
                            4).compile().as_text()
   return text
 

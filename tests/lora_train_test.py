@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import cli
-from grpo_jax import config as config_lib, grpo, sharding, train_step
+from grpo_jax import config as config_lib, grpo, members, sharding, train_step
 from grpo_jax.models import lora, qwen
 
 MODEL = qwen.QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -184,7 +184,7 @@ def test_members_share_one_base_and_match_separate_steps(base, batched):
   stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
   state_K = stack([train_step.create_train_state(a, MODEL, optim, mesh, LCFG)
                    for a in adapters])
-  got, got_m, _ = step.members(state_K, batches, stack(hps), frozen, batched=batched)
+  got, got_m, _ = members.train(step, state_K, batches, stack(hps), frozen, batched=batched)
   for k in range(2):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x[k], y, rtol=2e-5, atol=1e-7),
                  jax.device_get(got["params"]), jax.device_get(want[k][0]["params"]))

@@ -16,7 +16,7 @@ import torch
 
 import chi2
 import fixtures
-from grpo_jax import sampler as sampler_lib
+from grpo_jax import members as members_lib, sampler as sampler_lib
 from grpo_jax import sharding
 from grpo_jax.models import lora, quant, qwen, weights
 
@@ -418,7 +418,7 @@ def test_many_calls_in_one_bucket_compile_once(checkpoints):
 @pytest.mark.parametrize("unroll,decode,batched", [(False, "xla", True), (True, "xla", True),
                                                    (False, "pallas", True), (False, "xla", False)])
 def test_members_equal_their_own_generate_calls(checkpoints, unroll, decode, batched):
-  """generate_members (K runs vmapped, one decode loop for all) gives each member what its own
+  """members.generate (K runs vmapped, one decode loop for all) gives each member what its own
   generate gives: tokens, lengths, truncation and step counts exactly, log-probs to fp32
   rounding. The members stop at different steps (stop ids cover 40% of the vocabulary, so rows
   stop within a few steps), so a member steps on after its own loop would have ended. With
@@ -433,7 +433,8 @@ def test_members_equal_their_own_generate_calls(checkpoints, unroll, decode, bat
   prompts = [_prompts(seed) for seed in (0, 1, 2)]
   keys = [jax.random.key(k) for k in (5, 6, 7)]
   params_K = jax.tree.map(lambda *x: jnp.stack(x), *members)
-  got = smp.generate_members(params_K, prompts, num_samples=3, keys_K=keys, batched=batched)
+  got = members_lib.generate(smp, params_K, prompts, num_samples=3, keys_K=keys,
+                             batched=batched)
   steps = set()
   for p, prompt, key, out in zip(members, prompts, keys, got):
     want = smp.generate(p, prompt, num_samples=3, key=key)
@@ -449,10 +450,10 @@ def test_members_equal_their_own_generate_calls(checkpoints, unroll, decode, bat
 
 @pytest.mark.parametrize("batched", [True, False])
 def test_precompiled_members_layout_compiles_once_and_samples_the_same(checkpoints, batched):
-  """precompile_members compiles generate_members' two programs for a layout (the number of
-  prompts and their bucket) in the background; a call with other prompts of that layout waits
-  for them and runs them, compiling nothing more, and gets what a sampler compiling on the
-  call gets."""
+  """members.precompile_generate compiles members.generate's two programs for a layout (the
+  number of prompts and their bucket) in the background; a call with other prompts of that
+  layout waits for them and runs them, compiling nothing more, and gets what a sampler
+  compiling on the call gets."""
   from grpo_jax import compile_cache
   params, cfg = weights.load_checkpoint(checkpoints["qwen2_tied"])
   params_K = jax.tree.map(lambda *x: jnp.stack(x), params, jax.tree.map(lambda x: 1.2 * x, params))
@@ -460,15 +461,19 @@ def test_precompiled_members_layout_compiles_once_and_samples_the_same(checkpoin
                                      buckets=(8, 16), vocab_chunk=CHUNK)
   first = [_prompts(seed, lengths=(3, 9, 5)) for seed in (0, 1)]  # bucket 16, 3 prompts
   later = [_prompts(seed, lengths=(10, 2, 12)) for seed in (2, 3)]
-  want = make().generate_members(params_K, later, num_samples=1, greedy=True, batched=batched)
+  want = members_lib.generate(make(), params_K, later, num_samples=1, greedy=True,
+                              batched=batched)
   smp, compiled = make(), []
   listener = lambda name, secs, **_: compiled.append(name)
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
-    smp.precompile_members(params_K, first, num_samples=1, greedy=True, batched=batched)
-    smp.precompile_members(params_K, later, num_samples=1, greedy=True, batched=batched)  # same
+    members_lib.precompile_generate(smp, params_K, first, num_samples=1, greedy=True,
+                                    batched=batched)
+    members_lib.precompile_generate(smp, params_K, later, num_samples=1, greedy=True,
+                                    batched=batched)  # the same layout
     # Called at once, while the programs compile: the call waits for them.
-    got = smp.generate_members(params_K, later, num_samples=1, greedy=True, batched=batched)
+    got = members_lib.generate(smp, params_K, later, num_samples=1, greedy=True,
+                               batched=batched)
     # the sampler's compile thread's queue is done
     compile_cache.in_background(lambda: None, lane="sampler").result()
   finally:
@@ -481,7 +486,7 @@ def test_precompiled_members_layout_compiles_once_and_samples_the_same(checkpoin
 
 
 def test_lora_members_unrolled_equal_the_layer_scan(checkpoints):
-  """LoRA members (one shared base, stacked adapters): generate_members with cfg.run.unroll_decode
+  """LoRA members (one shared base, stacked adapters): members.generate with cfg.run.unroll_decode
   gives the layer scan's tokens and log-probs, and so does each member's loop in turn
   (batched=False, the base still one copy)."""
   params, cfg = weights.load_checkpoint(checkpoints["qwen3"])
@@ -494,9 +499,10 @@ def test_lora_members_unrolled_equal_the_layer_scan(checkpoints):
                                       *[lora.variables(params, a, lcfg)["lora"] for a in adapters])}
   prompts = [_prompts(seed) for seed in (0, 1, 2)]
   keys = [jax.random.key(k) for k in (5, 6, 7)]
-  outs = [sampler_lib.Sampler(cfg.with_run(unroll_decode=u), max_new_tokens=9,
-                              pad_id=PAD, buckets=(16,), vocab_chunk=CHUNK, temperature=1.5)
-          .generate_members(variables_K, prompts, num_samples=3, keys_K=keys, batched=b)
+  outs = [members_lib.generate(
+              sampler_lib.Sampler(cfg.with_run(unroll_decode=u), max_new_tokens=9,
+                                  pad_id=PAD, buckets=(16,), vocab_chunk=CHUNK, temperature=1.5),
+              variables_K, prompts, num_samples=3, keys_K=keys, batched=b)
           for u, b in ((False, True), (True, True), (False, False))]
   for scan, *others in zip(*outs):
     for other in others:
@@ -521,7 +527,7 @@ def test_int8_base_samples_the_train_steps_policy(checkpoints, unroll):
   mask = jnp.ones_like(tokens)
   for base in (params, qparams):
     train = _full_logits_jit(model, base, tokens, mask)
-    narrowed = sampler._narrow(base)
+    narrowed = sampler.narrow(base)
     hidden, _ = model.apply(narrowed, tokens, qwen.positions_from_mask(mask), mask)
     np.testing.assert_array_equal(model.apply(narrowed, hidden, method=qwen.Qwen.logits), train)
   assert narrowed["params"]["layers"]["mlp"]["up_proj"]["kernel_scale"].dtype == jnp.float32

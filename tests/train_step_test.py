@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import config as config_lib, grpo, sharding, train_step
+from grpo_jax import config as config_lib, grpo, members, sharding, train_step
 from grpo_jax.models import qwen
 
 MODEL = qwen.QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -763,7 +763,7 @@ def test_reference_equal_to_the_policy_gives_exactly_zero_kl_and_gradient(params
 
 @pytest.mark.parametrize("batched", [True, False])
 def test_members_program_is_each_members_own_step(params, data, batched):
-  """step.members (train_step under jax.vmap over a leading K axis, or under jax.lax.map: each
+  """members.train (train_step under jax.vmap over a leading K axis, or under jax.lax.map: each
   member's step in turn) gives member k what its own step gives it: its rewards, lr, β and clip
   bounds enter as arrays (train_step.hparams). On CPU the vmapped matmuls may round otherwise,
   so: within 1e-5 relative, params within 1e-6."""
@@ -782,8 +782,8 @@ def test_members_program_is_each_members_own_step(params, data, batched):
   want = [step(train_step.create_train_state(p, MODEL, optim, mesh), r, ref, h)
           for r, h in zip(rolls, hps)]
   state_K = train_step_stack([train_step.create_train_state(p, MODEL, optim, mesh)] * 2)
-  got_state, got_m, got_adv = step.members(state_K, rolls, train_step_stack(hps),
-                                           train_step_stack([ref, ref]), batched=batched)
+  got_state, got_m, got_adv = members.train(step, state_K, rolls, train_step_stack(hps),
+                                            train_step_stack([ref, ref]), batched=batched)
   assert step.num_programs == 2  # one program for one run, one for two
   for k, (w_state, w_m, w_adv) in enumerate(want):
     np.testing.assert_allclose(np.asarray(got_adv)[k], np.asarray(w_adv), rtol=1e-6, atol=1e-7)
@@ -804,9 +804,9 @@ def test_members_program_is_each_members_own_step(params, data, batched):
 
 @pytest.mark.parametrize("batched", [True, False])
 def test_a_precompiled_members_layout_compiles_once(params, data, batched):
-  """precompile with k: the members' program, for the stacked layout members() makes of their
-  batches, compiles in the background; members() then runs it without compiling again and gets
-  what a step compiling on the call gets, to the bit."""
+  """members.precompile_train: the members' program, for the stacked layout members.train makes
+  of their batches, compiles in the background; members.train then runs it without compiling
+  again and gets what a step compiling on the call gets, to the bit."""
   batch = _shared_prompts(data[0])
   rng = np.random.default_rng(12)
   optim = optim_config(grad_accum_steps=1)
@@ -819,7 +819,7 @@ def test_a_precompiled_members_layout_compiles_once(params, data, batched):
   make = lambda: train_step.make_train_step(MODEL, loss_config(), optim, mesh, group_size=G,
                                             reward_weights=(1.0, 0.5))
   ref_K = train_step_stack([ref, ref])
-  want_state, want_m, _ = make().members(fresh(), rolls, hps, ref_K, batched=batched)
+  want_state, want_m, _ = members.train(make(), fresh(), rolls, hps, ref_K, batched=batched)
 
   step, state_K = make(), fresh()
   spec = {name: jax.ShapeDtypeStruct((2,) + np.shape(v), np.asarray(v).dtype)
@@ -828,9 +828,10 @@ def test_a_precompiled_members_layout_compiles_once(params, data, batched):
   listener = lambda name, secs, **_: compiled.append(name == _BACKEND_COMPILE)
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
-    step.precompile(state_K, spec, ref_K, k=2, batched=batched, hparams=hps)
-    step.precompile(state_K, spec, ref_K, k=2, batched=batched, hparams=hps)  # nothing more
-    got_state, got_m, _ = step.members(state_K, rolls, hps, ref_K, batched=batched)
+    members.precompile_train(step, state_K, spec, ref_K, hparams_K=hps, batched=batched)
+    members.precompile_train(step, state_K, spec, ref_K, hparams_K=hps,
+                             batched=batched)  # nothing more
+    got_state, got_m, _ = members.train(step, state_K, rolls, hps, ref_K, batched=batched)
     assert sum(compiled) == 1
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)

@@ -176,7 +176,7 @@ def test_settings_that_change_the_program_are_rejected(monkeypatch):
   with pytest.raises(members_lib.VmapError, match=r"config\.loss\.beta is 0 for some"):
     members_lib.check_vmappable([base, _config({**FIXED, "loss.beta": 0.0})])
   members_lib.check_vmappable([base, _config(OTHER), _config({**FIXED, "seed": 3})])
-  # Several processes: generate_members samples each process's rows as if they were all.
+  # Several processes: members.generate samples each process's rows as if they were all.
   monkeypatch.setattr(members_lib.hosts, "count", lambda: 2)
   with pytest.raises(members_lib.VmapError, match=r"runs in one process, and this is one of 2"):
     members_lib.check_vmappable([base, _config(OTHER)])
@@ -281,12 +281,12 @@ def test_a_group_resumes_below_a_members_damaged_latest_step(tmp_path, capsys):
   assert f"checkpoint step 2 in {tmp_path / 'b' / 'checkpoints'} is unusable" in capsys.readouterr().err
 
 
-def test_each_member_samples_and_scores_with_its_own_tokenizer(tmp_path):
+def test_each_member_samples_and_scores_with_its_own_tokenizer(tmp_path, monkeypatch):
   """Members of a group have their own tokenizers (the tiny preset learns its BPE from each
-  run's problems): sample_members encodes each member's prompts and decodes its completions with
+  run's problems): members.sample encodes each member's prompts and decodes its completions with
   that member's tokenizer, never the first member's. The sampler is a stand-in that checks the
   prompts it gets and returns each member the ids of one known answer in its own tokenizer."""
-  from grpo_jax import inputs, rollout, sampler as sampler_lib
+  from grpo_jax import inputs, members, rollout, sampler as sampler_lib
   from grpo_jax.rewards import build_rewards
   configs, toks, rows = [], [], []
   for seed in (0, 1):
@@ -302,22 +302,22 @@ def test_each_member_samples_and_scores_with_its_own_tokenizer(tmp_path):
   ids = [t(text, add_special_tokens=False).input_ids for t in toks]
   assert ids[0] != ids[1], text  # the two tokenizers really differ on this text
 
-  class Stand_in:
-    def generate_members(self, params_K, prompts_K, *, num_samples, keys_K=None, greedy=False,
-                         batched=True):
-      for c, tok, r, got in zip(configs, toks, rows, prompts_K):
-        assert [list(p) for p in got] == rollout.encode(c, tok, r).ids
-      outs = []
-      for member_ids in ids:
-        tokens = np.asarray([member_ids] * (2 * num_samples), np.int32)
-        lengths = np.full(2 * num_samples, len(member_ids), np.int32)
-        outs.append(sampler_lib.SampleOutput(tokens, lengths, np.zeros(len(tokens), bool),
-                                             None, None, None, {}))
-      return outs
+  def stand_in(sampler, params_K, prompts_K, *, num_samples, keys_K=None, greedy=False,
+               batched=True):
+    for c, tok, r, got in zip(configs, toks, rows, prompts_K):
+      assert [list(p) for p in got] == rollout.encode(c, tok, r).ids
+    outs = []
+    for member_ids in ids:
+      tokens = np.asarray([member_ids] * (2 * num_samples), np.int32)
+      lengths = np.full(2 * num_samples, len(member_ids), np.int32)
+      outs.append(sampler_lib.SampleOutput(tokens, lengths, np.zeros(len(tokens), bool),
+                                           None, None, None, {}))
+    return outs
 
-  singles = [rollout.SingleTurn(c, t, Stand_in()) for c, t in zip(configs, toks)]
+  monkeypatch.setattr(members, "generate", stand_in)
+  singles = [rollout.SingleTurn(c, t, None) for c, t in zip(configs, toks)]
   rewards = [build_rewards(c.rewards) for c in configs]
-  parts = rollout.sample_members(singles, None, rows, rewards, [None, None])
+  parts = members.sample(singles, None, rows, rewards, [None, None])
   for (part, _, _, _), tok in zip(parts, toks):
     assert part.texts == [tok.decode(ids[toks.index(tok)], skip_special_tokens=True)] * 4
   # Member 1's first prompt asks for answers[0]: its own decoding of its own ids scores 1.
@@ -325,10 +325,10 @@ def test_each_member_samples_and_scores_with_its_own_tokenizer(tmp_path):
 
 
 def test_members_that_draw_the_same_rows_encode_them_once(tmp_path, monkeypatch):
-  """A sweep's members from one seed draw the same rows each round: encode_members runs the chat
+  """A sweep's members from one seed draw the same rows each round: members.encode runs the chat
   template and the tokenizer once for them, and each member gets what its own encode gives.
   Members with other rows, another tokenizer or another user template are encoded apart."""
-  from grpo_jax import inputs, rollout
+  from grpo_jax import inputs, members as members_lib, rollout
   c = _config({"data.synthetic_train": 2000, "data.synthetic_test": 10})
   train_rows, _ = inputs.datasets(c, str(tmp_path / "a"))
   tok, _ = inputs.tokenizer(c, str(tmp_path / "a"), train_rows)
@@ -341,8 +341,8 @@ def test_members_that_draw_the_same_rows_encode_them_once(tmp_path, monkeypatch)
   calls = []
   encode = rollout.encode
   monkeypatch.setattr(rollout, "encode", lambda *a: calls.append(a) or encode(*a))
-  got = rollout.encode_members([rollout.SingleTurn(m, t, None) for m, t, _ in members],
-                               [r for _, _, r in members])
+  got = members_lib.encode([rollout.SingleTurn(m, t, None) for m, t, _ in members],
+                           [r for _, _, r in members])
   assert got == want
   assert got[0] is got[1] is got[6]  # one encode for the three
   assert len(calls) == 4  # same (x3), other rows, other tokenizer, other template
