@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from grpo_jax import (logging_io, members as members_lib, prepare, runs as runs_lib,
+from grpo_jax import (logging_io, members as members_lib, policy, prepare, runs as runs_lib,
                       start as start_lib, sweep, sweep_runner, train, train_step,
                       trainer as trainer_lib)
 
@@ -233,7 +233,7 @@ def test_a_rerun_groups_only_members_that_resume_from_the_same_step(tmp_path):
 
   sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract = {"train": {"x": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sh)}}
-  trainer = NS(abstract_checkpoint=lambda: abstract, lora=None)
+  trainer = NS(abstract_checkpoint=lambda: abstract, policy_type=policy.FULL)
   config = NS(train=NS(prompts_per_step=2, steps=200), seed=0, loss=None)
   for u, want in zip(units[:2], (50, 200)):
     members = [NS(workdir=runner.run_dir(r), config=config,
@@ -269,7 +269,7 @@ def test_a_group_resumes_below_a_members_damaged_latest_step(tmp_path, capsys):
   victim.write_bytes(b"\0" + victim.read_bytes()[1:])
   sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract = {"train": {"x": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sh)}}
-  trainer = NS(abstract_checkpoint=lambda: abstract, lora=None)
+  trainer = NS(abstract_checkpoint=lambda: abstract, policy_type=policy.FULL)
   config = NS(train=NS(prompts_per_step=2, steps=2), seed=0, loss=None)
   members = [NS(workdir=str(tmp_path / n), config=config,
                 setup=NS(train_rows=[0] * 10, previous_config=None))
