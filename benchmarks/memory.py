@@ -201,7 +201,7 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
   resident = device_bytes(state) - device_bytes(state["params"])
   if lcfg is None:
     resident += device_bytes(ref) if ref is not None else 0
-    params = state["params"]
+    params = {"params": state["params"]}
   elif lcfg.merge_for_sampling:
     # The sampler takes the base with merged target kernels (new arrays); the base's own
     # target kernels and the adapters stay beside it.
@@ -209,7 +209,7 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
     lowered = jax.jit(functools.partial(lora.merged_kernels, lcfg=lcfg)).lower(
         ref, state["params"])
     kernels = abstract(lowered.out_info, lowered.compile().output_shardings)
-    params = lora.with_kernels(ref, kernels)
+    params = {"params": lora.with_kernels(ref, kernels)}
     resident += (device_bytes(state["params"]) + device_bytes(ref) - device_bytes(params)
                  + device_bytes(kernels))
   else:  # the base and the adapters, side by side

@@ -331,7 +331,8 @@ def compile_ahead(trainers, group, rows_K, num_rewards):
   first.step_fn.precompile(group.state, spec, group.ref, k=group.k,
                            batched=first.members_batched, hparams=group.hparams)
   if first.lora is None:  # (a LoRA policy is built from the arrays: compiled when sampled)
-    rollout.precompile_sample_members([t.rollout for t in trainers], group.state["params"],
+    rollout.precompile_sample_members([t.rollout for t in trainers],
+                                      first.policy(group.state["params"], group.ref, True),
                                       rows_K, batched=first.members_batched)
 
 

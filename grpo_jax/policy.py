@@ -19,7 +19,7 @@ What each answers, Full | Lora:
     the base with the adapters, b scaled by alpha / r (or scale, a traced hparam).
   is_reference(params, frozen, dtype): a traced bool, the policy computes what the reference
     does: the params equal it in the compute dtype | every b is 0.
-  sampled(params, frozen, members): what the sampler runs: the params | the base with the
+  sampled(params, frozen, members): what the sampler runs: {'params': params} | the base with the
     adapters merged into its kernels (one run, lcfg.merge_for_sampling), else beside them.
   frozen_in_checkpoint: a checkpoint holds the frozen params as its 'ref' | no: the base is
     the starting model, or the warm start's in BASE_DIR.
@@ -126,9 +126,9 @@ class Full(Policy):
     return same_params(params, frozen, dtype)
 
   def sampled(self, params, frozen, members: bool = False):
-    """What the sampler runs: the params."""
+    """What the sampler runs, as model.apply's variables: the params (members: stacked)."""
     del frozen, members
-    return params
+    return {"params": params}
 
   def exported(self, params, frozen):
     """What save writes from (gathered first where several processes hold it)."""
@@ -184,10 +184,11 @@ class Lora(Policy):
     return jnp.all(jnp.stack([jnp.all(b == 0) for b in lora_lib.b_factors(params)]))
 
   def sampled(self, params, frozen, members: bool = False):
-    """What the sampler runs: the base with the adapters merged into its target kernels
-    (lcfg.merge_for_sampling, one run), or beside them (members: K adapters on one base)."""
+    """What the sampler runs, as model.apply's variables: the base with the adapters merged
+    into its target kernels (lcfg.merge_for_sampling, one run), or beside them (members: K
+    adapters on one base)."""
     if self.lcfg.merge_for_sampling and not members:
-      return lora_lib.merged_policy(frozen, params, self.lcfg, _merge_fn(self.lcfg))
+      return {"params": lora_lib.merged_policy(frozen, params, self.lcfg, _merge_fn(self.lcfg))}
     return lora_lib.variables(frozen, params, self.lcfg)
 
   def exported(self, params, frozen):

@@ -99,9 +99,10 @@ class Trainer:
                                                       self.policy_type)
     return abstract
 
-  def evaluate(self, params, rows, ref_params=None) -> float:
-    """Greedy pass@1 on rows (ref_params: for an agent's 'reference' role)."""
-    return self.rollout.evaluate(params, rows, self.accuracy, ref_params)
+  def evaluate(self, variables, rows, ref_params=None) -> float:
+    """Greedy pass@1 on rows of what the sampler runs (policy: model.apply's variables;
+    ref_params: for an agent's 'reference' role)."""
+    return self.rollout.evaluate(variables, rows, self.accuracy, ref_params)
 
   def grpo_step(self, state, ref_params, next_rows, rewards, step):
     """One run's GRPO step (members.group_step with K = 1): next_rows() returns the next
