@@ -75,7 +75,7 @@ def main():
   longest = a.prompt_len + a.turns * (a.action + a.observation)
   buckets = tuple(range(a.prompt_len, longest + 32, 32))
   sampler = sampler_lib.Sampler(cfg, max_new_tokens=a.action, buckets=buckets)
-  args = (sampler, params, prompts, a.g, a.turns, a.action, observations)
+  args = (sampler, {"params": params}, prompts, a.g, a.turns, a.action, observations)
   sides = {"carried": carried, "re-prefill": reprefill}
   outputs = {name: fn(*args) for name, fn in sides.items()}  # warm-up: compiles
   for t in range(a.turns):

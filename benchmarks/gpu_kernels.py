@@ -113,7 +113,7 @@ def decode_hlo(size: str, mesh, unroll: bool, vocab_chunk: int | None, smoke: bo
   sampler = sampler_lib.Sampler(qwen.build(cfg, dtype="bfloat16", mesh=mesh), max_new_tokens=c,
                                 mesh=mesh, valid_vocab_size=valid, vocab_chunk=vocab_chunk,
                                 buckets=(bucket,))
-  params = _replicated(qwen.abstract_params(cfg), mesh)
+  params = {"params": _replicated(qwen.abstract_params(cfg), mesh)}  # what the sampler runs
   tokens = _replicated(jax.ShapeDtypeStruct((prompts, bucket), jnp.int32), mesh)
   cache, state = _replicated(sampler.lower_prefill(params, tokens, tokens, g, bucket + c).out_info,
                              mesh)

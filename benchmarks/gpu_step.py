@@ -385,7 +385,7 @@ def device_figures(spec: dict, trainer, state, out: dict, smoke: bool, kernels: 
   out["copy_tbps"] = 2 * x.nbytes / _median_seconds(lambda: add(x), 10) / 1e12
   del a, x
 
-  params = state["params"]
+  params = {"params": state["params"]}  # what the sampler runs
   try:
     _sampler_figures(spec, trainer.sampler, params, out, kernels)
   except Exception as e:  # noqa: BLE001 - figures missing, not a failed run

@@ -80,13 +80,14 @@ def measure(preset: str, k: int, member_accum: int, prompt_len: int = 0,
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from configs import gsm8k  # pylint: disable=import-outside-toplevel
-  from grpo_jax import config as config_lib, members, sharding, train_step, trainer as trainer_lib  # pylint: disable=C0415
+  from grpo_jax import config as config_lib, members, policy as policy_lib, sharding, train_step, trainer as trainer_lib  # pylint: disable=C0415
 
   if one_predicate:
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     train_step._policy_is_reference = lambda *_: jnp.bool_(False)  # pylint: disable=W0212
   config = gsm8k.get_config(preset)
   lcfg = trainer_lib.lora_settings(config)
+  policy = policy_lib.of(lcfg)
   if lcfg is None:
     raise SystemExit(f"lora_members_memory.py: preset {preset!r} has no model.lora")
   g = config_lib.group_size(config)
@@ -106,9 +107,9 @@ def measure(preset: str, k: int, member_accum: int, prompt_len: int = 0,
     step = train_step.TrainStep(
         cfg, config.loss, optim, mesh, temperature=config.sampling.temperature,
         valid_vocab_size=valid, max_completion_length=c, group_size=g,
-        reward_weights=config.rewards.weights, lora=lcfg)
-    state = train_step.abstract_state(cfg, optim, mesh, lcfg)
-    base = train_step.abstract_reference(cfg, optim, mesh, lcfg)
+        reward_weights=config.rewards.weights, policy=policy)
+    state = train_step.abstract_state(cfg, optim, mesh, policy)
+    base = train_step.abstract_reference(cfg, optim, mesh, policy)
     batch = memory.rollout_batch(config, rows, p, c, mesh)
     hp = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                       step.hparams)

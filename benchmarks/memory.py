@@ -152,21 +152,22 @@ def measure_train_step(config, cfg, valid, mesh, prompt_len):
   """The train step's peak. With model.lora the state is the adapters and their moments, and
   the frozen base (bf16, or int8 kernels) an argument: the reference is that base."""
   import jax  # pylint: disable=import-outside-toplevel
-  from grpo_jax import config as config_lib, logprobs, train_step, trainer as trainer_lib  # pylint: disable=C0415
+  from grpo_jax import config as config_lib, logprobs, policy as policy_lib, train_step, trainer as trainer_lib  # pylint: disable=C0415
   optim = config_lib.optim_settings(config)
   optim.logprob_block_bytes = logprobs.platform_block_bytes(optim.logprob_block_bytes,
                                                             platform(config))
   s, g = config.sampling, config_lib.group_size(config)
   lcfg = trainer_lib.lora_settings(config)
+  policy = policy_lib.of(lcfg)
   step = train_step.TrainStep(
       cfg, config.loss, optim, mesh, temperature=s.temperature, valid_vocab_size=valid,
       max_completion_length=s.max_new_tokens, group_size=g,
-      reward_weights=config.rewards.weights, lora=lcfg)
-  state = train_step.abstract_state(cfg, optim, mesh, lcfg)
+      reward_weights=config.rewards.weights, policy=policy)
+  state = train_step.abstract_state(cfg, optim, mesh, policy)
   rows = config.train.prompts_per_step * g
   batch = rollout_batch(config, rows, prompt_len, s.max_new_tokens, mesh)
   with_ref = step.needs_ref(batch)
-  ref = train_step.abstract_reference(cfg, optim, mesh, lcfg) if with_ref else None
+  ref = train_step.abstract_reference(cfg, optim, mesh, policy) if with_ref else None
   t0 = time.time()
   hp = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), step.hparams)
   compiled = step.program(batch, with_ref).lower(state, hp, ref, batch).compile()
@@ -200,7 +201,7 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
   resident = device_bytes(state) - device_bytes(state["params"])
   if lcfg is None:
     resident += device_bytes(ref) if ref is not None else 0
-    params = state["params"]
+    params = {"params": state["params"]}
   elif lcfg.merge_for_sampling:
     # The sampler takes the base with merged target kernels (new arrays); the base's own
     # target kernels and the adapters stay beside it.
@@ -208,7 +209,7 @@ def measure_sampler(config, cfg, valid, mesh, prompt_len, state, ref, eval_too=T
     lowered = jax.jit(functools.partial(lora.merged_kernels, lcfg=lcfg)).lower(
         ref, state["params"])
     kernels = abstract(lowered.out_info, lowered.compile().output_shardings)
-    params = lora.with_kernels(ref, kernels)
+    params = {"params": lora.with_kernels(ref, kernels)}
     resident += (device_bytes(state["params"]) + device_bytes(ref) - device_bytes(params)
                  + device_bytes(kernels))
   else:  # the base and the adapters, side by side

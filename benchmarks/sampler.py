@@ -138,7 +138,7 @@ def generation_workload(repeats, devices):
   # transformers at torch's default thread count and at 1 thread: on a shared machine an OpenMP
   # pool that cannot get all its cores spins, so the faster of the two is the baseline.
   threads = torch.get_num_threads()
-  fns = {"grpo_jax": lambda: sampler(params, prompts, num_samples=G),
+  fns = {"grpo_jax": lambda: sampler({"params": params}, prompts, num_samples=G),
          f"hf {threads} thr": lambda: hf_generate(threads)}
   if threads > 1:
     fns["hf 1 thr"] = lambda: hf_generate(1)
@@ -185,8 +185,8 @@ def decode_throughput(repeats, devices, batch=64, prompt=32, short=8, long=24):
   matmul, scale = jax.jit(lambda a, b: a @ b), jax.jit(lambda x: x * 2.0)
   load = os.getloadavg()[0]
   res = alternate({
-      "short": lambda: samplers[short](params, prompts).metrics,
-      "long": lambda: samplers[long](params, prompts).metrics,
+      "short": lambda: samplers[short]({"params": params}, prompts).metrics,
+      "long": lambda: samplers[long]({"params": params}, prompts).metrics,
       "matmul": lambda: jax.block_until_ready(matmul(a, a)),
       "copy": lambda: jax.block_until_ready(scale(x)),
   }, repeats)

@@ -63,8 +63,8 @@ def main():
   speedup = compare(
       f"generate ({a.layers} x {a.hidden}, 64 rows, 64 tokens)", cfg,
       lambda c: functools.partial(
-          sampler_lib.Sampler(c, max_new_tokens=64, buckets=(32,), pad_id=0), params, prompts,
-          num_samples=8, key=jax.random.key(1)), a.repeats)
+          sampler_lib.Sampler(c, max_new_tokens=64, buckets=(32,), pad_id=0),
+          {"params": params}, prompts, num_samples=8, key=jax.random.key(1)), a.repeats)
 
   tiny = qwen.QwenConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=True)
@@ -77,7 +77,7 @@ def main():
           lambda c: functools.partial(
               members.generate, sampler_lib.Sampler(c, max_new_tokens=20, buckets=(32,),
                                                     pad_id=0),
-              params_k, prompts_k, num_samples=8, keys_K=keys), a.repeats)
+              {"params": params_k}, prompts_k, num_samples=8, keys_K=keys), a.repeats)
   print(f"unroll_decode_speedup={speedup:.3f}")
 
 

@@ -35,11 +35,12 @@ def main():
              for _ in range(K)]
   keys = [jax.random.key(k) for k in range(K)]
   arms = {
-      "8 separate": lambda: [s.generate(params[k], prompts[k], num_samples=G, key=keys[k])
-                             for k in range(K)],
-      "members": lambda: members_lib.generate(s, params_K, prompts, num_samples=G, keys_K=keys),
-      "members in turn": lambda: members_lib.generate(s, params_K, prompts, num_samples=G,
-                                                      keys_K=keys, batched=False),
+      "8 separate": lambda: [s.generate({"params": params[k]}, prompts[k], num_samples=G,
+                                        key=keys[k]) for k in range(K)],
+      "members": lambda: members_lib.generate(s, {"params": params_K}, prompts, num_samples=G,
+                                              keys_K=keys),
+      "members in turn": lambda: members_lib.generate(s, {"params": params_K}, prompts,
+                                                      num_samples=G, keys_K=keys, batched=False),
   }
   times = {name: [] for name in arms}
   for f in arms.values():

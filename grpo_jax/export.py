@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 
 from grpo_jax import hosts, logging_io, plots, storage, workdir_files
-from grpo_jax.models import lora as lora_lib, weights
 
 BASE_DIR = workdir_files.BASE_DIR
 
@@ -17,10 +16,10 @@ BASE_DIR = workdir_files.BASE_DIR
 def _finish(m, trainer, params, ref, finished: bool, done: int, main: bool) -> dict:
   """The run's summary and exported model (LoRA: the merged model, and the adapter in PEFT's
   format)."""
-  s, lcfg = m.setup, trainer.lora
+  s, policy = m.setup, trainer.policy_type
   # What is exported: the params, or with LoRA the adapters and the base they merge into.
   # Several processes: every one takes part in gathering them, process 0 writes.
-  exported = params if lcfg is None else (params, ref)
+  exported = policy.exported(params, ref)
   final_params = hosts.fetch(exported) if finished and hosts.count() > 1 else exported
   if not main:
     return {}
@@ -29,19 +28,8 @@ def _finish(m, trainer, params, ref, finished: bool, done: int, main: bool) -> d
   if finished:
     gen = s.generation_config or {"eos_token_id": s.stop_ids,
                                   "pad_token_id": s.tokenizer.pad_token_id}
-    root = storage.path(s.workdir)
-    if lcfg is None:
-      with storage.local_dir(root / "final_model", whole=True) as out:
-        weights.save_checkpoint(final_params, s.cfg, out, generation_config=gen,
-                                tokenizer=s.tokenizer)
-    else:
-      adapters, base = final_params
-      with storage.local_dir(root / "final_model", whole=True) as out:
-        lora_lib.save_merged(base, adapters, s.cfg, lcfg, out, generation_config=gen,
-                             tokenizer=s.tokenizer)
-      with storage.local_dir(root / "final_adapter", whole=True) as out:
-        lora_lib.save_peft(adapters, s.cfg, lcfg, out,
-                           base_model=_base_model_name(m.config, s.workdir))
+    policy.save(storage.path(s.workdir), final_params, s.cfg, generation_config=gen,
+                tokenizer=s.tokenizer, base_model=_base_model_name(m.config, s.workdir))
   return summary
 
 

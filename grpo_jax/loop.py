@@ -67,7 +67,7 @@ class _Loop:
     self.trainers = members_lib.trainers(trainer, self.runs)
     self.start, states, refs = start_lib.start(self.runs, self.trainers, stop)
     hparams = [trainer.hparams(m.config) for m in self.runs]
-    shared_ref = trainer.lora is not None
+    shared_ref = trainer.policy_type.members_share_frozen
     # The first step's train program compiles from here on, in the background, for the first
     # rows' likely batch: beside the stacking, the step-0 eval (runs warm-started here) and the
     # first rows' sampling, not after them.
@@ -96,7 +96,7 @@ class _Loop:
         continue
       state, ref = self.group.member(k)
       ckpt_state = {"train": state}
-      if ref is not None and self.trainers[0].lora is None:  # a LoRA base: BASE_DIR, not here
+      if ref is not None and self.trainers[0].policy_type.frozen_in_checkpoint:
         ckpt_state["ref"] = ref
       m.ckpt.save(step, ckpt_state, m.it.position(), m.counters())
 

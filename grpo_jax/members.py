@@ -77,10 +77,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import (checkpoint, compile_cache, config as config_lib, data, hosts, rollout,
-                      sweep, train_step as train_step_lib)
+from grpo_jax import (checkpoint, compile_cache, config as config_lib, data, hosts,
+                      policy as policy_lib, rollout, sweep, train_step as train_step_lib)
 from grpo_jax.errors import UserError
-from grpo_jax.models import lora as lora_lib, qwen
+from grpo_jax.models import qwen
 from grpo_jax.sampler import SampleOutput
 
 VARIABLE = sweep.VMAP_VARIABLE  # the settings members may differ in (flat, dotted config keys)
@@ -321,7 +321,7 @@ def shared_base(members, refs, m, ref):
   member's to the bit, and is dropped for it (so at most two bases exist at once)."""
   # Compared in the widest dtype among the leaves (an int8 kernel compares exactly as bf16).
   dtype = jnp.result_type(*jax.tree.leaves(refs[0]))
-  if not bool(train_step_lib.same_params(refs[0], ref, dtype)):
+  if not bool(policy_lib.same_params(refs[0], ref, dtype)):
     raise VmapError(
         f"{m.workdir} and {members[0].workdir} have different frozen bases (a warm start or "
         "random initialisation that depends on the seed): LoRA members of a vmapped group "
@@ -398,8 +398,10 @@ def compile_ahead(trainers, group, rows_K, num_rewards):
           for name, b in padded[0].items()}
   precompile_train(first.step_fn, group.state, spec, group.ref, hparams_K=group.hparams,
                    batched=vmapped(first.config))
-  if first.lora is None:  # (a LoRA policy is built from the arrays: compiled when sampled)
-    precompile_sample([t.rollout for t in trainers], group.state["params"], rows_K,
+  # Members sharing a LoRA base sample variables built from the arrays: compiled when sampled.
+  if not first.policy_type.members_share_frozen:
+    precompile_sample([t.rollout for t in trainers],
+                      policy(first.policy_type, group.state["params"], group.ref), rows_K,
                       batched=vmapped(first.config))
 
 
@@ -411,7 +413,7 @@ def compile_evals_ahead(trainers, group, rows_K):
   if group.k == 1:
     return
   first = trainers[0]
-  params = policy(first.lora, group.state["params"], group.ref)
+  params = policy(first.policy_type, group.state["params"], group.ref)
   precompile_evaluate([t.rollout for t in trainers], params, rows_K,
                       batched=vmapped(first.config))
 
@@ -421,7 +423,7 @@ def evaluate(trainers, group: Group, rows_K) -> list[float]:
   first = trainers[0]
   if group.k == 1:
     return [first.evaluate(first.policy(group.state["params"], group.ref), rows_K[0], group.ref)]
-  params = policy(first.lora, group.state["params"], group.ref)
+  params = policy(first.policy_type, group.state["params"], group.ref)
   return evaluate_rollouts([t.rollout for t in trainers], params, rows_K, first.accuracy,
                            batched=vmapped(first.config))
 
@@ -436,7 +438,7 @@ def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
   first, k = trainers[0], group.k
   configs = [t.config for t in trainers]
   params = (first.policy(group.state["params"], group.ref) if k == 1  # what the sampler runs
-            else policy(first.lora, group.state["params"], group.ref))
+            else policy(first.policy_type, group.state["params"], group.ref))
   colls = [rollout.Collection(c) for c in configs]
   keys = [jax.random.fold_in(jax.random.key(c.seed), step) for c in configs]
   live = [f is not None for f in next_rows_K]
@@ -502,13 +504,11 @@ def _samples(config, batch_r, adv_B, rewards):
 AXIS = "members"  # the jax.vmap axis of the K members (batched)
 
 
-def policy(lora, params_K, frozen):
-  """What the members' sampler runs: params_K; with LoRA (a lora.LoraConfig) the variables of
-  the K stacked adapters on the one frozen base they share (never merged: K merged bases would
-  be K copies of it)."""
-  if lora is None:
-    return params_K
-  return lora_lib.variables(frozen, params_K, lora)
+def policy(policy_type, params_K, frozen):
+  """What the members' sampler runs, as model.apply's variables (a policy.Policy's): the K
+  stacked params; with LoRA the K stacked adapters beside the one frozen base they share (never
+  merged: K merged bases would be K copies of it)."""
+  return policy_type.variables(params_K, frozen)
 
 
 # --- sampling --------------------------------------------------------------------------------
@@ -855,7 +855,7 @@ def train_program(step, batch_K, with_ref: bool, batched: bool):
 
     def fn(state, hp, ref, b):
       # LoRA members share one frozen base: it enters unbatched.
-      shared = ref is not None and spec.lora is not None
+      shared = ref is not None and spec.policy.members_share_frozen
       if not batched:
         if shared:
           return jax.lax.map(lambda x: one(*x, ref), (state, b, hp))

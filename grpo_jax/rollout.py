@@ -1,14 +1,16 @@
 """Rollouts: prompts → G sampled completions each → rewards, and the batch the train step takes.
 
     single = SingleTurn(config, tokenizer, sampler)       # or grpo_jax.agent.rollout.Agent
-    part, reward_m, sampler_m, (t_sample, t_reward) = single.sample(params, rows, rewards, key)
+    part, reward_m, sampler_m, (t_sample, t_reward) = single.sample(variables, rows, rewards, key)
     rollout_batch = part.train_batch(config, pad_id)
-    accuracy = single.evaluate(params, eval_rows, accuracy_reward(config))
+    accuracy = single.evaluate(variables, eval_rows, accuracy_reward(config))
 
-The one rollout interface (SingleTurn here, the multi-turn Agent in grpo_jax.agent.rollout):
-  sample(params, rows, rewards, key, ref_params=None) -> (Rollouts, reward metrics, sampler or
-      agent metrics, (seconds sampling, seconds scoring))
-  evaluate(params, rows, reward, ref_params=None) -> greedy pass@1
+The one rollout interface (SingleTurn here, the multi-turn Agent in grpo_jax.agent.rollout),
+where `variables` is what the sampler runs, model.apply's variables (policy.Policy.sampled:
+{'params': params}, or a LoRA policy's), and ref_params the frozen reference params:
+  sample(variables, rows, rewards, key, ref_params=None) -> (Rollouts, reward metrics, sampler
+      or agent metrics, (seconds sampling, seconds scoring))
+  evaluate(variables, rows, reward, ref_params=None) -> greedy pass@1
   sft_examples(rows) -> (prompt ids, completion ids, loss masks or None): the warm start's data
   batch_layout(rows, num_rewards) -> the likely train batch's layout, or None
   completion_width, max_turns: what the train step's spec takes from it

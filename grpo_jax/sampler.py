@@ -2,8 +2,8 @@
 
     sampler = Sampler(qwen.build(cfg), max_new_tokens=256, stop_ids=[151645, 151643],
                       buckets=(128, 256), valid_vocab_size=151665, pad_id=151643, mesh=mesh)
-    out = sampler.generate(params, [[151644, 8948, ...], [151644, ...]], num_samples=8,
-                           key=jax.random.key(step), temperature=1.0, top_p=0.95)
+    out = sampler.generate({"params": params}, [[151644, 8948, ...], [151644, ...]],
+                           num_samples=8, key=jax.random.key(step), temperature=1.0, top_p=0.95)
     out.tokens     # [B*G, C] int32, completion ids; pad_id after the stop token
     out.lengths    # [B*G]   int32, tokens produced, the stop token included
     out.truncated  # [B*G]   bool, True where max_new_tokens was reached without a stop id
@@ -12,8 +12,11 @@
     out.metrics    # {'sampler/tokens_per_s', 'sampler/seconds', ...} host floats
 
 Row b*G + g is sample g of prompt b (rows of one prompt are contiguous). `prompts` may also be a
-left-padded [B, P] array passed with its mask: `generate(params, tokens_BP, mask_BP, ...)`.
+left-padded [B, P] array passed with its mask: `generate(variables, tokens_BP, mask_BP, ...)`.
 `sampler(...)` is `sampler.generate(...)`. Any `qwen.Qwen` (policy, judge, reward model) works.
+
+The first argument of every call is what model.apply takes: {'params': params}, or a LoRA
+policy's {'params': base, 'lora': adapters} (a run's is policy.Policy.sampled's).
 
 What happens in one call (C = max_new_tokens, P = the smallest bucket holding every prompt):
   1. host: left-pad the prompts to P (numpy, so no new shape reaches the device);
@@ -108,13 +111,6 @@ class Conversation(NamedTuple):
   slots_used: int = 0
 
 
-def variables(params) -> dict:
-  """What model.apply takes, from the sampler's `params` argument: a params pytree, or already
-  variables ({'params': base, 'lora': adapters}: a LoRA policy with its adapters beside the
-  base; train.Trainer.policy says which it gets)."""
-  return params if "params" in params else {"params": params}
-
-
 class Sampler:
   """Built once per model; each call compiles once per (B, bucket, G, sampling settings).
 
@@ -201,7 +197,7 @@ class Sampler:
     spec = sharding_lib.logical_to_spec(P(*logical), x.shape, self.mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-  def _prefill_impl(self, params, tokens_BP, mask_BP, num_samples, capacity):
+  def _prefill_impl(self, variables, tokens_BP, mask_BP, num_samples, capacity):
     """Prompt forward into a P-slot cache, then tiled to [L, B*G, K, capacity, H].
 
     The decode state: `hidden` [R, D] (the last position's, which predicts the next token),
@@ -212,8 +208,8 @@ class Sampler:
     b, p = tokens_BP.shape
     cache = qwen.init_cache(cfg, b, p, self.model.dtype)
     cache = jax.tree.map(lambda x: self._constrain(x, CACHE_AXES), cache)
-    hidden_BPD, cache = self.model.apply(variables(params), tokens_BP,
-                                         qwen.positions_from_mask(mask_BP), mask_BP, cache, 0)
+    hidden_BPD, cache = self.model.apply(variables, tokens_BP, qwen.positions_from_mask(mask_BP),
+                                         mask_BP, cache, 0)
     tile = lambda x: jnp.repeat(x, g, axis=0)
     cache = jax.tree.map(lambda x: self._constrain(
         jnp.pad(jnp.repeat(x, g, axis=1), ((0, 0), (0, 0), (0, 0), (0, capacity - p), (0, 0))),
@@ -228,12 +224,12 @@ class Sampler:
         "slot": jnp.int32(p),
     }
 
-  def _decode_impl(self, params, cache, state, rng, row_ids_R2, active_R,
+  def _decode_impl(self, variables, cache, state, rng, row_ids_R2, active_R,
                    sp: token_choice.SamplingParams, c: int):
     """A while_loop: sample a token per row from the last hidden state, feed it, repeat; at
     most c tokens, written from slot state['slot']; rows not active_R sample nothing."""
-    params, head, keys_R = self._decode_setup(params, rng, row_ids_R2)
-    step = lambda cache, s: self.decode_step(params, head, keys_R, state, sp, cache, s)
+    v, head, keys_R = self._decode_setup(variables, rng, row_ids_R2)
+    step = lambda cache, s: self.decode_step(v, head, keys_R, state, sp, cache, s)
     cond = lambda cs: (cs[1]["step"] < c) & ~jnp.all(cs[1]["done"])
     cache, out = jax.lax.while_loop(cond, lambda cs: step(*cs),
                                     (cache, self.decode_carry(state, active_R, c)))
@@ -241,13 +237,13 @@ class Sampler:
     # Returning the cache aliases it with the donated input, so no copy is made on entry.
     return results, cache, new_state
 
-  def _decode_setup(self, params, rng, row_ids_R2):
+  def _decode_setup(self, variables, rng, row_ids_R2):
     """(variables with the layers in the compute dtype, the sampling head, each row's key).
     With cfg.run.unroll_decode the variables are a qwen.Unrolled, one narrowed copy per layer."""
     if self.cfg.run.unroll_decode:
-      v = qwen.unroll(self.narrow(params))
+      v = qwen.unroll(self.narrow(variables))
       return v, self.head(v.rest["params"]), self.row_keys(rng, row_ids_R2)
-    v = self.narrow(params)
+    v = self.narrow(variables)
     return v, self.head(v["params"]), self.row_keys(rng, row_ids_R2)
 
   def _forward(self, v, tokens_RT, positions_RT, mask_RS, cache, index):
@@ -256,7 +252,7 @@ class Sampler:
       return qwen.apply_unrolled(self.model, v, tokens_RT, positions_RT, mask_RS, cache, index)
     return self.model.apply(v, tokens_RT, positions_RT, mask_RS, cache, index)
 
-  def narrow(self, params):
+  def narrow(self, variables):
     """The variables, their decoder layers' weights in the compute dtype: cast once, before the
     loop, not in every step of it, so each step reads the narrow copy (fp32 params, bf16
     compute: half the bytes). The forward casts every weight to this dtype anyway, so the
@@ -268,7 +264,7 @@ class Sampler:
     keep = jax.tree_util.DictKey("kernel_scale")
     narrow = lambda path, x: x if path[-1] == keep else self._narrow_leaf(x)
     return {col: dict(tree, layers=jax.tree_util.tree_map_with_path(narrow, tree["layers"]))
-            for col, tree in variables(params).items()}
+            for col, tree in variables.items()}
 
   def _narrow_leaf(self, x):
     return x.astype(self.model.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
@@ -336,7 +332,7 @@ class Sampler:
     }
     return results, new_state
 
-  def _append_impl(self, params, cache, state, tokens_RO, mask_RO):
+  def _append_impl(self, variables, cache, state, tokens_RO, mask_RO):
     """Feeds right-padded tokens (an observation) to every row at slots [slot, slot + O): the
     multi-turn rollout's next user turn, written into the carried cache, no re-prefill."""
     p = state["slot"]
@@ -344,16 +340,15 @@ class Sampler:
     positions_RO = state["pos"][:, None] + qwen.positions_from_mask(mask_RO)
     mask_RS = jax.lax.dynamic_update_slice(state["mask"], mask_RO.astype(state["mask"].dtype),
                                            (0, p))
-    hidden_ROD, cache = self.model.apply(variables(params), tokens_RO, positions_RO, mask_RS,
-                                         cache, p)
+    hidden_ROD, cache = self.model.apply(variables, tokens_RO, positions_RO, mask_RS, cache, p)
     last_RD = jnp.take_along_axis(hidden_ROD, jnp.maximum(n_R - 1, 0)[:, None, None], 1)[:, 0]
     return cache, {"hidden": jnp.where(n_R[:, None] > 0, last_RD, state["hidden"]),
                    "mask": mask_RS, "pos": state["pos"] + n_R, "slot": p + tokens_RO.shape[1]}
 
-  def _next_logprobs_impl(self, params, hidden_RD, ids_K):
+  def _next_logprobs_impl(self, variables, hidden_RD, ids_K):
     """log_softmax at temperature 1 over the valid vocabulary, at ids_K: [R, K]. One position
     per row, so the [R, V] logits are one decode step's worth."""
-    logits_RV = self.model.apply(variables(params), hidden_RD[:, None],
+    logits_RV = self.model.apply(variables, hidden_RD[:, None],
                                  method=qwen.Qwen.logits)[:, 0, :self.valid]
     return jax.nn.log_softmax(logits_RV.astype(jnp.float32), axis=-1)[:, ids_K]
 
@@ -417,7 +412,7 @@ class Sampler:
     return {k: hosts.to_local(v, sharding_lib.batch_sharding(self.mesh, v.ndim))
             if np.ndim(v) else v for k, v in results.items()}
 
-  def begin(self, params, prompts, mask=None, *, num_samples: int = 1, room: int,
+  def begin(self, variables, prompts, mask=None, *, num_samples: int = 1, room: int,
             prompt_ids=None) -> Conversation:
     """Prefills the prompts into a cache with `room` free slots after the prompt bucket, tiled
     ×G: the start of G conversations per prompt, continued by `extend` and `append`. An extend
@@ -441,7 +436,7 @@ class Sampler:
                                          self.buckets, self.pad_id, longest)
     mask_BP = mask_BP.astype(np.int32)
     row_ids = np.stack([np.repeat(np.resize(ids, b_pad), g), np.tile(np.arange(g), b_pad)], 1)
-    cache, state = self._prefill(params, self._put(tokens), self._put(mask_BP), g,
+    cache, state = self._prefill(variables, self._put(tokens), self._put(mask_BP), g,
                                  tokens.shape[1] + int(room))
     return Conversation(cache, state, self._put(row_ids.astype(np.int32)), b * g,
                         tokens[:b], mask_BP[:b], tokens.shape[1])
@@ -461,7 +456,7 @@ class Sampler:
             f"room to begin")
     return conv._replace(slots_used=conv.slots_used + n)
 
-  def extend(self, params, conv: Conversation, key, *, max_tokens: int, active=None,
+  def extend(self, variables, conv: Conversation, key, *, max_tokens: int, active=None,
              **settings) -> tuple[dict, Conversation]:
     """Samples up to max_tokens more tokens for every active row (default: all), from where
     each conversation stands. Returns ({'tokens' [R, max_tokens], 'lengths', 'truncated',
@@ -476,14 +471,14 @@ class Sampler:
     r_pad = conv.row_ids.shape[0] // hosts.count()  # this process's rows
     act = np.zeros((r_pad,), bool)
     act[:conv.rows] = True if active is None else np.asarray(active, bool)
-    results, cache, state = self._decode(params, conv.cache, conv.state, key, conv.row_ids,
+    results, cache, state = self._decode(variables, conv.cache, conv.state, key, conv.row_ids,
                                          self._put(act), sp, int(max_tokens))
     results = self._local_rows(results)
     if r_pad > conv.rows:
       results = {k: v[:conv.rows] if np.ndim(v) else v for k, v in results.items()}
     return results, conv._replace(cache=cache, state=state)
 
-  def append(self, params, conv: Conversation, token_lists, width: int) -> Conversation:
+  def append(self, variables, conv: Conversation, token_lists, width: int) -> Conversation:
     """Feeds each row its token list (an observation; may be empty), right-padded to `width`
     (a fixed width compiles once), into the carried cache."""
     if len(token_lists) != conv.rows:
@@ -495,29 +490,30 @@ class Sampler:
     r_pad = conv.row_ids.shape[0] // hosts.count()  # this process's rows
     tokens_RO, mask_RO = data.pad_right(list(token_lists) + [[]] * (r_pad - conv.rows), width,
                                         self.pad_id)
-    cache, state = self._append(params, conv.cache, conv.state, self._put(tokens_RO),
+    cache, state = self._append(variables, conv.cache, conv.state, self._put(tokens_RO),
                                 self._put(mask_RO.astype(np.int32)))
     return conv._replace(cache=cache, state=state)
 
-  def next_logprobs(self, params, conv: Conversation, ids) -> np.ndarray:
+  def next_logprobs(self, variables, conv: Conversation, ids) -> np.ndarray:
     """[R, len(ids)] log-probs of each row's next token being ids[k] (temperature 1, over the
     valid vocabulary), read where each conversation stands: a score, nothing is sampled."""
-    out = self._next_logprobs(params, conv.state["hidden"], jnp.asarray(list(ids), jnp.int32))
+    out = self._next_logprobs(variables, conv.state["hidden"],
+                              jnp.asarray(list(ids), jnp.int32))
     return np.asarray(out)[:conv.rows]
 
-  def peek(self, params, conv: Conversation, token_lists, width: int,
+  def peek(self, variables, conv: Conversation, token_lists, width: int,
            ids) -> tuple[np.ndarray, Conversation]:
     """next_logprobs after feeding `token_lists` (e.g. a yes/no question), leaving the
     conversation where it stood: the question is not kept. Its keys and values are written to
     the slots the next append or extend writes first (no copy of the donated cache); until then
     the causal rule hides them, and the old state's mask is 1 on every slot from `slot` on.
     The cache needs `width` free slots for it."""
-    asked = self.append(params, conv, token_lists, width)
-    logp = self.next_logprobs(params, asked, ids)
+    asked = self.append(variables, conv, token_lists, width)
+    logp = self.next_logprobs(variables, asked, ids)
     # The question's slots are free again (asked's count may be the device's, exact).
     return logp, conv._replace(cache=asked.cache, slots_used=asked.slots_used - int(width))
 
-  def generate(self, params, prompts, mask=None, *, num_samples: int = 1, key=None,
+  def generate(self, variables, prompts, mask=None, *, num_samples: int = 1, key=None,
                prompt_ids=None, **settings) -> SampleOutput:
     """num_samples (G) completions per prompt; see the module docstring for the output.
 
@@ -529,11 +525,11 @@ class Sampler:
     if key is None and not self.sampling_params(settings).greedy:  # fail before any device work
       raise ValueError("key is required unless sampling greedily")
     start = time.perf_counter()
-    conv = self.begin(params, prompts, mask, num_samples=num_samples, room=self.max_new_tokens,
+    conv = self.begin(variables, prompts, mask, num_samples=num_samples, room=self.max_new_tokens,
                       prompt_ids=prompt_ids)
     jax.block_until_ready(conv.state)
     prefill_s = time.perf_counter() - start
-    results, _ = self.extend(params, conv, key, max_tokens=self.max_new_tokens, **settings)
+    results, _ = self.extend(variables, conv, key, max_tokens=self.max_new_tokens, **settings)
     results = jax.block_until_ready(results)
     seconds = time.perf_counter() - start
     generated = int(np.asarray(results["lengths"]).sum())
@@ -552,15 +548,15 @@ class Sampler:
 
   __call__ = generate
 
-  def lower_prefill(self, params, tokens_BP, mask_BP, num_samples: int, capacity: int):
+  def lower_prefill(self, variables, tokens_BP, mask_BP, num_samples: int, capacity: int):
     """The prefill program lowered for these (abstract) arguments: ahead-of-time memory and
     cost analysis (benchmarks/memory.py). Its out_info holds the cache and decode state."""
-    return self._prefill.lower(params, tokens_BP, mask_BP, num_samples, capacity)
+    return self._prefill.lower(variables, tokens_BP, mask_BP, num_samples, capacity)
 
-  def lower_decode(self, params, cache, state, key, row_ids_R2, active_R, max_tokens: int,
+  def lower_decode(self, variables, cache, state, key, row_ids_R2, active_R, max_tokens: int,
                    **settings):
     """The decode program lowered for these (abstract) arguments and sampling settings."""
-    return self._decode.lower(params, cache, state, key, row_ids_R2, active_R,
+    return self._decode.lower(variables, cache, state, key, row_ids_R2, active_R,
                               self.sampling_params(settings), max_tokens)
 
   def cached(self, key, make=None):

@@ -100,8 +100,8 @@ class _Progress:
 
 class Model(NamedTuple):
   """What the warm start needs of a run: its model's config and mesh, its rollout (whose
-  sft_examples it trains on, and whose tokenizer pads them) and evaluate(params, rows), the
-  greedy accuracy its stopping rule reads."""
+  sft_examples it trains on, and whose tokenizer pads them) and evaluate(variables, rows), the
+  greedy accuracy its stopping rule reads, of what the sampler runs ({'params': params})."""
   cfg: Any
   mesh: Any
   rollout: Any
@@ -161,7 +161,7 @@ def run_sft(config, model: Model, params, rows, eval_rows=(), workdir=None, stop
     bar.update(1)
     if not target or not (p.every_step or p.i % s.eval_every == 0):
       continue
-    p.acc = model.evaluate(p.state["params"], eval_rows)
+    p.acc = model.evaluate({"params": p.state["params"]}, eval_rows)
     bar.write(f"grpo_jax: warm start step {p.i}: validation accuracy {p.acc:.1%}")
     if overshoot and p.acc > overshoot and not p.every_step:  # (overshoot > target)
       p.i, state, position = p.last_check

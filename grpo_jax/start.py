@@ -32,8 +32,8 @@ def start(runs, trainers, stop=None):
     else:
       state, ref = _resumed(m, r, trainer, members_lib.label(m, runs))
     states.append(state)
-    lora = trainer.lora is not None
-    refs.append(members_lib.shared_base(runs, refs, m, ref) if lora and refs else ref)
+    shared = trainer.policy_type.members_share_frozen and refs
+    refs.append(members_lib.shared_base(runs, refs, m, ref) if shared else ref)
   return step, states, refs
 
 
@@ -41,20 +41,20 @@ def _fresh(m, trainer, stop):
   """A run without a checkpoint: its initial params, warm-started (sft.steps > 0), as the train
   state and frozen params; its data order from the start."""
   c, s = m.config, m.setup
-  lora = trainer.lora is not None
+  policy = trainer.policy_type
   warm = c.sft.steps and sft.has_checkpoint(m.workdir)  # (holds the params)
   params = None if warm else inputs.initial_params(c, s.cfg, trainer.mesh)
   if c.sft.steps:
     params = sft.run_sft(c, sft.Model(s.cfg, trainer.mesh, trainer.rollout, trainer.evaluate),
                          params, s.train_rows, s.sft_eval_rows, workdir=m.workdir, stop=stop)
-    if lora:  # the base GRPO adapts: kept for resuming and for the adapter's export
+    if not policy.frozen_in_checkpoint:  # LoRA's base: kept for resuming and for the export
       host_params = hosts.fetch(params) if hosts.count() > 1 else params
       if hosts.is_main():
         with storage.local_dir(storage.path(m.workdir) / BASE_DIR, whole=True) as out:
           weights.save_checkpoint(host_params, s.cfg, out, tokenizer=s.tokenizer)
       del host_params
   state = trainer.init_state(params)
-  ref = trainer.reference(params) if lora or grpo.needs_reference(c.loss) else None
+  ref = trainer.reference(params) if policy.needs_frozen(grpo.needs_reference(c.loss)) else None
   m.it = data.PromptIterator(len(s.train_rows), c.train.prompts_per_step, c.seed)
   m.fresh = True
   return state, ref
@@ -84,7 +84,8 @@ def _resumed(m, r, trainer, label: str):
     warn(f"{where}: resuming with settings changed since the workdir's config.json was "
          f"written: {'; '.join(changes)}. The steps up to {r.step} ran with the old values; "
          "config.json now holds the new ones")
-  ref = _lora_base(m, trainer) if trainer.lora is not None else r.state.get("ref")
+  ref = (r.state.get("ref") if trainer.policy_type.frozen_in_checkpoint
+         else _lora_base(m, trainer))
   print(f"grpo_jax: {label}resumed from step {r.step}", flush=True)
   return r.state["train"], ref
 

@@ -87,8 +87,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from grpo_jax import compile_cache, config as config_lib, grpo, hosts, logprobs, sharding
-from grpo_jax.models import lora as lora_lib, qwen, quant
+from grpo_jax import (compile_cache, config as config_lib, grpo, hosts, logprobs,
+                      policy as policy_lib, sharding)
+from grpo_jax.models import qwen
 
 SCHEDULES = ("constant", "cosine")
 
@@ -162,29 +163,22 @@ def make_optimizer(cfg, lr=None) -> optax.GradientTransformation:
 # State and shardings.
 
 
-def abstract_trainable(model_cfg, optim_cfg, lcfg=None):
+def abstract_trainable(model_cfg, optim_cfg, policy=policy_lib.FULL):
   """ShapeDtypeStructs of what the optimizer trains, in param_dtype: the model's params, or with
-  LoRA (lcfg a lora.LoraConfig) the adapters alone."""
-  dtype = jnp.dtype(optim_cfg.param_dtype)
-  if lcfg is None:
-    return qwen.abstract_params(model_cfg, dtype)
-  return lora_lib.abstract(model_cfg, lcfg, dtype)
+  LoRA (policy a policy.Lora) the adapters alone."""
+  return policy.abstract_trainable(model_cfg, jnp.dtype(optim_cfg.param_dtype))
 
 
-def _trainable_axes(model_cfg, lcfg=None):
-  return qwen.logical_axes(model_cfg) if lcfg is None else lora_lib.logical_axes(model_cfg, lcfg)
-
-
-def abstract_state(model_cfg, optim_cfg, mesh=None, lcfg=None):
+def abstract_state(model_cfg, optim_cfg, mesh=None, policy=policy_lib.FULL):
   """ShapeDtypeStructs of the train state (with shardings if a mesh is given); no allocation.
   With LoRA the state's params are the adapters (abstract_trainable)."""
-  params = abstract_trainable(model_cfg, optim_cfg, lcfg)
+  params = abstract_trainable(model_cfg, optim_cfg, policy)
   opt_state = jax.eval_shape(make_optimizer(optim_cfg).init, params)
   state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params, "opt_state": opt_state}
   if mesh is None:
     return state
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
-                      state_shardings(model_cfg, optim_cfg, mesh, lcfg))
+                      state_shardings(model_cfg, optim_cfg, mesh, policy))
 
 
 def reference_dtype(optim_cfg):
@@ -197,53 +191,33 @@ def reference_dtype(optim_cfg):
   return compute if compute.itemsize < param.itemsize else param
 
 
-def abstract_reference(model_cfg, optim_cfg, mesh=None, lcfg=None):
-  """ShapeDtypeStructs of the frozen params as the run stores them: the reference policy
-  (reference_dtype, placed like the policy's params), or with LoRA the frozen base (the same,
-  its projection kernels int8 where lcfg.quantize says so)."""
-  dtype = reference_dtype(optim_cfg)
-  if lcfg is not None and lcfg.quantize == "int8":
-    params = quant.abstract(model_cfg, dtype)
-  else:
-    params = qwen.abstract_params(model_cfg, dtype)
+def abstract_reference(model_cfg, optim_cfg, mesh=None, policy=policy_lib.FULL):
+  """ShapeDtypeStructs of the frozen params as the run stores them (policy.abstract_frozen in
+  reference_dtype): the reference policy, or with LoRA the frozen base."""
+  params = policy.abstract_frozen(model_cfg, reference_dtype(optim_cfg))
   if mesh is None:
     return params
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
-                      reference_shardings(model_cfg, optim_cfg, mesh, lcfg))
+                      reference_shardings(model_cfg, optim_cfg, mesh, policy))
 
 
-def reference_shardings(model_cfg, optim_cfg, mesh, lcfg=None):
+def reference_shardings(model_cfg, optim_cfg, mesh, policy=policy_lib.FULL):
   """NamedShardings of the frozen params (abstract_reference), by the logical-axis rules."""
-  dtype = reference_dtype(optim_cfg)
-  if lcfg is not None and lcfg.quantize == "int8":
-    return sharding.param_shardings(quant.logical_axes(model_cfg),
-                                    quant.abstract(model_cfg, dtype), mesh)
-  return sharding.param_shardings(qwen.logical_axes(model_cfg),
-                                  qwen.abstract_params(model_cfg, dtype), mesh)
+  return policy.frozen_shardings(model_cfg, reference_dtype(optim_cfg), mesh)
 
 
-def reference_params(params, model_cfg, optim_cfg, mesh, lcfg=None):
-  """The frozen params: a fresh copy of params in reference_dtype, placed by the rules (the
-  caller's params may be dropped afterwards). Full fine-tuning: the reference policy. LoRA: the
-  base under the adapters, which with the adapters off is the reference too; lcfg.quantize =
-  'int8' stores its projection kernels as int8 (QLoRA, models/quant.py)."""
-  dtype = reference_dtype(optim_cfg)
-  sh = reference_shardings(model_cfg, optim_cfg, mesh, lcfg)
-  quantize = lcfg is not None and lcfg.quantize == "int8"
-
-  def make(p):
-    p = jax.tree.map(lambda x: x.astype(dtype), p)
-    return quant.quantize(p) if quantize else p
-  plain_sh = sharding.param_shardings(qwen.logical_axes(model_cfg),
-                                      qwen.abstract_params(model_cfg, dtype), mesh)
-  return jax.jit(make, out_shardings=sh)(jax.device_put(params, plain_sh))
+def reference_params(params, model_cfg, optim_cfg, mesh, policy=policy_lib.FULL):
+  """The frozen params (policy.make_frozen): a fresh copy of params in reference_dtype, placed
+  by the rules. Full fine-tuning: the reference policy. LoRA: the base under the adapters, int8
+  kernels where lcfg.quantize = 'int8' (QLoRA, models/quant.py)."""
+  return policy.make_frozen(params, model_cfg, reference_dtype(optim_cfg), mesh)
 
 
-def state_shardings(model_cfg, optim_cfg, mesh, lcfg=None):
+def state_shardings(model_cfg, optim_cfg, mesh, policy=policy_lib.FULL):
   """NamedShardings of the state: params (or LoRA adapters) by the logical-axis rules,
   optimizer moments alike."""
-  params = abstract_trainable(model_cfg, optim_cfg, lcfg)
-  param_sh = sharding.param_shardings(_trainable_axes(model_cfg, lcfg), params, mesh)
+  params = abstract_trainable(model_cfg, optim_cfg, policy)
+  param_sh = sharding.param_shardings(policy.trainable_axes(model_cfg), params, mesh)
   optimizer = make_optimizer(optim_cfg)
   opt_sh = optax.tree_map_params(
       optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params), param_sh,
@@ -251,10 +225,10 @@ def state_shardings(model_cfg, optim_cfg, mesh, lcfg=None):
   return {"step": sharding.replicated(mesh), "params": param_sh, "opt_state": opt_sh}
 
 
-def create_train_state(params, model_cfg, optim_cfg, mesh, lcfg=None):
-  """The initial state from a params pytree (with LoRA: the adapters, lora.init): cast to
-  param_dtype, placed by the rules."""
-  sh = state_shardings(model_cfg, optim_cfg, mesh, lcfg)
+def create_train_state(params, model_cfg, optim_cfg, mesh, policy=policy_lib.FULL):
+  """The initial state from a params pytree (with LoRA: the adapters, policy.init_trainable):
+  cast to param_dtype, placed by the rules."""
+  sh = state_shardings(model_cfg, optim_cfg, mesh, policy)
   dtype = jnp.dtype(optim_cfg.param_dtype)
   # device_put may hand back the caller's own buffers (e.g. as one shard of a replicated leaf);
   # the jitted cast makes fresh ones, so donating the state never deletes the caller's params
@@ -580,10 +554,10 @@ class StepSpec:
   group_size, num_rewards: rollout batches (advantages are computed in the step).
   objective: 'grpo' or 'sft' (the warm start: mean NLL of the completion tokens).
   max_turns: flow_grpo's static bound on a row's turns (grpo.flow_grpo_weights).
-  with_ref: whether the program takes frozen params: the reference (β > 0 and no ref_logp_BC
-    given), or with LoRA always (the base the adapters attach to, also the reference).
-  lora: a lora.LoraConfig: the state's params are adapters on the frozen base; None: full
-    fine-tuning.
+  with_ref: whether the program takes frozen params (policy.needs_frozen): the reference (β > 0
+    and no ref_logp_BC given), or with LoRA always (the base the adapters attach to).
+  policy: what the state's params are and what the frozen params are (grpo_jax.policy): Full
+    fine-tuning, or Lora: adapters on the frozen base.
   cond: how the step branches on a traced predicate (whether the policy is the reference),
     with jax.lax.cond's signature: jax.lax.cond itself by default. A program that runs the
     step for several batches at once under a transformation (jax.vmap turns a cond whose
@@ -602,13 +576,13 @@ class StepSpec:
   objective: str = "grpo"
   max_turns: int | None = None
   with_ref: bool = False
-  lora: lora_lib.LoraConfig | None = None
+  policy: policy_lib.Policy = policy_lib.FULL
   cond: Callable = jax.lax.cond
 
   @staticmethod
   def build(model_cfg, loss_cfg, optim_cfg, mesh, *, temperature=1.0, valid_vocab_size=None,
             max_completion_length=None, group_size=None, num_rewards=None, objective="grpo",
-            max_turns=None, lora=None) -> StepSpec:
+            max_turns=None, policy=policy_lib.FULL) -> StepSpec:
     """Validates the settings (ValueError naming the first bad one) and freezes them."""
     if objective not in OBJECTIVES:
       raise ValueError(f"objective={objective!r} is not one of {OBJECTIVES}")
@@ -625,10 +599,11 @@ class StepSpec:
     return StepSpec(model_cfg, LossSpec.of(loss_cfg), optim, mesh,
                     float(temperature), int(valid_vocab_size or model_cfg.vocab_size),
                     max_completion_length, group_size, num_rewards, objective, max_turns,
-                    lora=lora)
+                    policy=policy)
 
 
-def hparams(loss_cfg, optim_cfg, reward_weights=(), lora=None) -> dict[str, np.ndarray]:
+def hparams(loss_cfg, optim_cfg, reward_weights=(), policy=policy_lib.FULL
+            ) -> dict[str, np.ndarray]:
   """The step's array settings, which may differ between runs of one program: float32 scalars (and
   the reward weights; with LoRA its scale alpha / r). The clip bounds are formed here in
   float64 and rounded once, as Python folds `1.0 - epsilon` when it is a constant."""
@@ -637,34 +612,21 @@ def hparams(loss_cfg, optim_cfg, reward_weights=(), lora=None) -> dict[str, np.n
         "clip_low": f32(1.0 - float(loss_cfg.epsilon)),
         "clip_high": f32(1.0 + float(loss_cfg.epsilon_high)),
         "reward_weights": f32(tuple(map(float, reward_weights)))}
-  if lora is not None:
-    hp["lora_scale"] = f32(lora.scale)
+  hp.update({k: f32(v) for k, v in policy.hparams().items()})
   return hp
 
 
 def policy_vars(spec: StepSpec, params, frozen, hp=None) -> dict:
   """The policy's variables for model.apply: {'params': params} (full fine-tuning), or with
   LoRA the frozen base with the adapters (params) on, b scaled by hp['lora_scale']."""
-  if spec.lora is None:
-    return {"params": params}
-  scale = None if hp is None else hp.get("lora_scale")
-  return lora_lib.variables(frozen, params, spec.lora, scale=scale)
+  return spec.policy.variables(params, frozen, None if hp is None else hp.get("lora_scale"))
 
 
 def _policy_is_reference(spec, params, frozen, dtype):
   """A traced bool: whether the policy computes exactly what the reference does. Full
   fine-tuning: the params equal the reference's as the forward uses them. LoRA: every b is 0,
-  so each adapted projection adds exact zeros to the base's."""
-  if spec.lora is None:
-    return same_params(params, frozen, dtype)
-  return jnp.all(jnp.stack([jnp.all(b == 0) for b in lora_lib.b_factors(params)]))
-
-
-def same_params(params, ref_params, dtype):
-  """Whether two params pytrees are equal as the forward uses them (cast to its compute dtype,
-  as every parameter is before use): a scalar bool, one compare-and-reduce pass per leaf."""
-  eq = jax.tree.map(lambda p, r: jnp.all(p.astype(dtype) == r.astype(dtype)), params, ref_params)
-  return jnp.all(jnp.stack(jax.tree.leaves(eq)))
+  so each adapted projection adds exact zeros to the base's (policy.is_reference)."""
+  return spec.policy.is_reference(params, frozen, dtype)
 
 
 _METRIC_IDENTITY = {"ratio/min": jnp.inf, "ratio/max": -jnp.inf}
@@ -764,7 +726,7 @@ def _grads(spec, hp, params, ref_params, batch, norm):
             NamedSharding(mesh, P(None, sharding.BATCH_AXES)))
   grad_fn = jax.grad(lambda p, mb: _loss(spec, model, hp, p, ref_params, mb, norm, ref_is_policy),
                      has_aux=True)
-  param_sh = state_shardings(spec.model, spec.optim, mesh, spec.lora)["params"]
+  param_sh = state_shardings(spec.model, spec.optim, mesh, spec.policy)["params"]
   constrain = lambda g: jax.lax.with_sharding_constraint(g, param_sh)
   if accum == 1:
     grads, (sums, logp, ref) = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
@@ -848,7 +810,8 @@ def train_step(state, batch, hparams, ref_params=None, *, spec: StepSpec):
 
     def body(st, _):
       # The reference log-probs are the first update's; LoRA's policy still needs its base.
-      st, m_it, _, _ = _update(spec, hp, st, ref_params if spec.lora else None, later, norm)
+      st, m_it, _, _ = _update(spec, hp, st, ref_params if spec.policy.applies_frozen else None,
+                               later, norm)
       return st, m_it
     state, ms = jax.lax.scan(body, state, None, length=lc.num_iterations - 1)
     m = _over_updates(jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), m, ms))
@@ -880,26 +843,26 @@ class TrainStep:
   host-side checks of the batch (a bad batch raises and the state survives).
 
   Keyword arguments as StepSpec.build; reward_weights and the configs' lr, beta, epsilon and
-  epsilon_high (and LoRA's alpha / r) are the default hparams. With `lora` (a lora.LoraConfig)
-  the state holds the adapters and `ref_params` is the frozen base, passed on every call.
+  epsilon_high (and LoRA's alpha / r) are the default hparams. With `policy` a policy.Lora the
+  state holds the adapters and `ref_params` is the frozen base, passed on every call.
   `jitted` and `precompile_program` keep programs that a wrapper builds from `train_step` and
   `spec` beside this step's own, counted and compiled ahead the same way.
   """
 
   def __init__(self, model_cfg, loss_cfg, optim_cfg, mesh, *, temperature=1.0,
                valid_vocab_size=None, max_completion_length=None, group_size=None,
-               reward_weights=None, objective="grpo", max_turns=None, lora=None):
+               reward_weights=None, objective="grpo", max_turns=None,
+               policy=policy_lib.FULL):
     self.spec = StepSpec.build(
         model_cfg, loss_cfg, optim_cfg, mesh, temperature=temperature,
         valid_vocab_size=valid_vocab_size, max_completion_length=max_completion_length,
         group_size=group_size, num_rewards=None if reward_weights is None else len(
-            reward_weights), objective=objective, max_turns=max_turns, lora=lora)
+            reward_weights), objective=objective, max_turns=max_turns, policy=policy)
     self.hparams = hparams(loss_cfg, optim_cfg, () if reward_weights is None else reward_weights,
-                           lora)
+                           policy)
     self.model_cfg, self.mesh = model_cfg, mesh
-    self.state_sh = state_shardings(model_cfg, self.spec.optim, mesh, lora)
-    self.ref_sh = (self.state_sh["params"] if lora is None
-                   else reference_shardings(model_cfg, self.spec.optim, mesh, lora))
+    self.state_sh = state_shardings(model_cfg, self.spec.optim, mesh, policy)
+    self.ref_sh = reference_shardings(model_cfg, self.spec.optim, mesh, policy)
     self.num_traces = 0  # programs traced (compiled): one per batch layout
     self._programs = {}
     self._ahead = set()  # program keys whose precompile has started
@@ -914,13 +877,13 @@ class TrainStep:
 
   def needs_ref(self, batch) -> bool:
     """Whether the program takes the frozen params: always with LoRA (its base)."""
-    return self.spec.lora is not None or (
+    return self.spec.policy.needs_frozen(
         self.spec.objective == "grpo" and grpo.needs_reference(self.spec.loss)
         and "ref_logp_BC" not in batch)
 
   def check(self, batch, has_ref_params: bool) -> None:
     s = self.spec
-    if s.lora is not None and not has_ref_params:
+    if s.policy.applies_frozen and not has_ref_params:
       raise ValueError("a LoRA train step needs the frozen base params (ref_params)")
     check_batch(batch, s.loss, s.optim, s.mesh, s.objective, has_ref_params=has_ref_params,
                 group_size=s.group_size, num_rewards=s.num_rewards, max_turns=s.max_turns,
@@ -991,11 +954,11 @@ class TrainStep:
 
 def make_grad_fn(model_cfg, loss_cfg, optim_cfg, mesh, batch, **step_kw):
   """Jitted (params, batch, frozen=None) → (loss, grads) of the train step's first update, for
-  tests; with lora= in step_kw, params are the adapters and frozen the base."""
+  tests; with policy=policy.Lora(...) in step_kw, params are the adapters and frozen the base."""
   step = TrainStep(model_cfg, loss_cfg, optim_cfg, mesh, **step_kw)
   spec, hp = step.spec, step.hparams
   check_batch(batch, loss_cfg, optim_cfg, mesh, max_turns=spec.max_turns,
-              has_ref_params=spec.lora is not None, valid=spec.valid)
+              has_ref_params=spec.policy.applies_frozen, valid=spec.valid)
 
   def fn(params, batch, frozen):
     mask_BC = grpo.loss_mask(batch["completion_mask_BC"], batch.get("truncated_B"),
@@ -1005,7 +968,7 @@ def make_grad_fn(model_cfg, loss_cfg, optim_cfg, mesh, batch, **step_kw):
     return sums["loss"], grads
   param_sh = step.state_sh["params"]
   jitted = jax.jit(fn, in_shardings=(param_sh, batch_shardings(batch, mesh),
-                                     step.ref_sh if spec.lora is not None else None),
+                                     step.ref_sh if spec.policy.applies_frozen else None),
                    out_shardings=(sharding.replicated(mesh), param_sh),
                    compiler_options=compile_cache.compiler_options(mesh))
   return lambda params, batch, frozen=None: jitted(params, batch, frozen)

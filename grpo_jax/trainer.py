@@ -1,5 +1,6 @@
 """The compiled pieces of a run: its sampler, rollout (single-turn or the agent's) and train
-step, its LoRA settings, and how its train state, reference and sampled policy are made.
+step, and its policy type (grpo_jax.policy: full fine-tuning or LoRA), which says how its
+train state, frozen params and sampled policy are made.
 
     trainer = trainer_lib.Trainer(config, cfg, mesh, tokenizer, stop_ids)
     state, metrics, samples = trainer.grpo_step(state, ref, next_rows, rewards, step)
@@ -7,13 +8,10 @@ step, its LoRA settings, and how its train state, reference and sampled policy a
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 
-from grpo_jax import (config as config_lib, grpo, members, rollout, sampler as sampler_lib,
-                      tokenizer as tokenizer_lib, train_step)
+from grpo_jax import (config as config_lib, grpo, members, policy as policy_lib, rollout,
+                      sampler as sampler_lib, tokenizer as tokenizer_lib, train_step)
 from grpo_jax.agent import rollout as agent_rollout
 from grpo_jax.models import lora as lora_lib, qwen
 
@@ -39,56 +37,57 @@ class Trainer:
                                                                     self.sampler))
     self.optim = config_lib.optim_settings(config)
     # LoRA (config.model.lora.rank > 0): the state trains adapters on a frozen base, which is
-    # also the reference policy (adapters off); None: full fine-tuning.
+    # also the reference policy (adapters off); else full fine-tuning.
     self.lora = lora_settings(config)
-    self._merge = (jax.jit(functools.partial(lora_lib.merged_kernels, lcfg=self.lora))
-                   if self.lora and self.lora.merge_for_sampling else None)
+    self.policy_type = policy_lib.of(self.lora)
     self.step_fn = train_step.TrainStep(
         cfg, config.loss, self.optim, mesh, temperature=s.temperature, valid_vocab_size=valid,
         max_completion_length=self.rollout.completion_width,
         group_size=config_lib.group_size(config), reward_weights=config.rewards.weights,
-        max_turns=self.rollout.max_turns, lora=self.lora)
+        max_turns=self.rollout.max_turns, policy=self.policy_type)
     self.accuracy = rollout.accuracy_reward(config)
 
   def hparams(self, config):
     """A run's train-step hyperparameters (its lr, β, ε, ε_high, reward weights and LoRA
     scale)."""
     return train_step.hparams(config.loss, config.optim, config.rewards.weights,
-                              lora_settings(config))
+                              policy_lib.of(lora_settings(config)))
 
   def init_state(self, params):
     """The train state from the starting params: over them (full fine-tuning), or over fresh
     adapters (LoRA; PEFT's initialisation from the run's seed, b = 0)."""
-    if self.lora is None:
-      return train_step.create_train_state(params, self.cfg, self.optim, self.mesh)
-    key = jax.random.fold_in(jax.random.key(self.config.seed), LORA_INIT_STREAM)
-    adapters = lora_lib.init(key, self.cfg, self.lora, jnp.dtype(self.optim.param_dtype))
-    return train_step.create_train_state(adapters, self.cfg, self.optim, self.mesh, self.lora)
+    trainable = self.policy_type.init_trainable(params, self.cfg, self.config.seed,
+                                                jnp.dtype(self.optim.param_dtype))
+    return train_step.create_train_state(trainable, self.cfg, self.optim, self.mesh,
+                                         self.policy_type)
 
   def reference(self, params):
     """The frozen params: the reference (loss.beta > 0) or LoRA's base (always), in
     train_step.reference_dtype (LoRA: int8 kernels where model.lora.quantize says)."""
-    return train_step.reference_params(params, self.cfg, self.optim, self.mesh, self.lora)
+    return train_step.reference_params(params, self.cfg, self.optim, self.mesh,
+                                       self.policy_type)
 
   def policy(self, params, frozen):
     """What the sampler runs: the params, or with LoRA the base with the adapters merged into
     its target kernels (model.lora.merge_for_sampling), or beside them (a group's K adapters:
     members.policy)."""
-    if self.lora is None:
-      return params
-    if self.lora.merge_for_sampling:
-      return lora_lib.merged_policy(frozen, params, self.lora, self._merge)
-    return lora_lib.variables(frozen, params, self.lora)
+    return self.policy_type.sampled(params, frozen)
 
   def abstract_checkpoint(self):
-    abstract = {"train": train_step.abstract_state(self.cfg, self.optim, self.mesh, self.lora)}
-    if self.lora is None and grpo.needs_reference(self.config.loss):
-      abstract["ref"] = train_step.abstract_reference(self.cfg, self.optim, self.mesh)
+    """What a checkpoint holds: the train state, and the reference where the policy keeps it
+    there (full fine-tuning with β > 0; a LoRA base is the model or BASE_DIR)."""
+    abstract = {"train": train_step.abstract_state(self.cfg, self.optim, self.mesh,
+                                                   self.policy_type)}
+    if self.policy_type.frozen_in_checkpoint and self.policy_type.needs_frozen(
+        grpo.needs_reference(self.config.loss)):
+      abstract["ref"] = train_step.abstract_reference(self.cfg, self.optim, self.mesh,
+                                                      self.policy_type)
     return abstract
 
-  def evaluate(self, params, rows, ref_params=None) -> float:
-    """Greedy pass@1 on rows (ref_params: for an agent's 'reference' role)."""
-    return self.rollout.evaluate(params, rows, self.accuracy, ref_params)
+  def evaluate(self, variables, rows, ref_params=None) -> float:
+    """Greedy pass@1 on rows of what the sampler runs (policy: model.apply's variables;
+    ref_params: for an agent's 'reference' role)."""
+    return self.rollout.evaluate(variables, rows, self.accuracy, ref_params)
 
   def grpo_step(self, state, ref_params, next_rows, rewards, step):
     """One run's GRPO step (members.group_step with K = 1): next_rows() returns the next
@@ -96,9 +95,6 @@ class Trainer:
     group = members.Group(1, state, ref_params, self.hparams(self.config))
     group, ms, samples = members.group_step([self], group, [rewards], [next_rows], step)
     return group.state, ms[0], samples[0]
-
-
-LORA_INIT_STREAM = 0x10A  # fold_in stream of the seed for the adapters' initialisation
 
 
 def lora_settings(config) -> lora_lib.LoraConfig | None:

@@ -96,7 +96,8 @@ def test_local_executor_writes_the_tool_input_as_a_fresh_greedy_pass(tiny, role)
   agent = _agent(tiny, seen, executor=role, executor_tokens=5)
   ref = qwen.init_params(cfg, jax.random.key(6), jnp.float32) if role == "reference" else None
   g = 2
-  prompts, records, _, _ = agent.run(params, rows, g, jax.random.key(1), ref_params=ref)
+  prompts, records, _, _ = agent.run({"params": params}, rows, g, jax.random.key(1),
+                                      ref_vars=None if ref is None else {"params": ref})
   calls = _executor_calls(agent, prompts, records, g)
   assert len(calls) >= 3, len(calls)
   role_params = params if role == "frozen_policy" else ref
@@ -123,7 +124,7 @@ def test_server_executor_gets_the_action_and_its_reply_is_run(tiny):
     agent = _agent(tiny, seen, executor="server",
                    executor_prompt="Input for {tool}? [reply=3+4]",
                    server=dict(base_url=server.url, model="exec-7b", max_retries=0))
-    prompts, records, _, _ = agent.run(params, rows, 2, jax.random.key(2))
+    prompts, records, _, _ = agent.run({"params": params}, rows, 2, jax.random.key(2))
     body = server.bodies[-1]
   tool_calls = [s for s in seen if _is_call(s)]
   assert tool_calls and set(tool_calls) == {"<tool>calculator: 3+4</tool>"}

@@ -57,13 +57,13 @@ def _conversation(prompt_ids, rec, pieces):
 
 
 def _fresh_yes_no(check, params, convs, yes_no):
-  c = check.begin(params, convs, room=0)
-  logp = check.next_logprobs(params, c, yes_no).astype(np.float64)
+  c = check.begin({"params": params}, convs, room=0)
+  logp = check.next_logprobs({"params": params}, c, yes_no).astype(np.float64)
   return 1.0 / (1.0 + np.exp(logp[:, 1] - logp[:, 0]))
 
 
 def _greedy(check, params, convs, n):
-  out = check.generate(params, convs, greedy=True)
+  out = check.generate({"params": params}, convs, greedy=True)
   return [np.asarray(out.tokens)[i, :min(int(np.asarray(out.lengths)[i]), n)]
           for i in range(len(convs))]
 
@@ -101,7 +101,7 @@ def test_frozen_policy_roles_stay_out_of_the_loss_and_leave_the_sampler_logprobs
   config, cfg, params, rows, _, _, check = tiny
   agent = _agent(tiny, generator="frozen_policy", verifier="frozen_policy")
   g = 2
-  prompts, records, _, _ = agent.run(params, rows, g, jax.random.key(1))
+  prompts, records, _, _ = agent.run({"params": params}, rows, g, jax.random.key(1))
   _check_roles(agent, check, prompts, records, g, params)
   # No role token is trained, and the rows give the train step the sampler's log-probs.
   assert_rows_give_sampler_logprobs(agent, cfg, params, prompts, rows, records, (128,))
@@ -117,8 +117,9 @@ def test_reference_roles_use_the_reference_params(tiny):
   agent = _agent(tiny, generator="reference", verifier="reference")
   g = 2
   with pytest.raises(ValueError, match="ref_params"):
-    agent.run(params, rows, g, jax.random.key(1))
-  prompts, records, _, _ = agent.run(params, rows, g, jax.random.key(1), ref_params=ref)
+    agent.run({"params": params}, rows, g, jax.random.key(1))
+  prompts, records, _, _ = agent.run({"params": params}, rows, g, jax.random.key(1),
+                                      ref_vars={"params": ref})
   asked = _check_roles(agent, check, prompts, records, g, ref)
   # A random tied-embedding model's greedy text mostly echoes its input, whatever its weights;
   # the verifier's probabilities tell the two models apart.
@@ -135,12 +136,12 @@ def test_server_roles_get_the_transcript_as_chat_messages(tiny):
                    server=dict(base_url=server.url, model="frozen-7b", max_retries=0))
     from grpo_jax.rewards import build_rewards
     rewards = build_rewards(config.rewards)
-    part, _, m, _ = agent.sample(params, rows, rewards, jax.random.key(2), g=2)
+    part, _, m, _ = agent.sample({"params": params}, rows, rewards, jax.random.key(2), g=2)
     body = server.bodies[-1]  # the last generator request
     # A server that fails: no answer (scored as ""), the verifier's missing reply is a No.
     down = _agent(tiny, generator="server", verifier="server", generator_prompt="[500]",
                   verifier_prompt="[500]", server=dict(base_url=server.url, max_retries=0))
-    part_down, _, m_down, _ = down.sample(params, rows, rewards, jax.random.key(2), g=2)
+    part_down, _, m_down, _ = down.sample({"params": params}, rows, rewards, jax.random.key(2), g=2)
   assert part_down.texts == [""] * 6 and m_down["agent/generator/missing"] == 6
   assert m_down["agent/verifier/missing"] > 0 and m_down["agent/end/verifier_frac"] == 0
   assert part.texts == ["<answer>42</answer>"] * 6

@@ -38,19 +38,19 @@ def test_carried_cache_equals_reprefilling_the_conversation(params, decode_atten
   prompts = [rng.integers(1, VOCAB, n).tolist() for n in (5, 3)]
   g, turns, action = 2, 3, 6
   # Stop ids taken from the greedy continuations, so rows stop early and leave holes.
-  probe = np.asarray(_sampler().generate(params, prompts, greedy=True).tokens)
+  probe = np.asarray(_sampler().generate({"params": params}, prompts, greedy=True).tokens)
   cfg = CFG.with_run(decode_attention=decode_attention)
   s = _sampler(stop_ids=[int(probe[0, 2]), int(probe[1, 1])], cfg=cfg)
-  conv = s.begin(params, prompts, num_samples=g, room=turns * (action + 5))
+  conv = s.begin({"params": params}, prompts, num_samples=g, room=turns * (action + 5))
   history = [list(prompts[i // g]) for i in range(len(prompts) * g)]
   key, early = jax.random.key(0), 0
   for t in range(turns):
-    out, conv = s.extend(params, conv, key, max_tokens=action, greedy=True)
+    out, conv = s.extend({"params": params}, conv, key, max_tokens=action, greedy=True)
     tokens, lengths = np.asarray(out["tokens"]), np.asarray(out["lengths"])
     early += int((lengths < action).sum())
     # The same turn from scratch: every row's whole conversation as a fresh prompt.
     for r, h in enumerate(history):
-      ref = s.generate(params, [h], num_samples=1, greedy=True)
+      ref = s.generate({"params": params}, [h], num_samples=1, greedy=True)
       n = int(np.asarray(ref.lengths)[0])
       want = np.asarray(ref.tokens)[0, :min(n, action)]
       np.testing.assert_array_equal(tokens[r, :lengths[r]], want, err_msg=f"turn {t} row {r}")
@@ -59,7 +59,7 @@ def test_carried_cache_equals_reprefilling_the_conversation(params, decode_atten
       h.extend(tokens[r, :lengths[r]].tolist())
     # Observations of different lengths, one of them empty.
     obs = [rng.integers(1, VOCAB, n).tolist() for n in (3, 0, 5, 1)]
-    conv = s.append(params, conv, obs, width=5)
+    conv = s.append({"params": params}, conv, obs, width=5)
     for h, o in zip(history, obs):
       h.extend(o)
   assert early >= 2, "no row stopped early: the test would not exercise the cache's holes"
@@ -99,7 +99,7 @@ def test_trajectory_rows_give_the_sampler_logprobs_to_the_train_step(tiny_agent)
   the train step's log-probs of its action tokens equal the sampler's, turn by turn."""
   config, cfg, params, rows, agent = tiny_agent
   g = 2
-  prompts, records, _, _ = agent.run(params, rows[:4], g, jax.random.key(7))
+  prompts, records, _, _ = agent.run({"params": params}, rows[:4], g, jax.random.key(7))
   batch = assert_rows_give_sampler_logprobs(agent, cfg, params, prompts, rows[:4], records,
                                             config.data.prompt_buckets)
   c = batch["completion_BC"].shape[1]

@@ -132,7 +132,7 @@ def test_trl_step_reference_is_stored_as_a_run_stores_it(tmp_path):
   each element one bf16 ulp above the policy's bf16 value, so the step's reference forward runs."""
   import trl_step
   from configs import gsm8k
-  from grpo_jax import sharding, tokenizer as tokenizer_lib, train_step, trainer as trainer_lib
+  from grpo_jax import policy, sharding, tokenizer as tokenizer_lib, train_step, trainer as trainer_lib
   from grpo_jax.models import qwen
   c = gsm8k.get_config("default")
   c.optim.param_dtype, c.optim.compute_dtype = "float32", "bfloat16"
@@ -154,7 +154,7 @@ def test_trl_step_reference_is_stored_as_a_run_stores_it(tmp_path):
     # One ulp: nothing representable in bf16 lies strictly between the two.
     mid = np.asarray(jnp.asarray((p16 + r16) / 2, jnp.float32).astype(jnp.bfloat16))
     assert np.all((mid.astype(np.float64) == p16) | (mid.astype(np.float64) == r16))
-  assert not bool(train_step.same_params(params, ref, jnp.bfloat16))
+  assert not bool(policy.same_params(params, ref, jnp.bfloat16))
 
 
 def _trl_config(monkeypatch, tmp_path, vllm):

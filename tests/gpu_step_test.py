@@ -151,8 +151,8 @@ def _decode_hlo(layers, unroll=False):
                             pad_id=0, stop_ids=(1,))
   params = jax.eval_shape(lambda: qwen.init_params(cfg, jax.random.key(0)))
   tok = jax.ShapeDtypeStruct((2, 8), jnp.int32)
-  cache, state = jax.eval_shape(smp._prefill, params, tok, tok, 2, 12)
-  text = smp._decode.lower(params, cache, state, jax.eval_shape(lambda: jax.random.key(0)),
+  cache, state = jax.eval_shape(smp._prefill, {"params": params}, tok, tok, 2, 12)
+  text = smp._decode.lower({"params": params}, cache, state, jax.eval_shape(lambda: jax.random.key(0)),
                            jax.ShapeDtypeStruct((4, 2), jnp.int32),
                            jax.ShapeDtypeStruct((4,), jnp.bool_), smp.sampling_params({}),
                            4).compile().as_text()

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import cli
-from grpo_jax import config as config_lib, grpo, members, sharding, train_step
+from grpo_jax import config as config_lib, grpo, members, policy as policy_lib, sharding, train_step
 from grpo_jax.models import lora, qwen
 
 MODEL = qwen.QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -24,6 +24,7 @@ MODEL = qwen.QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num
 B, P, C, G = 16, 6, 8, 4
 EOS = MODEL.vocab_size - 1
 LCFG = lora.LoraConfig(rank=4, alpha=8.0)
+LORA = policy_lib.Lora(LCFG)
 
 
 def loss_config(**kw):
@@ -95,7 +96,7 @@ def test_adapter_gradients_are_the_chain_rule_of_the_full_weight_gradient(base):
   batch = train_batch()
   adapters = adapters_like_trained(jax.random.key(3))
   lora_grad = train_step.make_grad_fn(MODEL, loss_config(), optim_config(), mesh, batch,
-                                      group_size=G, lora=LCFG)
+                                      group_size=G, policy=LORA)
   full_grad = train_step.make_grad_fn(MODEL, loss_config(), optim_config(), mesh, batch,
                                       group_size=G)
   loss_l, g_ad = lora_grad(adapters, batch, base)
@@ -130,17 +131,17 @@ def test_reference_is_the_base_with_adapters_off_and_the_base_stays_frozen(base)
   the state holds the adapters alone."""
   mesh = sharding.make_mesh((1, 1, 1))
   loss_cfg, optim = loss_config(beta=0.1), optim_config()
-  step = train_step.TrainStep(MODEL, loss_cfg, optim, mesh, group_size=G, lora=LCFG)
-  frozen = train_step.reference_params(base, MODEL, optim, mesh, LCFG)
+  step = train_step.TrainStep(MODEL, loss_cfg, optim, mesh, group_size=G, policy=LORA)
+  frozen = train_step.reference_params(base, MODEL, optim, mesh, LORA)
   before = jax.tree.map(np.asarray, frozen)
   batch = train_batch(1)
   adapters = adapters_like_trained(jax.random.key(4))
   logp_fn = train_step.make_logprob_fn(MODEL, optim, mesh)
   ref_logp = np.asarray(logp_fn(base, batch["tokens_BS"], batch["attn_mask_BS"], C))
 
-  got, got_m, _ = step(train_step.create_train_state(adapters, MODEL, optim, mesh, LCFG),
+  got, got_m, _ = step(train_step.create_train_state(adapters, MODEL, optim, mesh, LORA),
                        batch, frozen)
-  want, want_m, _ = step(train_step.create_train_state(adapters, MODEL, optim, mesh, LCFG),
+  want, want_m, _ = step(train_step.create_train_state(adapters, MODEL, optim, mesh, LORA),
                          dict(batch, ref_logp_BC=ref_logp), frozen)
   assert got_m["loss/kl"] > 1e-6
   np.testing.assert_allclose(got_m["loss/kl"], want_m["loss/kl"], rtol=1e-5)
@@ -151,7 +152,7 @@ def test_reference_is_the_base_with_adapters_off_and_the_base_stays_frozen(base)
   jax.tree.map(np.testing.assert_array_equal, before, jax.device_get(frozen))
 
   fresh = lora.init(jax.random.key(5), MODEL, LCFG)
-  _, fresh_m, _ = step(train_step.create_train_state(fresh, MODEL, optim, mesh, LCFG), batch,
+  _, fresh_m, _ = step(train_step.create_train_state(fresh, MODEL, optim, mesh, LORA), batch,
                        frozen)
   assert fresh_m["loss/kl"] == 0.0
 
@@ -159,9 +160,9 @@ def test_reference_is_the_base_with_adapters_off_and_the_base_stays_frozen(base)
 def test_a_lora_step_without_its_base_is_refused(base):
   mesh = sharding.make_mesh((1, 1, 1))
   step = train_step.TrainStep(MODEL, loss_config(), optim_config(), mesh, group_size=G,
-                              lora=LCFG)
+                              policy=LORA)
   state = train_step.create_train_state(lora.init(jax.random.key(0), MODEL, LCFG), MODEL,
-                                        optim_config(), mesh, LCFG)
+                                        optim_config(), mesh, LORA)
   with pytest.raises(ValueError, match="frozen base"):
     step(state, train_batch())
 
@@ -174,15 +175,15 @@ def test_members_share_one_base_and_match_separate_steps(base, batched):
   mesh = sharding.make_mesh((1, 1, 1))
   optim = optim_config()
   cfgs = [(loss_config(beta=0.05), 1e-2), (loss_config(beta=0.2), 3e-3)]
-  step = train_step.TrainStep(MODEL, cfgs[0][0], optim, mesh, group_size=G, lora=LCFG)
-  frozen = train_step.reference_params(base, MODEL, optim, mesh, LCFG)
+  step = train_step.TrainStep(MODEL, cfgs[0][0], optim, mesh, group_size=G, policy=LORA)
+  frozen = train_step.reference_params(base, MODEL, optim, mesh, LORA)
   adapters = [adapters_like_trained(jax.random.key(10 + k)) for k in range(2)]
   batches = [train_batch(20 + k) for k in range(2)]
-  hps = [train_step.hparams(lc, optim_config(lr=lr), (), LCFG) for lc, lr in cfgs]
-  want = [step(train_step.create_train_state(a, MODEL, optim, mesh, LCFG), b, frozen, hp)
+  hps = [train_step.hparams(lc, optim_config(lr=lr), (), LORA) for lc, lr in cfgs]
+  want = [step(train_step.create_train_state(a, MODEL, optim, mesh, LORA), b, frozen, hp)
           for a, b, hp in zip(adapters, batches, hps)]
   stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
-  state_K = stack([train_step.create_train_state(a, MODEL, optim, mesh, LCFG)
+  state_K = stack([train_step.create_train_state(a, MODEL, optim, mesh, LORA)
                    for a in adapters])
   got, got_m, _ = members.train(step, state_K, batches, stack(hps), frozen, batched=batched)
   for k in range(2):
@@ -204,9 +205,9 @@ def test_sharded_lora_step_equals_one_device(base, mesh_shape):
   for shape in ((1, 1, 1), mesh_shape):
     mesh = sharding.make_mesh(shape)
     step = train_step.TrainStep(MODEL, loss_config(beta=0.05), optim, mesh, group_size=G,
-                                lora=LCFG)
-    frozen = train_step.reference_params(base, MODEL, optim, mesh, LCFG)
-    state, m, _ = step(train_step.create_train_state(adapters, MODEL, optim, mesh, LCFG),
+                                policy=LORA)
+    frozen = train_step.reference_params(base, MODEL, optim, mesh, LORA)
+    state, m, _ = step(train_step.create_train_state(adapters, MODEL, optim, mesh, LORA),
                        batch, frozen)
     results.append((jax.device_get(state["params"]), jax.device_get(first_moment(state)), m))
   (p1, mu1, m1), (p2, mu2, m2) = results
@@ -382,7 +383,7 @@ def test_an_int8_base_qlora_step_equals_the_step_on_its_dequantized_base(base):
   mesh = sharding.make_mesh((1, 1, 1))
   optim = optim_config()
   q8 = lora.LoraConfig(rank=4, alpha=8.0, quantize="int8")
-  frozen = train_step.reference_params(base, MODEL, optim, mesh, q8)
+  frozen = train_step.reference_params(base, MODEL, optim, mesh, policy_lib.Lora(q8))
   assert quant.is_quantized(frozen)
   assert frozen["layers"]["mlp"]["up_proj"]["kernel_q"].dtype == jnp.int8
   batch = train_batch(3)
@@ -390,8 +391,9 @@ def test_an_int8_base_qlora_step_equals_the_step_on_its_dequantized_base(base):
   results = []
   for lcfg, fr in ((q8, frozen), (LCFG, jax.jit(quant.dequantize)(frozen))):
     step = train_step.TrainStep(MODEL, loss_config(beta=0.05), optim, mesh, group_size=G,
-                                lora=lcfg)
-    state, m, _ = step(train_step.create_train_state(adapters, MODEL, optim, mesh, lcfg),
+                                policy=policy_lib.Lora(lcfg))
+    state, m, _ = step(train_step.create_train_state(adapters, MODEL, optim, mesh,
+                                                       policy_lib.Lora(lcfg)),
                        batch, fr)
     results.append((jax.device_get(state["params"]), m))
   (p1, m1), (p2, m2) = results

@@ -103,7 +103,7 @@ def greedy_cases(checkpoints):
     sampler = sampler_lib.Sampler(qwen.Qwen(cfg), max_new_tokens=new_tokens, stop_ids=stop,
                                   buckets=(16,), greedy=True, temperature=0.7, pad_id=PAD,
                                   vocab_chunk=CHUNK)
-    out = sampler(params, prompts, num_samples=2)
+    out = sampler({"params": params}, prompts, num_samples=2)
     cases[kind] = dict(prompts=prompts, stop=stop, ref=ref, out=out, params=params, cfg=cfg,
                        sampler=sampler)
   return cases
@@ -136,7 +136,7 @@ def test_whole_vocabulary_in_one_chunk_equals_transformers_generate(greedy_cases
   sampler = sampler_lib.Sampler(qwen.Qwen(case["cfg"]), max_new_tokens=case["ref"].shape[1],
                                 stop_ids=case["stop"], buckets=(16,), greedy=True,
                                 temperature=0.7, pad_id=PAD, vocab_chunk=VOCAB)
-  out = sampler(case["params"], case["prompts"], num_samples=2)
+  out = sampler({"params": case["params"]}, case["prompts"], num_samples=2)
   np.testing.assert_array_equal(np.asarray(out.tokens)[0::2], case["ref"])
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(case["out"].tokens))
   np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(case["out"].logprobs),
@@ -186,7 +186,7 @@ def test_sharded_batch_matches_unsharded(greedy_cases):
   sampler = sampler_lib.Sampler(case["cfg"], max_new_tokens=12, stop_ids=case["stop"],
                                 buckets=(16,), greedy=True, temperature=0.7, pad_id=PAD,
                                 vocab_chunk=CHUNK, mesh=mesh)
-  out = sampler(params, case["prompts"][:3], num_samples=2)
+  out = sampler({"params": params}, case["prompts"][:3], num_samples=2)
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(case["out"].tokens)[:6])
   np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(case["out"].lengths)[:6])
   np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(case["out"].logprobs)[:6],
@@ -203,7 +203,7 @@ def test_unrolled_decode_equals_transformers_and_the_layer_scan(greedy_cases, ki
   settings = dict(max_new_tokens=12, stop_ids=case["stop"], buckets=(16,), pad_id=PAD,
                   vocab_chunk=CHUNK)
   greedy = sampler_lib.Sampler(unrolled, greedy=True, temperature=0.7, **settings)
-  out = greedy(case["params"], case["prompts"], num_samples=2)
+  out = greedy({"params": case["params"]}, case["prompts"], num_samples=2)
   np.testing.assert_array_equal(np.asarray(out.tokens)[0::2], case["ref"])
   np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(case["out"].lengths))
   np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(case["out"].logprobs),
@@ -221,7 +221,7 @@ def _sharded(case, mesh):
 def _same_samples(case, settings, cfg, other, params, mesh, atol):
   """Sampling with model config `other` gives cfg's tokens, and its log-probs within atol."""
   outs = [sampler_lib.Sampler(c, temperature=0.9, mesh=mesh, **settings)(
-              params, case["prompts"], num_samples=4, key=jax.random.key(3))
+              {"params": params}, case["prompts"], num_samples=4, key=jax.random.key(3))
           for c in (cfg, other)]
   np.testing.assert_array_equal(np.asarray(outs[1].tokens), np.asarray(outs[0].tokens))
   np.testing.assert_allclose(np.asarray(outs[1].logprobs), np.asarray(outs[0].logprobs),
@@ -239,7 +239,7 @@ def test_pallas_decode_attention_equals_transformers_and_the_einsum(greedy_cases
   settings = dict(max_new_tokens=12, stop_ids=case["stop"], buckets=(16,), pad_id=PAD,
                   vocab_chunk=CHUNK)
   out = sampler_lib.Sampler(fused, greedy=True, temperature=0.7, **settings)(
-      case["params"], case["prompts"], num_samples=2)
+      {"params": case["params"]}, case["prompts"], num_samples=2)
   np.testing.assert_array_equal(np.asarray(out.tokens)[0::2], case["ref"])
   np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(case["out"].lengths))
   mesh = sharding.make_mesh((2, 2, 2))
@@ -319,7 +319,7 @@ def test_sampling_supports_fit_and_logprobs(peaked, name):
   if name == "top_p_redraws":
     sampler = sampler_lib.Sampler(peaked["model"], max_new_tokens=3, buckets=(8,), pad_id=PAD,
                                   valid_vocab_size=VALID, vocab_chunk=CHUNK, top_p_draws=1)
-  out = sampler(peaked["params"], peaked["prompts"], num_samples=DRAWS,
+  out = sampler({"params": peaked["params"]}, peaked["prompts"], num_samples=DRAWS,
                 key=jax.random.key(1), **settings)
   if name == "top_p_redraws":
     assert out.metrics["sampler/cut_extra_rounds"] >= 3  # every step redrew some rows
@@ -364,15 +364,18 @@ def test_same_key_same_output_and_rows_independent_of_batch(peaked):
   sampler, params = peaked["sampler"], peaked["params"]
   prompts = _prompts(seed=5, lengths=(4, 6))
   others = _prompts(seed=6, lengths=(8, 2))
-  a = sampler(params, prompts, num_samples=DRAWS, key=jax.random.key(7), temperature=0.7)
-  b = sampler(params, prompts, num_samples=DRAWS, key=jax.random.key(7), temperature=0.7)
+  a = sampler({"params": params}, prompts, num_samples=DRAWS, key=jax.random.key(7),
+              temperature=0.7)
+  b = sampler({"params": params}, prompts, num_samples=DRAWS, key=jax.random.key(7),
+              temperature=0.7)
   np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
   np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
-  c = sampler(params, prompts, num_samples=DRAWS, key=jax.random.key(8), temperature=0.7)
+  c = sampler({"params": params}, prompts, num_samples=DRAWS, key=jax.random.key(8),
+              temperature=0.7)
   assert (np.asarray(c.tokens) != np.asarray(a.tokens)).any(1).mean() > 0.5
   # Prompt 1 next to a different prompt (and in another batch position) with the same id:
   # its rows are unchanged.
-  d = sampler(params, [prompts[1], others[0]], num_samples=DRAWS, key=jax.random.key(7),
+  d = sampler({"params": params}, [prompts[1], others[0]], num_samples=DRAWS, key=jax.random.key(7),
               prompt_ids=[1, 5], temperature=0.7)
   np.testing.assert_array_equal(np.asarray(d.tokens)[:DRAWS], np.asarray(a.tokens)[DRAWS:])
   # The G samples of one prompt differ from each other.
@@ -395,19 +398,19 @@ def test_many_calls_in_one_bucket_compile_once(checkpoints):
       compiled.append(kwargs.get("fun_name"))
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
-    sampler(params, _prompts(seed=0, lengths=(9, 3, 12)), num_samples=3, key=keys[6])
+    sampler({"params": params}, _prompts(seed=0, lengths=(9, 3, 12)), num_samples=3, key=keys[6])
     first = list(compiled)
     rng = np.random.default_rng(0)
     for i in range(6):  # lengths 9..16: always the 16 bucket; lists or a padded array
       lengths = rng.integers(9, 17, 3)
       prompts = _prompts(seed=i, lengths=lengths)
       if i % 2:
-        out = sampler(params, prompts, num_samples=3, key=keys[i])
+        out = sampler({"params": params}, prompts, num_samples=3, key=keys[i])
       else:
         width = max(lengths) + 2
         arr = np.array([[PAD] * (width - len(p)) + p for p in prompts])
         mask = (np.arange(width)[None] >= (width - lengths)[:, None]).astype(np.int32)
-        out = sampler(params, arr, mask, num_samples=3, key=keys[i])
+        out = sampler({"params": params}, arr, mask, num_samples=3, key=keys[i])
       assert out.prompt_tokens.shape == (3, 16)
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
@@ -433,11 +436,11 @@ def test_members_equal_their_own_generate_calls(checkpoints, unroll, decode, bat
   prompts = [_prompts(seed) for seed in (0, 1, 2)]
   keys = [jax.random.key(k) for k in (5, 6, 7)]
   params_K = jax.tree.map(lambda *x: jnp.stack(x), *members)
-  got = members_lib.generate(smp, params_K, prompts, num_samples=3, keys_K=keys,
+  got = members_lib.generate(smp, {"params": params_K}, prompts, num_samples=3, keys_K=keys,
                              batched=batched)
   steps = set()
   for p, prompt, key, out in zip(members, prompts, keys, got):
-    want = smp.generate(p, prompt, num_samples=3, key=key)
+    want = smp.generate({"params": p}, prompt, num_samples=3, key=key)
     np.testing.assert_array_equal(out.tokens, want.tokens)
     np.testing.assert_array_equal(out.lengths, want.lengths)
     np.testing.assert_array_equal(out.truncated, want.truncated)
@@ -461,18 +464,18 @@ def test_precompiled_members_layout_compiles_once_and_samples_the_same(checkpoin
                                      buckets=(8, 16), vocab_chunk=CHUNK)
   first = [_prompts(seed, lengths=(3, 9, 5)) for seed in (0, 1)]  # bucket 16, 3 prompts
   later = [_prompts(seed, lengths=(10, 2, 12)) for seed in (2, 3)]
-  want = members_lib.generate(make(), params_K, later, num_samples=1, greedy=True,
+  want = members_lib.generate(make(), {"params": params_K}, later, num_samples=1, greedy=True,
                               batched=batched)
   smp, compiled = make(), []
   listener = lambda name, secs, **_: compiled.append(name)
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
-    members_lib.precompile_generate(smp, params_K, first, num_samples=1, greedy=True,
+    members_lib.precompile_generate(smp, {"params": params_K}, first, num_samples=1, greedy=True,
                                     batched=batched)
-    members_lib.precompile_generate(smp, params_K, later, num_samples=1, greedy=True,
-                                    batched=batched)  # the same layout
+    members_lib.precompile_generate(smp, {"params": params_K}, later, num_samples=1,
+                                    greedy=True, batched=batched)  # the same layout
     # Called at once, while the programs compile: the call waits for them.
-    got = members_lib.generate(smp, params_K, later, num_samples=1, greedy=True,
+    got = members_lib.generate(smp, {"params": params_K}, later, num_samples=1, greedy=True,
                                batched=batched)
     # the sampler's compile thread's queue is done
     compile_cache.in_background(lambda: None, lane="sampler").result()
@@ -527,11 +530,11 @@ def test_int8_base_samples_the_train_steps_policy(checkpoints, unroll):
   mask = jnp.ones_like(tokens)
   for base in (params, qparams):
     train = _full_logits_jit(model, base, tokens, mask)
-    narrowed = sampler.narrow(base)
+    narrowed = sampler.narrow({"params": base})
     hidden, _ = model.apply(narrowed, tokens, qwen.positions_from_mask(mask), mask)
     np.testing.assert_array_equal(model.apply(narrowed, hidden, method=qwen.Qwen.logits), train)
   assert narrowed["params"]["layers"]["mlp"]["up_proj"]["kernel_scale"].dtype == jnp.float32
-  outs = [sampler(p, _prompts(), num_samples=2, key=jax.random.key(1))
+  outs = [sampler({"params": p}, _prompts(), num_samples=2, key=jax.random.key(1))
           for p in (qparams, quant.dequantize(qparams))]
   np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
   np.testing.assert_array_equal(np.asarray(outs[0].logprobs), np.asarray(outs[1].logprobs))
@@ -541,21 +544,21 @@ def test_bad_input_gets_a_clear_error(greedy_cases):
   case = greedy_cases["qwen2_tied"]
   sampler, params, cfg = case["sampler"], case["params"], case["cfg"]
   with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
-    sampler(params, [[1, 2], []])
+    sampler({"params": params}, [[1, 2], []])
   with pytest.raises(ValueError, match=r"prompts\[0\] has 17 tokens, more than the largest"):
-    sampler(params, [[1] * 17])
+    sampler({"params": params}, [[1] * 17])
   with pytest.raises(ValueError, match="prompts is empty"):
-    sampler(params, [])
+    sampler({"params": params}, [])
   with pytest.raises(ValueError, match=r"outside the vocabulary"):
-    sampler(params, [[1, VOCAB]])
+    sampler({"params": params}, [[1, VOCAB]])
   with pytest.raises(ValueError, match="num_samples=0"):
-    sampler(params, [[1, 2]], num_samples=0)
+    sampler({"params": params}, [[1, 2]], num_samples=0)
   with pytest.raises(ValueError, match="left-padded"):
-    sampler(params, np.array([[1, 2, 0]]), np.array([[1, 1, 0]]))
+    sampler({"params": params}, np.array([[1, 2, 0]]), np.array([[1, 1, 0]]))
   with pytest.raises(ValueError, match="key is required"):
-    sampler(params, [[1, 2]], greedy=False)
+    sampler({"params": params}, [[1, 2]], greedy=False)
   with pytest.raises(ValueError, match=r"top_p: must be in \(0, 1\].*got 1\.5"):
-    sampler(params, [[1, 2]], top_p=1.5, greedy=False, key=jax.random.key(0))
+    sampler({"params": params}, [[1, 2]], top_p=1.5, greedy=False, key=jax.random.key(0))
   for bad in (0, -3):
     with pytest.raises(ValueError, match=f"max_new_tokens={bad}"):
       sampler_lib.Sampler(cfg, max_new_tokens=bad)
@@ -581,11 +584,11 @@ def multiturn():
 def _turns(s, params, prompts, room):
   """extend 4, append 3, peek 4, extend 5 (sampled): needs room 12, of which the peek's 4 only
   after the append."""
-  conv = s.begin(params, prompts, num_samples=2, room=room)
-  first, conv = s.extend(params, conv, jax.random.key(1), max_tokens=4)
-  conv = s.append(params, conv, [[5, 6], [], [7], [8, 9, 10]], width=3)
-  asked, conv = s.peek(params, conv, [[11, 12, 13], [14], [], [15, 16]], 4, [1, 2])
-  second, conv = s.extend(params, conv, jax.random.key(2), max_tokens=5)
+  conv = s.begin({"params": params}, prompts, num_samples=2, room=room)
+  first, conv = s.extend({"params": params}, conv, jax.random.key(1), max_tokens=4)
+  conv = s.append({"params": params}, conv, [[5, 6], [], [7], [8, 9, 10]], width=3)
+  asked, conv = s.peek({"params": params}, conv, [[11, 12, 13], [14], [], [15, 16]], 4, [1, 2])
+  second, conv = s.extend({"params": params}, conv, jax.random.key(2), max_tokens=5)
   return [np.asarray(x) for x in (first["tokens"], first["logprobs"], asked, second["tokens"],
                                   second["logprobs"])]
 
@@ -596,17 +599,17 @@ def test_calls_past_the_caches_room_raise_and_calls_within_it_do_not(multiturn):
   fit, to the last slot, give the numbers of a roomier cache."""
   params, prompts = multiturn["params"], multiturn["prompts"]
   s = sampler_lib.Sampler(multiturn["cfg"], max_new_tokens=6, buckets=(8,), pad_id=PAD)
-  conv = s.begin(params, prompts, room=3)
+  conv = s.begin({"params": params}, prompts, room=3)
   with pytest.raises(ValueError, match=r"extend\(max_tokens=6\) needs 6 cache slots but the "
                                        r"conversation has 3 left \(capacity 11 "):
-    s.extend(params, conv, jax.random.key(1), max_tokens=6)
+    s.extend({"params": params}, conv, jax.random.key(1), max_tokens=6)
   with pytest.raises(ValueError, match=r"append\(width=4\) needs 4 cache slots .* has 3 left"):
-    s.append(params, conv, [[1], [2]], width=4)
+    s.append({"params": params}, conv, [[1], [2]], width=4)
   with pytest.raises(ValueError, match=r"append\(width=4\) needs 4 .* has 3 left"):
-    s.peek(params, conv, [[1], [2]], 4, [1])
-  _, conv = s.extend(params, conv, jax.random.key(1), max_tokens=3)  # exactly the room
+    s.peek({"params": params}, conv, [[1], [2]], 4, [1])
+  _, conv = s.extend({"params": params}, conv, jax.random.key(1), max_tokens=3)  # exactly the room
   with pytest.raises(ValueError, match=r"extend\(max_tokens=1\) needs 1 .* has 0 left"):
-    s.extend(params, conv, jax.random.key(1), max_tokens=1)
+    s.extend({"params": params}, conv, jax.random.key(1), max_tokens=1)
 
   exact, roomy = _turns(s, params, prompts, 12), _turns(s, params, prompts, 30)
   for a, b in zip(exact, roomy):
@@ -620,13 +623,14 @@ def test_rows_that_stop_early_leave_their_room_to_later_calls(multiturn):
   params, prompts = multiturn["params"], multiturn["prompts"]
   s = sampler_lib.Sampler(multiturn["cfg"], max_new_tokens=6, buckets=(8,), pad_id=PAD,
                           stop_ids=range(96))  # every row stops at its first token
-  conv = s.begin(params, prompts, room=4)
-  out, conv = s.extend(params, conv, None, max_tokens=3, greedy=True)
+  conv = s.begin({"params": params}, prompts, room=4)
+  out, conv = s.extend({"params": params}, conv, None, max_tokens=3, greedy=True)
   assert int(out["steps"]) == 1
-  out, conv = s.extend(params, conv, None, max_tokens=3, greedy=True)  # slots 9..11 of 12
+  # slots 9..11 of 12
+  out, conv = s.extend({"params": params}, conv, None, max_tokens=3, greedy=True)
   assert int(out["steps"]) == 1
   with pytest.raises(ValueError, match=r"extend\(max_tokens=3\) needs 3 .* has 2 left"):
-    s.extend(params, conv, None, max_tokens=3, greedy=True)
+    s.extend({"params": params}, conv, None, max_tokens=3, greedy=True)
 
 
 def test_inactive_rows_are_not_truncated(multiturn):
@@ -634,7 +638,7 @@ def test_inactive_rows_are_not_truncated(multiturn):
   nothing, so it is not truncated."""
   params, prompts = multiturn["params"], multiturn["prompts"]
   s = sampler_lib.Sampler(multiturn["cfg"], max_new_tokens=3, buckets=(8,), pad_id=PAD)
-  conv = s.begin(params, prompts, room=3)
-  out, _ = s.extend(params, conv, None, max_tokens=3, active=[True, False], greedy=True)
+  conv = s.begin({"params": params}, prompts, room=3)
+  out, _ = s.extend({"params": params}, conv, None, max_tokens=3, active=[True, False], greedy=True)
   np.testing.assert_array_equal(np.asarray(out["lengths"]), [3, 0])
   np.testing.assert_array_equal(np.asarray(out["truncated"]), [True, False])

@@ -121,7 +121,7 @@ def test_final_model_loads_in_transformers_and_generates_like_the_sampler(gsm8k_
                                 buckets=config.data.prompt_buckets, greedy=True,
                                 valid_vocab_size=tokenizer_lib.valid_vocab_size(tok),
                                 pad_id=tok.pad_token_id)
-  out = sampler(params, ids)
+  out = sampler({"params": params}, ids)
   tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
   for b in range(len(ids)):
     is_stop = np.isin(ref[b], stop)

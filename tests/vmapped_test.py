@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from grpo_jax import (logging_io, members as members_lib, prepare, runs as runs_lib,
+from grpo_jax import (logging_io, members as members_lib, policy, prepare, runs as runs_lib,
                       start as start_lib, sweep, sweep_runner, train, train_step,
-                      trainer as trainer_lib)
+                      trainer as trainer_lib, workdir_files)
 
 FIXED = {"sft.steps": 20, "sft.target_accuracy": 0.0, "train.steps": 3,
          "train.eval_examples": 16, "train.eval_every": 2, "train.checkpoint_every": 2,
@@ -233,7 +233,7 @@ def test_a_rerun_groups_only_members_that_resume_from_the_same_step(tmp_path):
 
   sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract = {"train": {"x": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sh)}}
-  trainer = NS(abstract_checkpoint=lambda: abstract, lora=None)
+  trainer = NS(abstract_checkpoint=lambda: abstract, policy_type=policy.FULL)
   config = NS(train=NS(prompts_per_step=2, steps=200), seed=0, loss=None)
   for u, want in zip(units[:2], (50, 200)):
     members = [NS(workdir=runner.run_dir(r), config=config,
@@ -269,7 +269,7 @@ def test_a_group_resumes_below_a_members_damaged_latest_step(tmp_path, capsys):
   victim.write_bytes(b"\0" + victim.read_bytes()[1:])
   sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract = {"train": {"x": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sh)}}
-  trainer = NS(abstract_checkpoint=lambda: abstract, lora=None)
+  trainer = NS(abstract_checkpoint=lambda: abstract, policy_type=policy.FULL)
   config = NS(train=NS(prompts_per_step=2, steps=2), seed=0, loss=None)
   members = [NS(workdir=str(tmp_path / n), config=config,
                 setup=NS(train_rows=[0] * 10, previous_config=None))
@@ -387,7 +387,7 @@ def test_a_failing_member_is_recorded_as_failed_and_its_group_goes_on(tmp_path, 
   assert read(b, "summary.json") == read(sep, "summary.json")
   assert os.path.isfile(os.path.join(b, "final_model", "model.safetensors"))
   assert sorted(os.listdir(os.path.join(b, "checkpoints"))) == ["0", "1", "2", "3"]
-  assert not os.path.exists(os.path.join(b, members_lib.FAILURE_FILE))
+  assert not os.path.exists(os.path.join(b, workdir_files.FAILURE_FILE))
 
   # The failed member: what its separate run leaves (no metrics for the step that failed, no
   # checkpoint after the last good one, no summary or model) and the failure record.
@@ -395,7 +395,7 @@ def test_a_failing_member_is_recorded_as_failed_and_its_group_goes_on(tmp_path, 
   assert sorted(os.listdir(os.path.join(a, "checkpoints"))) == ["0"]
   assert not os.path.exists(os.path.join(a, "summary.json"))
   assert not os.path.exists(os.path.join(a, "final_model"))
-  record = json.loads(read(a, members_lib.FAILURE_FILE))
+  record = json.loads(read(a, workdir_files.FAILURE_FILE))
   assert (record["error"], record["step"]) == ("TooManyBadSteps", 1)
 
   # The sweep runner's verdict on the group's exit (status 0): failed with the reason, and done.
@@ -414,7 +414,7 @@ def test_a_failing_member_is_recorded_as_failed_and_its_group_goes_on(tmp_path, 
   # Run again (as the sweep does with an unfinished member): the record goes when it starts.
   with pytest.raises(runs_lib.TooManyBadSteps):
     train.run(bad_config, a)
-  assert not os.path.exists(os.path.join(a, members_lib.FAILURE_FILE))
+  assert not os.path.exists(os.path.join(a, workdir_files.FAILURE_FILE))
 
 
 def test_a_member_whose_reward_goes_missing_fails_alone(tmp_path, monkeypatch):
@@ -448,7 +448,7 @@ def test_a_member_whose_reward_goes_missing_fails_alone(tmp_path, monkeypatch):
   assert os.path.isfile(os.path.join(a, "summary.json"))
   assert not os.path.exists(os.path.join(b, "summary.json"))
   assert not os.path.exists(os.path.join(b, "final_model"))
-  record = json.loads(open(os.path.join(b, members_lib.FAILURE_FILE)).read())
+  record = json.loads(open(os.path.join(b, workdir_files.FAILURE_FILE)).read())
   assert (record["error"], record["step"]) == ("MissingRewardsError", 1)
   assert sweep_runner.failure(b).startswith("MissingRewardsError at step 1: ")
   assert sweep_runner.failure(a) is None and sweep_runner.summary_complete(a)

@@ -5,11 +5,12 @@ The planner is the policy, the only trained role. When a trajectory ends (the pl
 answer, which the outcome reward scores; after every tool observation a verifier is asked
 whether the memory suffices to answer, and Yes ends the trajectory. Each role is one of:
 
-  frozen_policy  the policy's params under stop-gradient: no extra memory, and it runs on the
-                 planner's carried KV cache, so nothing is prefilled again.
-  reference      the frozen reference params (they exist only when loss.beta > 0). No cache of
-                 the conversation exists for them: the compacted conversation is prefilled
-                 afresh each time (a second Sampler whose buckets hold a whole trajectory).
+  frozen_policy  the policy (what the sampler runs) under stop-gradient: no extra memory, and it
+                 runs on the planner's carried KV cache, so nothing is prefilled again.
+  reference      the frozen reference params (they exist only when loss.beta > 0), as the
+                 sampler's variables ref_vars = {'params': reference}. No cache of the
+                 conversation exists for them: the compacted conversation is prefilled afresh
+                 each time (a second Sampler whose buckets hold a whole trajectory).
   server         an OpenAI-compatible chat endpoint (agent.server, chat_http.ChatClient) given
                  the transcript as chat messages.
 
@@ -35,9 +36,9 @@ cache (frozen_policy writes there itself; a reference or server executor's token
 to it), so the planner's next turn sees the command and the row and the cache never differ.
 
     roles = Roles(config, tokenizer, sampler, turn_format, loop_room)
-    conv, commands = roles.execute(params, ref_params, conv, asked_rows, tools, records, prompt_ids)
-    conv = roles.verify(params, ref_params, conv, asked_rows, records, prompt_ids, active)
-    conv = roles.generate(params, ref_params, conv, records, prompt_ids)
+    conv, commands = roles.execute(params, ref_vars, conv, asked_rows, tools, records, prompt_ids)
+    conv = roles.verify(params, ref_vars, conv, asked_rows, records, prompt_ids, active)
+    conv = roles.generate(params, ref_vars, conv, records, prompt_ids)
 """
 from __future__ import annotations
 
@@ -153,13 +154,13 @@ class Roles:
       convs[i] = list(prompt_ids[i]) + _tokens(records[i]) + list(turns[i])
     return convs
 
-  def _require(self, ref_params):
-    if ref_params is None:
+  def _require(self, ref_vars):
+    if ref_vars is None:
       raise ValueError("a 'reference' agent role needs ref_params (loss.beta > 0)")
 
   # --- the roles ------------------------------------------------------------------------------
 
-  def execute(self, params, ref_params, conv, asked, tools, records, prompt_ids, actions):
+  def execute(self, params, ref_vars, conv, asked, tools, records, prompt_ids, actions):
     """The executor's input for the tool action of each row in `asked` (tools[i]: the tool it
     names; actions[i]: the action's text; records[i]['pieces'] ends with it). Its turn and its
     input join the row (loss mask 0) and the planner's cache. Returns (conversation,
@@ -187,11 +188,11 @@ class Roles:
         out, conv = self.sampler.extend(params, conv, None, max_tokens=a.executor_tokens,
                                         active=active, greedy=True)
       else:
-        self._require(ref_params)
-        c = self.ref_sampler.begin(ref_params, self._conversations(records, asked, prompt_ids,
+        self._require(ref_vars)
+        c = self.ref_sampler.begin(ref_vars, self._conversations(records, asked, prompt_ids,
                                                                    turns),
                                    room=a.executor_tokens)
-        out, _ = self.ref_sampler.extend(ref_params, c, None, max_tokens=a.executor_tokens,
+        out, _ = self.ref_sampler.extend(ref_vars, c, None, max_tokens=a.executor_tokens,
                                          greedy=True)
       ids, lengths = np.asarray(out["tokens"]), np.asarray(out["lengths"])
       inputs = {i: ids[i, :lengths[i]] for i in asked}
@@ -213,7 +214,7 @@ class Roles:
     self.last["executor_s"] += time.perf_counter() - t0
     return conv, texts
 
-  def verify(self, params, ref_params, conv, asked, records, prompt_ids, active):
+  def verify(self, params, ref_vars, conv, asked, records, prompt_ids, active):
     """Asks the verifier about each row in `asked` (its last action was a tool call and it
     goes on); a Yes sets active[i] = False and records[i]['end'] = 'verifier'. Returns the
     conversation (its cache, when the policy peeked, moved to the new buffer)."""
@@ -233,10 +234,10 @@ class Roles:
       if self.verifier == "frozen_policy":
         logp, conv = self.sampler.peek(params, conv, question, self.ver_width, self.yes_no)
       else:
-        self._require(ref_params)
+        self._require(ref_vars)
         c = self.ref_sampler.begin(
-            ref_params, self._conversations(records, asked, prompt_ids, question), room=0)
-        logp = self.ref_sampler.next_logprobs(ref_params, c, self.yes_no)
+            ref_vars, self._conversations(records, asked, prompt_ids, question), room=0)
+        logp = self.ref_sampler.next_logprobs(ref_vars, c, self.yes_no)
       logp = logp[np.asarray(asked)].astype(np.float64)
       p_yes = 1.0 / (1.0 + np.exp(logp[:, 1] - logp[:, 0]))  # P(Yes) / (P(Yes) + P(No))
     for i, p in zip(asked, p_yes):
@@ -247,7 +248,7 @@ class Roles:
     self.last["verifier_s"] += time.perf_counter() - t0
     return conv
 
-  def generate(self, params, ref_params, conv, records, prompt_ids):
+  def generate(self, params, ref_vars, conv, records, prompt_ids):
     """The generator's answer for every trajectory (all have ended): records[i]['answer'] and
     ['generator'] get its text, and its turn and answer join the row with loss mask 0."""
     a, tok, t0 = self.config.agent, self.tokenizer, time.perf_counter()
@@ -265,11 +266,11 @@ class Roles:
         out, conv = self.sampler.extend(params, conv, None, max_tokens=a.generator_tokens,
                                         greedy=True)
       else:
-        self._require(ref_params)
+        self._require(ref_vars)
         c = self.ref_sampler.begin(
-            ref_params, self._conversations(records, range(n), prompt_ids, turns),
+            ref_vars, self._conversations(records, range(n), prompt_ids, turns),
             room=a.generator_tokens)
-        out, _ = self.ref_sampler.extend(ref_params, c, None, max_tokens=a.generator_tokens,
+        out, _ = self.ref_sampler.extend(ref_vars, c, None, max_tokens=a.generator_tokens,
                                          greedy=True)
       ids, lengths = np.asarray(out["tokens"]), np.asarray(out["lengths"])
       answers = [ids[i, :lengths[i]] for i in range(n)]

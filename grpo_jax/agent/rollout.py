@@ -1,7 +1,7 @@
 """Batched multi-turn rollouts: all B·G trajectories advance turn by turn in batched sampler calls.
 
     agent = Agent(config, tokenizer, sampler)
-    part, reward_m, agent_m, (t_sample, t_reward) = agent.sample(params, rows, rewards, key)
+    part, reward_m, agent_m, (t_sample, t_reward) = agent.sample(variables, rows, rewards, key)
     part.train_batch(config, pad_id)  # the train step's rollout layout, + loss_mask_BC, turn_ids_BC
 
 Agent implements grpo_jax.rollout's one rollout interface (sample, evaluate, sft_examples,
@@ -82,6 +82,11 @@ class TurnFormat:
     return enc(self.before) + budget + enc(self.after)
 
 
+def _reference(ref_params):
+  """The frozen reference params as the sampler's variables (None: there are none)."""
+  return None if ref_params is None else {"params": ref_params}
+
+
 def trajectory_text(record) -> str:
   """A trajectory as samples.md shows it: action, observation, ..., one block per turn."""
   lines = []
@@ -140,9 +145,10 @@ class Agent:
              for r in rows]
     return rollout.Prompts(texts, data.encode_prompts(self.tokenizer, texts))
 
-  def run(self, params, rows, g: int, key, *, greedy: bool = False, ref_params=None):
+  def run(self, params, rows, g: int, key, *, greedy: bool = False, ref_vars=None):
     """G trajectories per row. Returns (Prompts, per-trajectory records, sampler seconds).
-    ref_params: the reference params, for a 'reference' generator or verifier."""
+    params: what the sampler runs, model.apply's variables (policy.Policy.sampled); ref_vars:
+    the reference's ({'params': reference}), for a 'reference' generator or verifier."""
     a, tok = self.config.agent, self.tokenizer
     prompts = self.prompts(rows)
     n = len(rows) * g
@@ -175,7 +181,7 @@ class Agent:
           rec["stopped"] = lengths[i] > 0 and int(ids[i, lengths[i] - 1]) in self.stop_ids
         commands = actions
         if self.roles.executor != "none":
-          conv, commands = self._execute(params, ref_params, conv, live, actions, records,
+          conv, commands = self._execute(params, ref_vars, conv, live, actions, records,
                                          prompt_ids)
         t0 = time.perf_counter()
         steps = list(pool.map(lambda ia: envs[ia[0]].step(ia[1]), zip(live, commands)))
@@ -192,7 +198,7 @@ class Agent:
           rec["turns"].append((action, observation if shown else None))
         if self.roles.verifier != "none":
           asked = [i for i in live if active[i] and records[i]["info"][-1]["kind"] == "tool"]
-          conv = self.roles.verify(params, ref_params, conv, asked, records, prompt_ids, active)
+          conv = self.roles.verify(params, ref_vars, conv, asked, records, prompt_ids, active)
         obs_ids = [[] for _ in range(n)]
         for i in live:
           if active[i]:
@@ -204,7 +210,7 @@ class Agent:
           break
         conv = self.sampler.append(params, conv, obs_ids, self.obs_width)
       if frozen_generator:
-        self.roles.generate(params, ref_params, conv, records, prompt_ids)
+        self.roles.generate(params, ref_vars, conv, records, prompt_ids)
     finally:
       pool.shutdown(wait=False, cancel_futures=True)
     seconds = time.perf_counter() - sample_s
@@ -212,14 +218,14 @@ class Agent:
 
   parse_action = staticmethod(env_lib.parse_action)
 
-  def _execute(self, params, ref_params, conv, live, actions, records, prompt_ids):
+  def _execute(self, params, ref_vars, conv, live, actions, records, prompt_ids):
     """The executor's turn for each live row whose action calls a known tool. Returns
     (conversation, the actions the environments step on: each such call with the executor's
     input in place of the sub-goal)."""
     parsed = {i: self.parse_action(action) for i, action in zip(live, actions)}
     asked = [i for i in live if parsed[i].kind == "tool" and parsed[i].tool in self.tools]
     tools = {i: parsed[i].tool for i in asked}
-    conv, inputs = self.roles.execute(params, ref_params, conv, asked, tools, records,
+    conv, inputs = self.roles.execute(params, ref_vars, conv, asked, tools, records,
                                       prompt_ids, dict(zip(live, actions)))
     return conv, [f"<tool>{tools[i]}: {inputs[i]}</tool>" if i in inputs else action
                   for i, action in zip(live, actions)]
@@ -250,7 +256,8 @@ class Agent:
     (seconds sampling and stepping environments, seconds scoring)); ref_params feed a
     'reference' role."""
     g = g or config_lib.group_size(self.config)
-    prompts, records, sample_s, env_s = self.run(params, rows, g, key, ref_params=ref_params)
+    prompts, records, sample_s, env_s = self.run(params, rows, g, key,
+                                                 ref_vars=_reference(ref_params))
     t1 = time.perf_counter()
     texts = [rec["answer"] or "" for rec in records]
     prompt_texts_B = [p for p in prompts.texts for _ in range(g)]
@@ -287,14 +294,15 @@ class Agent:
   def evaluate(self, params, rows, reward, ref_params=None) -> float:
     """Greedy pass@1 on `rows` with the tools: the answer scored by `reward` (math_accuracy).
     A 'reference' role without ref_params (the warm start, before there is a reference) uses
-    `params`: the reference is what the warm start ends with."""
+    `params` (what the sampler runs): the reference is what the warm start ends with."""
     bs, correct = self.config.train.eval_batch_size, 0
+    ref_vars = _reference(ref_params)
     if ref_params is None and roles_lib.needs_reference(self.config.agent):
-      ref_params = params
+      ref_vars = params
     for i in range(0, len(rows), bs):
       chunk = rows[i:i + bs]
       prompts, records, _, _ = self.run(params, chunk, 1, jax.random.key(0), greedy=True,
-                                        ref_params=ref_params)
+                                        ref_vars=ref_vars)
       texts = [rec["answer"] or "" for rec in records]
       scores = reward.fn(prompts.texts, texts, group_size=1, **rollout.reward_columns(chunk, 1))
       correct += sum(s == 1.0 for s in scores)

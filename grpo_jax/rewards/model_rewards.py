@@ -327,7 +327,7 @@ class LocalChatBackend:
       chunk = chunk + [chunk[-1]] * (bs - n)
       # Each reply's randomness is a function of (seed, its prompt) alone: the same in a resumed
       # process, whatever was scored before, and wherever the prompt falls in the batch.
-      out = self.sampler.generate(self.params, chunk, num_samples=1, key=self._key,
+      out = self.sampler.generate({"params": self.params}, chunk, num_samples=1, key=self._key,
                                   prompt_ids=[prompt_hash(c) for c in chunk])
       tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
       truncated += int(np.asarray(out.truncated)[:n].sum())
