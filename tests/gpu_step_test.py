@@ -3,6 +3,7 @@ programs of 2-4 layers, its analytic parameter count against transformers', its 
 side's padded prompt width among its figures), and `--smoke` (the whole script on CPU at a toy
 shape) end to end."""
 import collections
+import importlib.util
 import json
 import os
 import re
@@ -184,9 +185,11 @@ def test_unrolled_decode_has_no_layer_loop():
 
 
 def test_smoke_run(tmp_path):
-  """The whole script on CPU (trl is absent in CI, so grpo_jax's side alone), every figure the
-  GPU run prints, and its parameter count equal to the transformers model's. The model options
-  asked for on the command line reach the trainer's sampler (the worker reports them)."""
+  """The whole script on CPU, every figure the GPU run prints, and its parameter count equal
+  to the transformers model's. The model options asked for on the command line reach the
+  trainer's sampler (the worker reports them). TRL's side runs where trl imports (the script
+  asks the interpreter it runs in, this one: requirements-bench.txt installs it, the test
+  extra does not); then the report has TRL's figures too."""
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_step.py"), "--smoke", "--dir",
        str(tmp_path), "--attention", "xla", "--unroll_decode", "--decode_attention", "pallas",
@@ -208,8 +211,21 @@ def test_smoke_run(tmp_path):
     assert line in out, (line, out[-3000:])
   assert "FAILED" not in out, out[-3000:]
   spec = json.loads((tmp_path / "smoke" / "spec.json").read_text())
-  # The width the step ran: the bucket prepare chose for these prompts.
-  assert f"padded prompt width (median): grpo_jax {spec['bucket']} (" in out, out[-3000:]
+  # The width each side ran: grpo_jax the bucket prepare chose for these prompts; TRL, in its
+  # one batch of them all, the longest prompt.
+  width = f"padded prompt width (median): grpo_jax {spec['bucket']}"
+  if importlib.util.find_spec("trl") is None:
+    assert "sides ['grpo_jax']; skipped: trl, trl_vllm (trl does not import)" in out, out[:3000]
+    assert f"{width} (grpo_jax: the bucket" in out, out[-3000:]
+    assert "trl forwards timed" not in out and "ratio trl" not in out, out[-3000:]
+  else:
+    assert "sides ['grpo_jax', 'trl']" in out, out[:3000]
+    longest = max(map(len, spec["prompt_ids"]))
+    assert longest < spec["bucket"]
+    assert f"{width}, trl {longest} (grpo_jax: the bucket" in out, out[-3000:]
+    for line in ("trl forwards timed as the reference per step: 1",
+                 "ratio trl median step / grpo_jax median step: "):
+      assert line in out, (line, out[-3000:])
   assert gpu_step.decode_bytes(spec, 4, 96, 4)["params"] == spec["num_params"]
   # The decode program's HLO is kept, and the printed count is the count of that text.
   counted = gpu_step.count_loop_kernels((tmp_path / "smoke" / "decode_hlo.txt").read_text())
