@@ -14,9 +14,9 @@ step), prompts padded to a bucket of 192 by grpo_jax and to each batch's longest
 its measured step: grpo_jax runs the longer prompts; the report prints both widths),
 one AdamW update, fp32 master params and bf16 compute on both sides. Remat (activation
 checkpointing) per size, the same on both sides: off for 0.5b, on for 1.5b unless --remat says
-otherwise. The steps themselves are trl_step.py's: `run_grpo_jax` (trainer_lib.Trainer.grpo_step,
-the reference timed alone beside the step) and `run_trl` (GRPOTrainer.train with per-phase
-clocks). TRL runs with transformers' generate, and again with vLLM (colocate mode) where
+otherwise. The steps themselves are trl_step.py's: `run_grpo_jax`
+(grpo_jax.trainer.Trainer.grpo_step, the reference timed alone beside the step) and `run_trl`
+(GRPOTrainer.train with per-phase clocks). TRL runs with transformers' generate, and again with vLLM (colocate mode) where
 `import vllm` works, its importance-sampling correction off
 (vllm_importance_sampling_correction=False: TRL's default adds a forward of the policy for old
 log-probs every step, which grpo_jax does not run at μ = 1).

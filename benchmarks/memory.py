@@ -5,7 +5,7 @@ compiler, without weights.
     python3 benchmarks/memory.py --config=configs/gsm8k.py:0.5b       # one 16 GB device
     python3 benchmarks/memory.py --config=configs/gsm8k.py:0.5b --config.optim.grad_accum_steps=8
 
-Builds what `grpo_jax.trainer_lib.Trainer` builds for the preset (the same TrainStep and Sampler, its
+Builds what `grpo_jax.trainer.Trainer` builds for the preset (the same TrainStep and Sampler, its
 optimizer, dtypes, remat, loss and mesh) and AOT-compiles them on abstract inputs
 (`jax.ShapeDtypeStruct` with the run's shardings: nothing is allocated) over the preset's
 `hardware.devices` fake CPU devices:

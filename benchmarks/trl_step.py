@@ -33,7 +33,7 @@ gradient accumulation). Same workload on both sides:
   With random weights a stop id is drawn ~1 in 76,000 tokens, so completions run to the limit.
 
 grpo_jax side: configs/gsm8k.py's default preset with the fields above overridden, then
-grpo_jax.trainer_lib.Trainer(config, cfg, mesh, tokenizer, stop_ids) as train.run builds it, and
+grpo_jax.trainer.Trainer(config, cfg, mesh, tokenizer, stop_ids) as train.run builds it, and
 trainer.grpo_step(state, ref_params, next_rows, rewards, step) per step (see run_grpo_jax),
 ref_params as a run stores them (Trainer.reference, in train_step.reference_dtype), moved
 one ulp from the policy in that dtype, so that every step runs the reference forward

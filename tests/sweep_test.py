@@ -102,7 +102,7 @@ def test_prefix_names_stay_apart_where_a_file_name_merges_their_values(tmp_path,
 
 def test_vmap_groups_keep_lora_runs_with_seeded_bases_apart():
   """A LoRA run's frozen base comes from its seed when it has a warm start or random weights
-  (members_lib.shared_base refuses such a group): one group per seed. tiny_lora has both."""
+  (members.shared_base refuses such a group): one group per seed. tiny_lora has both."""
   s = sweep.load_sweep(os.path.join(REPO, "experiments/tiny_lora_seeds.py"))
   s.runs = sweep.product(sweep.sweep_axis("optim.lr", [1e-3, 3e-3]), s.runs)
   runs = [r for r in sweep.plan(s, min_shared=1) if r.kind == "run"]

@@ -94,7 +94,7 @@ def test_member_equals_its_separate_run(tmp_path, monkeypatch):
   assert during_evals == [[], []], during_evals
   # The members' decode loop compiled twice (sampling, then the evals' greedy settings), both
   # in the sampler's compile thread: the first from the group's start, on the stacked params'
-  # spec (members_lib.stacked_spec), before anything was sampled.
+  # spec (members.stacked_spec), before anything was sampled.
   assert [c for c in compiles if c[1] == "jit(_decode_members_in_turn_impl)"] == [
       ("grpo_jax-compile-sampler_0", "jit(_decode_members_in_turn_impl)")] * 2, compiles
   # The members' train program compiled once, ahead, for the stacked states' placement
