@@ -36,24 +36,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # (module, attribute) pairs timed in the group process; "Class.method" names a method.
 PHASES = (
-    ("grpo_jax.train", "run_group"), ("grpo_jax.train", "setup"),
+    ("grpo_jax.loop", "run_group"), ("grpo_jax.prepare", "setup"),
     ("grpo_jax.inputs", "datasets"), ("grpo_jax.inputs", "tokenizer"),
-    ("grpo_jax.train", "Trainer.__init__"), ("grpo_jax.train", "_start"),
-    ("grpo_jax.train", "group_step"), ("grpo_jax.members", "sample"),
+    ("grpo_jax.trainer", "Trainer.__init__"), ("grpo_jax.start", "start"),
+    ("grpo_jax.members", "group_step"), ("grpo_jax.members", "sample"),
     ("grpo_jax.members", "generate"), ("grpo_jax.rollout", "score_samples"),
-    ("grpo_jax.members", "train"), ("grpo_jax.train", "evaluate_group"),
+    ("grpo_jax.members", "train"), ("grpo_jax.members", "evaluate"),
     ("grpo_jax.checkpoint", "Checkpointer.save"), ("grpo_jax.logging_io", "MetricsWriter.write"),
-    ("grpo_jax.logging_io", "SamplesWriter.write"), ("grpo_jax.train", "_finish"),
+    ("grpo_jax.logging_io", "SamplesWriter.write"), ("grpo_jax.export", "_finish"),
     ("grpo_jax.plots", "plot_metrics"), ("grpo_jax.models.weights", "save_checkpoint"),
     ("grpo_jax.plots", "drawing"),  # a context manager: its block (the exports) and the wait
     # The rest of a step: what its first one spends besides the sampler's compile.
-    ("grpo_jax.train", "Trainer.compile_ahead"), ("grpo_jax.train", "Trainer.policy"),
+    ("grpo_jax.members", "compile_ahead"), ("grpo_jax.members", "policy"),
     ("grpo_jax.rollout", "encode"), ("grpo_jax.rollout", "Rollouts.train_batch"),
     ("grpo_jax.rollout", "Collection.result"),
-    ("grpo_jax.train", "pad_batches"), ("grpo_jax.train", "_samples"),
-    ("grpo_jax.train", "Trainer.compile_evals_ahead"),
+    ("grpo_jax.members", "pad_batches"), ("grpo_jax.members", "_samples"),
+    ("grpo_jax.members", "compile_evals_ahead"),
     # A group's own device work: stacking the members' states, taking one out (checkpoints).
-    ("grpo_jax.train", "stack"), ("grpo_jax.train", "unstack"),
+    ("grpo_jax.members", "stack"), ("grpo_jax.members", "unstack"),
 )
 
 
@@ -120,7 +120,10 @@ def _child(spec: str) -> int:
     return wrapper
 
   for module_name, name in PHASES:
-    owner = importlib.import_module(module_name)
+    try:
+      owner = importlib.import_module(module_name)
+    except ModuleNotFoundError:  # an older --tree, before the module was split out
+      continue
     *cls, attr = name.split(".")
     if cls:
       owner = getattr(owner, cls[0])

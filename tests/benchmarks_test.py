@@ -95,7 +95,7 @@ def test_group_phases_names_functions_the_loop_has():
   """Every phase group_phases.py wraps is a function of grpo_jax: a rename fails here, not
   in the benchmark's run on a lent machine."""
   phases = _load("group_phases", "group_phases.py").PHASES
-  assert ("grpo_jax.train", "group_step") in phases
+  assert ("grpo_jax.members", "group_step") in phases
   for module_name, name in phases:
     owner = importlib.import_module(module_name)
     for part in name.split("."):
