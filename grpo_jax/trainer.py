@@ -38,8 +38,7 @@ class Trainer:
     self.optim = config_lib.optim_settings(config)
     # LoRA (config.model.lora.rank > 0): the state trains adapters on a frozen base, which is
     # also the reference policy (adapters off); else full fine-tuning.
-    self.lora = lora_settings(config)
-    self.policy_type = policy_lib.of(self.lora)
+    self.policy_type = policy_lib.of(lora_settings(config))
     self.step_fn = train_step.TrainStep(
         cfg, config.loss, self.optim, mesh, temperature=s.temperature, valid_vocab_size=valid,
         max_completion_length=self.rollout.completion_width,
