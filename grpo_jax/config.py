@@ -126,6 +126,10 @@ def sampling() -> ConfigDict:
       top_k=0,                      # 0 = off
       top_p=1.0,                    # 1 = off
       min_p=0.0,                    # 0 = off
+      # Finished rows leave the decode's work: the live rows move to the front of the KV cache
+      # and later steps compute those only (docs/performance.md, "Live rows"). None = on a GPU
+      # or TPU with the batch on one device, off on a CPU; True needs the batch on one device.
+      compact_rows=placeholder(bool),
   ))
 
 

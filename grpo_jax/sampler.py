@@ -9,7 +9,7 @@
     out.truncated  # [B*G]   bool, True where max_new_tokens was reached without a stop id
     out.logprobs   # [B*G, C] fp32, log-prob of each sampled token (see below); 0 past `lengths`
     out.prompt_tokens, out.prompt_mask  # [B, P] the left-padded prompts used (P = a bucket)
-    out.metrics    # {'sampler/tokens_per_s', 'sampler/seconds', ...} host floats
+    out.metrics    # {'sampler/tokens_per_s', 'sampler/seconds', 'sampler/row_steps', ...}
 
 Row b*G + g is sample g of prompt b (rows of one prompt are contiguous). `prompts` may also be a
 left-padded [B, P] array passed with its mask: `generate(variables, tokens_BP, mask_BP, ...)`.
@@ -25,7 +25,11 @@ What happens in one call (C = max_new_tokens, P = the smallest bucket holding ev
   3. `decode` (jitted per (B, P, G, settings); the cache is donated, so the loop updates the
      prefill's buffer in place): a `lax.while_loop` samples one token per row from the last
      hidden state (grpo_jax.token_choice.next_token), feeds it through the model, and exits as soon
-     as every row has produced a stop id or C tokens.
+     as every row has produced a stop id or C tokens (or its own budget: row_budgets).
+     With compact_rows (on by default on a GPU or TPU with the batch on one device), generate
+     decodes in levels of narrowing width instead: once no more rows are live than the next
+     width holds, the live rows move to the front of the cache (in place) and the steps after
+     compute those only (_decode_compacting; docs/performance.md, "Live rows").
 The batch (B, and B*G after tiling) is split over the mesh's data × fsdp axes; B is padded to a
 multiple of that size with copies of the last prompt, whose rows are dropped from the output.
 
@@ -63,6 +67,7 @@ top-p redraws ran out and took the row's top token instead (0 unless top_p is ti
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import NamedTuple, Sequence
 
@@ -79,6 +84,12 @@ Array = jax.Array
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024)
 VOCAB_CHUNK = 8192  # head columns per pass, except on a GPU (see Sampler's vocab_chunk)
 CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")  # qwen.init_cache's layout
+# generate's compacting decode (Sampler's compact_rows): each level is COMPACT_RATIO as wide as
+# the one before, COMPACT_LEVELS widths in all. On a long-tailed length distribution (median
+# 250 of 1024, 5% at the budget) 8 levels of 0.7 leave ~14% of row-steps on finished rows, where
+# one width leaves ~67%; each level is one more program to compile.
+COMPACT_RATIO = 0.7
+COMPACT_LEVELS = 8
 
 
 def default_vocab_chunk(platform: str, valid: int) -> int:
@@ -130,6 +141,10 @@ class Sampler:
       elsewhere (on a CPU one chunk's logits stay in cache; docs/performance.md).
     top_p_draws: candidates drawn per row and step for top-p's rejection step
       (grpo_jax.token_choice).
+    compact_rows: whether generate drops finished rows from the decode's work
+      (_decode_compacting); None: on a GPU or TPU with the batch on one device, else off.
+    compact_ratio, compact_levels: its widths (see widths()).
+    compiler_options: XLA options added to this sampler's jax.jit calls.
   """
 
   def __init__(self, model: qwen.Qwen | qwen.QwenConfig, *, max_new_tokens: int,
@@ -137,7 +152,9 @@ class Sampler:
                greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, min_p: float = 0.0, valid_vocab_size: int | None = None,
                pad_id: int = 0, mesh=None, dtype=None, vocab_chunk: int | None = None,
-               top_p_draws: int = 8):
+               top_p_draws: int = 8, compact_rows: bool | None = None,
+               compact_ratio: float = COMPACT_RATIO, compact_levels: int = COMPACT_LEVELS,
+               compiler_options: dict | None = None):
     if isinstance(model, qwen.QwenConfig):
       model = qwen.build(model, dtype=jnp.float32 if dtype is None else dtype)
     elif not isinstance(model, qwen.Qwen):
@@ -175,21 +192,47 @@ class Sampler:
                        f"the whole vocabulary ({valid})")
     if top_p_draws < 1:
       raise ValueError(f"top_p_draws={top_p_draws} must be >= 1")
+    if not 0 < compact_ratio < 1 or compact_levels < 1:
+      raise ValueError(f"compact_ratio={compact_ratio} must be in (0, 1) and compact_levels="
+                       f"{compact_levels} >= 1")
+    self.compact_rows = self._compacts(compact_rows, platform, mesh)
+    self.compact_ratio, self.compact_levels = float(compact_ratio), int(compact_levels)
     self.defaults = token_choice.parse_settings(greedy, temperature, top_k, top_p, min_p)
     self.max_new_tokens, self.stop_ids, self.buckets = int(max_new_tokens), stop_ids, buckets
     self.valid, self.pad_id, self.mesh = valid, int(pad_id), mesh
     self.vocab_chunk = min(int(vocab_chunk), valid)
     self.top_p_draws = int(top_p_draws)
     opts = compile_cache.compiler_options(mesh)
+    if compiler_options:  # XLA options for this sampler's programs (benchmarks/gpu_decide.py)
+      opts = {**(opts or {}), **compiler_options}
     self._prefill = jax.jit(self._prefill_impl, static_argnums=(3, 4), compiler_options=opts)
     # The cache (argument 1) is donated: the decode loop updates the prefill's buffer in place.
     self._decode = jax.jit(self._decode_impl, static_argnums=(6, 7), donate_argnums=(1,),
                            compiler_options=opts)
     self._append = jax.jit(self._append_impl, donate_argnums=(1,), compiler_options=opts)
     self._next_logprobs = jax.jit(self._next_logprobs_impl, compiler_options=opts)
+    # One program per (width, next width) of generate's compacting decode; the cache is
+    # donated and returned, so every level updates the prefill's buffer in place.
+    self._carry = jax.jit(self.decode_carry, static_argnums=(2,), compiler_options=opts)
+    self._level = jax.jit(self._level_impl, static_argnums=(8, 9, 10, 11), donate_argnums=(1,),
+                          compiler_options=opts)
     self._cache = {}  # what wrappers compose from this sampler's pieces (see cached)
 
   # --- device side -------------------------------------------------------------------------
+
+  @staticmethod
+  def _compacts(compact_rows, platform: str, mesh) -> bool:
+    """Whether generate's decode drops finished rows (see _decode_compacting). Default: on a
+    GPU or TPU whose batch is on one device. Rows move within one device's cache only, so a
+    batch split over several devices keeps one width."""
+    one = (mesh is None or mesh.devices.size == 1
+           or all(mesh.shape[a] == 1 for a in sharding_lib.BATCH_AXES))
+    if compact_rows is None:
+      return platform in ("gpu", "tpu") and one and hosts.count() == 1
+    if compact_rows and not (one and hosts.count() == 1):
+      raise ValueError("compact_rows=True needs the batch on one device (the mesh's data and "
+                       "fsdp axes of size 1, one process): rows move within a device's cache")
+    return bool(compact_rows)
 
   def _constrain(self, x, logical):
     if self.mesh is None:
@@ -236,6 +279,45 @@ class Sampler:
     results, new_state = self.decode_results(state, out, active_R)
     # Returning the cache aliases it with the donated input, so no copy is made on entry.
     return results, cache, new_state
+
+  def _level_impl(self, variables, cache, state, rng, row_ids_W2, carry, rows_W, full,
+                  sp: token_choice.SamplingParams, c: int, width: int, next_width: int):
+    """One level of generate's compacting decode (_decode_compacting). The previous level's
+    rows (their cache rows first in `cache`, their state, row ids, carry, and rows_W, each
+    one's index in the batch) are compacted to the `width` that come first, the live ones
+    (none is dropped: at most `width` are live), and the loop runs until at most next_width
+    are live (0: none) or c steps are done. `full` holds every row's outputs: each level
+    writes its rows' there. -> (cache, state, row_ids, carry, rows, full, row_steps, over)."""
+    if width < rows_W.shape[0]:
+      cache, (state, row_ids_W2, carry, rows_W) = self._compact(
+          cache, (state, row_ids_W2, carry, rows_W), carry["done"], width)
+    v, head, keys_W = self._decode_setup(variables, rng, row_ids_W2)
+    step = lambda cache, s: self.decode_step(v, head, keys_W, state, sp, cache, s)
+    live = lambda s: jnp.sum(~s["done"], dtype=jnp.int32)
+    cond = lambda cs: (cs[1]["step"] < c) & (live(cs[1]) > next_width)
+    start = carry["step"]
+    cache, carry = jax.lax.while_loop(cond, lambda cs: step(*cs), (cache, carry))
+    full = {name: x.at[rows_W].set(carry[name]) for name, x in full.items()}
+    over = (carry["step"] >= c) | (live(carry) == 0)
+    return cache, state, row_ids_W2, carry, rows_W, full, (carry["step"] - start) * width, over
+
+  @staticmethod
+  def _compact(cache, rows, done_W, width):
+    """Moves the live rows (done_W False) of the cache to its first rows, in place, and gathers
+    the per-row arrays of `rows` (a pytree; scalars stay) in the same order, cut to `width`:
+    first the live rows, then finished ones. Row j's source is at j or after it (live rows
+    keep their order), so moving rows 0, 1, ... in turn never reads a row already written;
+    finished rows' cache rows are left as they are (nothing reads them again)."""
+    order = jnp.argsort(done_W, stable=True)[:width]
+    n = done_W.shape[0]
+
+    def move(j, kv):
+      row = lambda x: jax.lax.dynamic_slice_in_dim(x, order[j], 1, axis=1)
+      return {name: jax.lax.dynamic_update_slice_in_dim(x, row(x), j, axis=1)
+              for name, x in kv.items()}
+    cache = jax.lax.fori_loop(0, jnp.sum(~done_W, dtype=jnp.int32), move, cache)
+    take = lambda x: jnp.take(x, order, axis=0) if x.ndim and x.shape[0] == n else x
+    return cache, jax.tree.map(take, rows)
 
   def _decode_setup(self, variables, rng, row_ids_R2):
     """(variables with the layers in the compute dtype, the sampling head, each row's key).
@@ -284,11 +366,14 @@ class Sampler:
 
   def decode_carry(self, state, active_R, c: int):
     r = state["hidden"].shape[0]
-    return dict(step=jnp.int32(0), hidden=state["hidden"],
-                tokens=jnp.full((r, c), self.pad_id, jnp.int32),
-                logp=jnp.zeros((r, c), jnp.float32), done=~active_R,
-                stopped=jnp.zeros((r,), bool), lengths=jnp.zeros((r,), jnp.int32),
-                extra_rounds=jnp.int32(0), fallback_rows=jnp.int32(0))
+    carry = dict(step=jnp.int32(0), hidden=state["hidden"],
+                 tokens=jnp.full((r, c), self.pad_id, jnp.int32),
+                 logp=jnp.zeros((r, c), jnp.float32), done=~active_R,
+                 stopped=jnp.zeros((r,), bool), lengths=jnp.zeros((r,), jnp.int32),
+                 extra_rounds=jnp.int32(0), fallback_rows=jnp.int32(0))
+    if "budget" in state:  # per-row token budgets (extend's row_budgets)
+      carry.update(budget=state["budget"], done=carry["done"] | (state["budget"] <= 0))
+    return carry
 
   def decode_step(self, params, head, keys_R, state, sp, cache, s, i=None):
     """One step of the loop: sample from the carried hidden state, then run the forward for the
@@ -309,12 +394,14 @@ class Sampler:
     # A row that stopped keeps the hidden state of its last token (what a later turn
     # continues from), not that of the pads it is fed afterwards.
     hidden = jnp.where(live[:, None], hidden[:, 0], s["hidden"])
-    return cache, dict(step=s["step"] + 1, hidden=hidden, tokens=put(s["tokens"], tok),
-                       logp=put(s["logp"], jnp.where(live, logp, 0.0)),
-                       done=s["done"] | stopped, stopped=s["stopped"] | stopped,
-                       lengths=s["lengths"] + live, extra_rounds=s["extra_rounds"] + extra,
-                       fallback_rows=s["fallback_rows"] + jnp.sum(live & fell_back,
-                                                                  dtype=jnp.int32))
+    new = dict(s, step=s["step"] + 1, hidden=hidden, tokens=put(s["tokens"], tok),
+               logp=put(s["logp"], jnp.where(live, logp, 0.0)),
+               done=s["done"] | stopped, stopped=s["stopped"] | stopped,
+               lengths=s["lengths"] + live, extra_rounds=s["extra_rounds"] + extra,
+               fallback_rows=s["fallback_rows"] + jnp.sum(live & fell_back, dtype=jnp.int32))
+    if "budget" in s:  # a row that has used its budget is done, truncated
+      new["done"] = new["done"] | (new["lengths"] >= s["budget"])
+    return cache, new
 
   def decode_results(self, state, out, active_R):
     p = state["slot"]
@@ -329,6 +416,7 @@ class Sampler:
         "logprobs": self._constrain(out["logp"], ("batch", None)),
         "steps": out["step"], "extra_rounds": out["extra_rounds"],
         "fallback_rows": out["fallback_rows"],
+        "row_steps": out["step"] * out["lengths"].shape[0],  # rows computed, live or not
     }
     return results, new_state
 
@@ -457,26 +545,86 @@ class Sampler:
     return conv._replace(slots_used=conv.slots_used + n)
 
   def extend(self, variables, conv: Conversation, key, *, max_tokens: int, active=None,
-             **settings) -> tuple[dict, Conversation]:
+             row_budgets=None, **settings) -> tuple[dict, Conversation]:
     """Samples up to max_tokens more tokens for every active row (default: all), from where
     each conversation stands. Returns ({'tokens' [R, max_tokens], 'lengths', 'truncated',
-    'logprobs', 'steps', 'extra_rounds', 'fallback_rows'} as in SampleOutput, the conversation
-    continued). A row not active gets no tokens: lengths 0, truncated False."""
+    'logprobs', 'steps', 'extra_rounds', 'fallback_rows', 'row_steps'} as in SampleOutput, the
+    conversation continued). A row not active gets no tokens: lengths 0, truncated False.
+    row_budgets: R ints <= max_tokens, each row's own budget (a row that reaches it is
+    truncated there), or None."""
+    sp, key = self._settings_and_key(settings, key)
+    conv = self._reserve(conv, int(max_tokens), f"extend(max_tokens={max_tokens})")
+    act, state = self._rows_in(conv, active, row_budgets, max_tokens)
+    results, cache, state = self._decode(variables, conv.cache, state, key, conv.row_ids, act,
+                                         sp, int(max_tokens))
+    return self._rows_out(conv, results), conv._replace(cache=cache, state=state)
+
+  def _settings_and_key(self, settings, key):
     sp = self.sampling_params(settings)
     if key is None:
       if not sp.greedy:
         raise ValueError("key is required unless sampling greedily")
       key = jax.random.key(0)
-    conv = self._reserve(conv, int(max_tokens), f"extend(max_tokens={max_tokens})")
+    return sp, key
+
+  def _rows_in(self, conv: Conversation, active, row_budgets, max_tokens: int):
+    """(active rows [R_pad] on the device, the decode's state: the conversation's, with
+    'budget' [R_pad] when row_budgets are given)."""
     r_pad = conv.row_ids.shape[0] // hosts.count()  # this process's rows
     act = np.zeros((r_pad,), bool)
     act[:conv.rows] = True if active is None else np.asarray(active, bool)
-    results, cache, state = self._decode(variables, conv.cache, conv.state, key, conv.row_ids,
-                                         self._put(act), sp, int(max_tokens))
+    if row_budgets is None:
+      return self._put(act), conv.state
+    budgets = np.zeros((r_pad,), np.int32)
+    budgets[:conv.rows] = np.asarray(row_budgets, np.int64)
+    if budgets.min() < 0 or budgets.max() > max_tokens:
+      raise ValueError(f"row_budgets must lie in [0, {max_tokens}], got [{budgets.min()}, "
+                       f"{budgets.max()}]")
+    return self._put(act), dict(conv.state, budget=self._put(budgets))
+
+  def _rows_out(self, conv: Conversation, results) -> dict:
+    """The device's per-row results as this process's rows, the batch's padding cut off."""
     results = self._local_rows(results)
+    r_pad = conv.row_ids.shape[0] // hosts.count()
     if r_pad > conv.rows:
       results = {k: v[:conv.rows] if np.ndim(v) else v for k, v in results.items()}
-    return results, conv._replace(cache=cache, state=state)
+    return results
+
+  def widths(self, rows: int) -> tuple[int, ...]:
+    """The compacting decode's widths for a batch of `rows`: rows, then each level
+    compact_ratio as wide as the one before (rounded up), compact_levels in all, distinct."""
+    out = [rows]
+    for _ in range(self.compact_levels - 1):
+      w = max(1, math.ceil(out[-1] * self.compact_ratio))
+      if w < out[-1]:
+        out.append(w)
+    return tuple(out)
+
+  def _decode_compacting(self, variables, conv: Conversation, key, settings, row_budgets):
+    """extend's results for generate, with finished rows dropped from the work: the rows run
+    at widths(R); once no more than the next width are live, the live ones move to the
+    cache's first rows and the loop goes on over those only. A row's tokens are those of the
+    one-width loop: its key, step numbers and cache rows are its own, whichever rows share
+    its batch. The cache is spent (generate continues no conversation)."""
+    sp, key = self._settings_and_key(settings, key)
+    c = self.max_new_tokens
+    act, state = self._rows_in(conv, None, row_budgets, c)
+    carry = self._carry(state, act, c)
+    full = {name: carry[name] for name in ("tokens", "logp", "lengths", "stopped")}
+    cache, row_ids, rows = conv.cache, conv.row_ids, jnp.arange(act.shape[0])
+    widths, row_steps = self.widths(act.shape[0]), []
+    for level, width in enumerate(widths):
+      following = widths[level + 1] if level + 1 < len(widths) else 0
+      cache, state, row_ids, carry, rows, full, steps, over = self._level(
+          variables, cache, state, key, row_ids, carry, rows, full, sp, c, width, following)
+      row_steps.append(steps)
+      if bool(over):
+        break
+    results = {"tokens": full["tokens"], "lengths": full["lengths"],
+               "truncated": ~full["stopped"] & act, "logprobs": full["logp"],
+               "steps": carry["step"], "extra_rounds": carry["extra_rounds"],
+               "fallback_rows": carry["fallback_rows"], "row_steps": sum(row_steps)}
+    return self._rows_out(conv, results)
 
   def append(self, variables, conv: Conversation, token_lists, width: int) -> Conversation:
     """Feeds each row its token list (an observation; may be empty), right-padded to `width`
@@ -514,7 +662,7 @@ class Sampler:
     return logp, conv._replace(cache=asked.cache, slots_used=asked.slots_used - int(width))
 
   def generate(self, variables, prompts, mask=None, *, num_samples: int = 1, key=None,
-               prompt_ids=None, **settings) -> SampleOutput:
+               prompt_ids=None, row_budgets=None, **settings) -> SampleOutput:
     """num_samples (G) completions per prompt; see the module docstring for the output.
 
     prompts: B lists of token ids, or a left-padded [B, P] array with `mask`.
@@ -529,10 +677,15 @@ class Sampler:
                       prompt_ids=prompt_ids)
     jax.block_until_ready(conv.state)
     prefill_s = time.perf_counter() - start
-    results, _ = self.extend(variables, conv, key, max_tokens=self.max_new_tokens, **settings)
+    if self.compact_rows:
+      results = self._decode_compacting(variables, conv, key, settings, row_budgets)
+    else:
+      results, _ = self.extend(variables, conv, key, max_tokens=self.max_new_tokens,
+                               row_budgets=row_budgets, **settings)
     results = jax.block_until_ready(results)
     seconds = time.perf_counter() - start
     generated = int(np.asarray(results["lengths"]).sum())
+    row_steps = int(results["row_steps"])
     metrics = {
         "sampler/tokens_per_s": generated / seconds,
         "sampler/seconds": seconds,
@@ -541,6 +694,10 @@ class Sampler:
         "sampler/cut_extra_rounds": int(results["extra_rounds"]),
         "sampler/cut_fallback_rows": int(results["fallback_rows"]),
         "sampler/prompt_bucket": conv.prompt_tokens.shape[1],
+        # Rows the decode steps computed (live or finished, the mesh's padding included), and
+        # the share of them spent on rows that had already finished.
+        "sampler/row_steps": row_steps,
+        "sampler/row_steps_wasted": 1.0 - generated / row_steps if row_steps else 0.0,
     }
     return SampleOutput(results["tokens"], results["lengths"], results["truncated"],
                         results["logprobs"], jnp.asarray(conv.prompt_tokens),

@@ -28,7 +28,7 @@ class Trainer:
         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
         max_new_tokens=s.max_new_tokens, stop_ids=stop_ids,
         buckets=tuple(config.data.prompt_buckets), valid_vocab_size=valid,
-        pad_id=tokenizer.pad_token_id, mesh=mesh)
+        pad_id=tokenizer.pad_token_id, mesh=mesh, compact_rows=s.compact_rows)
     # The one rollout interface (grpo_jax.rollout): single-turn completions, or for
     # config.agent.enabled multi-turn trajectories with tools. `interrupt` (SIGTERM) stops a
     # wait on an agent role's server.

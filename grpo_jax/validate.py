@@ -91,6 +91,9 @@ def validate(config, num_devices: int) -> None:
   _check(micro % split == 0, "train.prompts_per_step",
          f"a micro-batch of {micro} completions (prompts_per_step × G / grad_accum_steps) is not "
          f"divisible by the {split} devices the mesh {tuple(config.mesh)} splits the batch over")
+  _check(not (s.compact_rows and split > 1), "sampling.compact_rows",
+         f"True needs the batch on one device, but the mesh {tuple(config.mesh)} splits it "
+         f"{split} ways (rows move within one device's cache): leave it unset (None)")
   _validate_train(config)
   _check(isinstance(config.rewards.allow_missing, bool), "rewards.allow_missing",
          f"must be True or False, got {config.rewards.allow_missing!r}")
@@ -225,6 +228,9 @@ def validate_processes(config, num_devices: int, num_processes: int) -> None:
   if num_processes == 1:
     return
   where = f"with {num_processes} processes"
+  _check(not config.sampling.compact_rows, "sampling.compact_rows",
+         f"True needs one process (rows move within one device's cache); {where}, leave it "
+         "unset (None)")
   _check(not config.agent.enabled, "agent.enabled",
          f"multi-turn agent runs use one process; {where}, run single-turn GRPO or one host")
   split = batch_devices(config, num_devices)

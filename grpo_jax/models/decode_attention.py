@@ -198,7 +198,8 @@ def reference(q_BNH, k_BKH, v_BKH, cos_BH, sin_BH, k_LBKSH, v_LBKSH, layer, mask
       c, new[None, :, :, None].astype(c.dtype), (layer, 0, 0, index, 0))
   k_LBKSH = write(k_LBKSH, apply_rope(k_BKH, tables))
   v_LBKSH = write(v_LBKSH, v_BKH)
-  k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False).astype(q_BNH.dtype)
+  # The rows may be the cache's first b only (the sampler's compacted live rows).
+  k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False)[:b].astype(q_BNH.dtype)
           for c in (k_LBKSH, v_LBKSH))
   q_BKGH = apply_rope(q_BNH, tables).reshape(b, kv, n // kv, h)
   scores = jnp.einsum("BKGH,BKSH->BKGS", q_BKGH, k, preferred_element_type=jnp.float32)
@@ -221,7 +222,7 @@ def step(q_BNH: Array, k_BKH: Array, v_BKH: Array, rope_BH: tuple[Array, Array],
          mesh=None) -> tuple[Array, Array, Array]:
   """One layer's attention in a decode step. q [B, N, H], k and v [B, K, H]: this step's, before
   RoPE; rope_BH: the fp32 (cos, sin) [B, H] at each row's position (qwen.rope_tables); the
-  stacked caches [L, B, K, S, H]; the query sits at slot `index`, and attends to slots
+  stacked caches [L, B', K, S, H] (B' >= B: the rows are the cache's first B); the query sits at slot `index`, and attends to slots
   0..index whose mask [B, S] is > 0. -> (out [B, N, H], k cache, v cache), the caches with k
   (after RoPE) and v written at slot `index` of layer `layer`."""
   b, n, h = q_BNH.shape

@@ -454,8 +454,11 @@ class Attention(nn.Module):
         # decode step copies no layer of the cache into another one. (Under jax.vmap XLA:CPU
         # still fuses the write into this read and copies the whole cache per layer and step:
         # experiments/one_loop.md.)
-        out_BTNH = attend(q, cache["k"][layer].astype(self.dtype),
-                          cache["v"][layer].astype(self.dtype), attn_mask_BS, cache_index,
+        # The query batch may be the cache's first rows only: the sampler's live rows, moved
+        # to the front of the cache once others have finished (Sampler's compact_rows).
+        b = q.shape[0]
+        out_BTNH = attend(q, cache["k"][layer, :b].astype(self.dtype),
+                          cache["v"][layer, :b].astype(self.dtype), attn_mask_BS, cache_index,
                           cfg.is_causal, cfg.run.attention, heads_first=True)
         return self._out(out_BTNH), cache
     out_BTNH = attend(q, keys.astype(self.dtype), values.astype(self.dtype), attn_mask_BS, start,
