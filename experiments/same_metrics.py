@@ -4,7 +4,8 @@ vmapped groups, fingerprinted (metrics without timings, samples, the exported we
     python3 experiments/same_metrics.py --out /tmp/before.json      # on the old commit
     python3 experiments/same_metrics.py --against /tmp/before.json  # on the new one
 
-The second call exits 1 and names each differing run, step and key. The runs (about 6 minutes
+The second call exits 1 and names each differing run, step and key; metric keys the old
+records lack (a new diagnostic) are named apart, and every key they have must keep its value. The runs (about 6 minutes
 on 2 CPU cores): the tiny preset as one run (K = 1), a K = 4 group of `python -m grpo_jax.train
 --spec` (seeds and lrs differ; members in turn, the CPU default), a K = 2 group batched under
 jax.vmap (train.members=vmap), and the tiny_lora preset as one run and as a K = 2 group. Every
@@ -117,10 +118,18 @@ def main():
     for runs in want.values():  # fingerprints written before a timing was left out
       for run in runs:
         run["metrics"] = [_untimed(r) for r in run["metrics"]]
+    added = set()  # metric keys the old records lack: new diagnostics, reported apart
+    for name, runs in prints.items():
+      for w, g in zip(want.get(name, []), runs):
+        for rw, rg in zip(w["metrics"], g["metrics"]):
+          added |= set(rg) - set(rw)
+          for k in set(rg) - set(rw):
+            del rg[k]
     diffs = differences({n: want[n] for n in prints}, prints)
     for line in diffs[:40]:
       print(f"same_metrics: differs: {line}")
-    print(f"same_metrics: {len(prints)} entries, {len(diffs)} differences")
+    print(f"same_metrics: {len(prints)} entries, {len(diffs)} differences"
+          + (f"; metric keys added: {', '.join(sorted(added))}" if added else ""))
     sys.exit(1 if diffs else 0)
 
 
