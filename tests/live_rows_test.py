@@ -139,3 +139,19 @@ def test_compacting_decode_with_the_other_decode_paths(model, run):
   np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
   np.testing.assert_allclose(np.asarray(outs[0].logprobs), np.asarray(outs[1].logprobs),
                              atol=5e-6)
+
+
+def test_compacting_decode_on_a_tensor_parallel_mesh(model):
+  """The batch on one device row-wise, the kv heads split over 2 (tensor): rows move within
+  each device's shard of the cache, and the rows are the one-width loop's."""
+  m, params = model
+  mesh = sharding.make_mesh((1, 1, 2))
+  budgets = np.random.default_rng(1).integers(1, 24, size=8)
+  outs = [sampler_lib.Sampler(m, max_new_tokens=24, stop_ids=[STOP], buckets=(16,), mesh=mesh,
+                              compact_rows=compact)(params, _prompts(4), num_samples=2,
+                                                    key=jax.random.key(2), row_budgets=budgets)
+          for compact in (False, True)]
+  np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
+  np.testing.assert_allclose(np.asarray(outs[0].logprobs), np.asarray(outs[1].logprobs),
+                             atol=5e-6)
+  assert outs[1].metrics["sampler/row_steps"] < outs[0].metrics["sampler/row_steps"]
