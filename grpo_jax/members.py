@@ -558,6 +558,7 @@ def generate(sampler, params_K, prompts_K, *, num_samples, keys_K=None, greedy=F
   results = []
   for k in range(len(prompts_K)):
     lengths = out["lengths"][k, :b * g]
+    row_steps = int(out["row_steps"][k])  # the member's own loop's: its steps x every row
     results.append(SampleOutput(out["tokens"][k, :b * g], lengths, out["truncated"][k, :b * g],
                                 out["logprobs"][k, :b * g], None, None, {
         "sampler/tokens_per_s": int(lengths.sum()) / seconds,
@@ -567,6 +568,8 @@ def generate(sampler, params_K, prompts_K, *, num_samples, keys_K=None, greedy=F
         "sampler/cut_extra_rounds": int(out["extra_rounds"][k]),
         "sampler/cut_fallback_rows": int(out["fallback_rows"][k]),
         "sampler/prompt_bucket": own_buckets[k],  # what the member's own run pads to
+        "sampler/row_steps": row_steps,
+        "sampler/row_steps_wasted": 1.0 - int(lengths.sum()) / row_steps if row_steps else 0.0,
     }))
   return [None if out_k else r for r, out_k in zip(results, sits_out)]
 

@@ -445,7 +445,7 @@ def test_members_equal_their_own_generate_calls(checkpoints, unroll, decode, bat
     np.testing.assert_array_equal(out.lengths, want.lengths)
     np.testing.assert_array_equal(out.truncated, want.truncated)
     np.testing.assert_allclose(out.logprobs, want.logprobs, atol=1e-5, rtol=0)
-    for name in ("sampler/decode_steps", "sampler/cut_extra_rounds"):
+    for name in ("sampler/decode_steps", "sampler/cut_extra_rounds", "sampler/row_steps"):
       assert out.metrics[name] == want.metrics[name], name
     steps.add(want.metrics["sampler/decode_steps"])
   assert len(steps) > 1, steps  # the members' own loops really end at different steps
