@@ -59,7 +59,7 @@ def test_compacting_decode_gives_the_one_width_loops_rows(model, settings):
   outs = {}
   for compact in (False, True):
     s = sampler_lib.Sampler(m, max_new_tokens=c, stop_ids=[STOP], buckets=(16,), pad_id=0,
-                            compact_rows=compact, compact_ratio=0.6)
+                            compact_rows=compact, compact_ratio=0.6, compact_levels=3)
     outs[compact] = s(params, prompts, num_samples=g, key=jax.random.key(3),
                       row_budgets=budgets, **settings)
   a, b = outs[False], outs[True]
@@ -123,6 +123,14 @@ def test_row_budgets_outside_the_budget_are_refused(model):
     s(params, _prompts(1), num_samples=2, greedy=True, row_budgets=[2, 5])
 
 
+def _one_width_and_compacting(m, params, budgets, mesh=None, **call):
+  """generate's outputs for 4 prompts x 2 rows, one width then compacting (3 widths)."""
+  return [sampler_lib.Sampler(m, max_new_tokens=24, stop_ids=[STOP], buckets=(16,), mesh=mesh,
+                              compact_rows=compact, compact_levels=3)(
+              params, _prompts(4), num_samples=2, row_budgets=budgets, **call)
+          for compact in (False, True)]
+
+
 @pytest.mark.parametrize("run", [dict(decode_attention="pallas"), dict(unroll_decode=True)],
                          ids=["pallas", "unrolled"])
 def test_compacting_decode_with_the_other_decode_paths(model, run):
@@ -132,10 +140,7 @@ def test_compacting_decode_with_the_other_decode_paths(model, run):
   cfg = dataclasses.replace(m.cfg, run=dataclasses.replace(m.cfg.run, **run))
   m = qwen.build(cfg, dtype=jnp.float32)
   budgets = np.random.default_rng(0).integers(1, 24, size=8)
-  outs = [sampler_lib.Sampler(m, max_new_tokens=24, stop_ids=[STOP], buckets=(16,),
-                              compact_rows=compact)(params, _prompts(4), num_samples=2,
-                                                    greedy=True, row_budgets=budgets)
-          for compact in (False, True)]
+  outs = _one_width_and_compacting(m, params, budgets, greedy=True)
   np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
   np.testing.assert_allclose(np.asarray(outs[0].logprobs), np.asarray(outs[1].logprobs),
                              atol=5e-6)
@@ -147,10 +152,7 @@ def test_compacting_decode_on_a_tensor_parallel_mesh(model):
   m, params = model
   mesh = sharding.make_mesh((1, 1, 2))
   budgets = np.random.default_rng(1).integers(1, 24, size=8)
-  outs = [sampler_lib.Sampler(m, max_new_tokens=24, stop_ids=[STOP], buckets=(16,), mesh=mesh,
-                              compact_rows=compact)(params, _prompts(4), num_samples=2,
-                                                    key=jax.random.key(2), row_budgets=budgets)
-          for compact in (False, True)]
+  outs = _one_width_and_compacting(m, params, budgets, mesh=mesh, key=jax.random.key(2))
   np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
   np.testing.assert_allclose(np.asarray(outs[0].logprobs), np.asarray(outs[1].logprobs),
                              atol=5e-6)
