@@ -89,6 +89,15 @@ def model() -> ConfigDict:
           # kernels while sampling). False: base and adapters side by side. K-member sweeps
           # always sample side by side (one base for all).
           merge_for_sampling=True,
+          # PEFT's LoraConfig options, with PEFT's meaning (docs/lora.md, "Settings"): targets
+          # may also be full module paths (model.layers.0.self_attn.q_proj).
+          use_rslora=False,         # scale alpha / sqrt(r) (rsLoRA) instead of alpha / r
+          rank_pattern=placeholder(dict),   # {module-path regex: rank}; None: none
+          alpha_pattern=placeholder(dict),  # {module-path regex: alpha}; None: none
+          layers_to_transform=(),   # layer indices the targets' short names apply to; () all
+          # A PEFT adapter directory or hub id a fresh run starts its adapters from (it must
+          # adapt the same modules with the same ranks and scales as the fields above say).
+          init_from="",
       )),
   ))
 

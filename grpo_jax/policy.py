@@ -8,7 +8,7 @@ Two variants, static and hashable (a field of the jit-static train_step.StepSpec
 
 What each answers, Full | Lora:
   trained (abstract_trainable, trainable_axes, init_trainable): the model's params | the
-    adapters alone, fresh from the run's seed (b = 0).
+    adapters alone, fresh from the run's seed (b = 0) or model.lora.init_from's.
   frozen (abstract_frozen, frozen_shardings, make_frozen), in the dtype the step gives
     (train_step.reference_dtype): the reference, kept where β > 0 | the base, always, int8
     projection kernels where lcfg.quantize = 'int8'; with the adapters off it is also the
@@ -162,8 +162,11 @@ class Lora(Policy):
     return lora_lib.logical_axes(model_cfg, self.lcfg)
 
   def init_trainable(self, params, model_cfg, seed: int, dtype):
-    """Fresh adapters (PEFT's initialisation from the run's seed, b = 0)."""
+    """Fresh adapters (PEFT's initialisation from the run's seed, b = 0), or lcfg.init_from's
+    PEFT adapter (lora.start_adapters)."""
     del params
+    if self.lcfg.init_from:
+      return lora_lib.start_adapters(self.lcfg, model_cfg, dtype)
     key = jax.random.fold_in(jax.random.key(seed), LORA_INIT_STREAM)
     return lora_lib.init(key, model_cfg, self.lcfg, dtype)
 

@@ -49,6 +49,18 @@ def batch_devices(config, num_devices: int) -> int:
   return shape[0] * shape[1]
 
 
+def check_lora(config, cfg) -> None:
+  """model.lora against the model (a QwenConfig): its targets and layers exist there, and an
+  init_from adapter is readable and adapts the same modules with the same ranks and scales
+  (weights.CheckpointError naming config.model.lora.init_from). Reads no base weights."""
+  lcfg = lora.LoraConfig.from_config(config.model.get("lora"))
+  if lcfg is None:
+    return
+  _named(lora.layout, lcfg, cfg.num_layers)
+  if lcfg.init_from:
+    lora.start_adapters(lcfg, cfg)
+
+
 def validate(config, num_devices: int) -> None:
   """Raises ConfigError naming the first bad setting of `config` for a run on num_devices."""
   unknown = config_lib.unknown_fields(config)
