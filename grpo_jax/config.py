@@ -95,6 +95,9 @@ def model() -> ConfigDict:
           rank_pattern=placeholder(dict),   # {module-path regex: rank}; None: none
           alpha_pattern=placeholder(dict),  # {module-path regex: alpha}; None: none
           layers_to_transform=(),   # layer indices the targets' short names apply to; () all
+          # Modules trained whole beside the adapters (a full copy each; untied models only):
+          # 'embed_tokens', 'lm_head'.
+          modules_to_save=(),
           # A PEFT adapter directory or hub id a fresh run starts its adapters from (it must
           # adapt the same modules with the same ranks and scales as the fields above say).
           init_from="",

@@ -163,12 +163,11 @@ class Lora(Policy):
 
   def init_trainable(self, params, model_cfg, seed: int, dtype):
     """Fresh adapters (PEFT's initialisation from the run's seed, b = 0), or lcfg.init_from's
-    PEFT adapter (lora.start_adapters)."""
-    del params
+    PEFT adapter (lora.start_adapters); modules_to_save copies params' modules."""
     if self.lcfg.init_from:
       return lora_lib.start_adapters(self.lcfg, model_cfg, dtype)
     key = jax.random.fold_in(jax.random.key(seed), LORA_INIT_STREAM)
-    return lora_lib.init(key, model_cfg, self.lcfg, dtype)
+    return lora_lib.init(key, model_cfg, self.lcfg, dtype, params)
 
   def hparams(self) -> dict:
     """The adapters' scale alpha / r, which a vmapped sweep may vary per member."""
@@ -183,9 +182,14 @@ class Lora(Policy):
     return lora_lib.variables(frozen, params, self.lcfg, scale=scale)
 
   def is_reference(self, params, frozen, dtype):
-    """A traced bool: every b is 0, so each adapted projection adds exact zeros to the base's."""
-    del frozen, dtype
-    return jnp.all(jnp.stack([jnp.all(b == 0) for b in lora_lib.b_factors(params)]))
+    """A traced bool: every b is 0, so each adapted projection adds exact zeros to the base's,
+    and each modules_to_save copy equals the base's module in the compute dtype."""
+    zero_b = jnp.all(jnp.stack([jnp.all(b == 0) for b in lora_lib.b_factors(params)]))
+    saved = lora_lib.SAVED_MODULES
+    copies = {m: params[m] for m in saved if m in params}
+    if not copies:
+      return zero_b
+    return zero_b & same_params(copies, {m: frozen[m] for m in copies}, dtype)
 
   def sampled(self, params, frozen):
     """What the sampler runs, as model.apply's variables: the base with the adapters merged

@@ -57,6 +57,7 @@ def check_lora(config, cfg) -> None:
   if lcfg is None:
     return
   _named(lora.layout, lcfg, cfg.num_layers)
+  _named(lora.check_saved, lcfg, cfg)
   if lcfg.init_from:
     lora.start_adapters(lcfg, cfg)
 

@@ -597,6 +597,8 @@ OPTION_CASES = {  # name: (fixture kind, peft.LoraConfig's keyword arguments)
     "full_paths": ("qwen3", dict(r=2, lora_alpha=4, target_modules=[
         "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj",
         "model.layers.1.mlp.up_proj", "model.layers.0.mlp.down_proj"])),
+    "modules_to_save": ("qwen2_untied", dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                             modules_to_save=["embed_tokens", "lm_head"])),
 }
 
 
@@ -605,7 +607,8 @@ def _ours(kw) -> lora.LoraConfig:
   return lora.LoraConfig(rank=kw["r"], alpha=kw["lora_alpha"], targets=tuple(kw["target_modules"]),
                          use_rslora=kw.get("use_rslora", False),
                          rank_pattern=kw.get("rank_pattern"), alpha_pattern=kw.get("alpha_pattern"),
-                         layers_to_transform=tuple(kw.get("layers_to_transform", ())))
+                         layers_to_transform=tuple(kw.get("layers_to_transform", ())),
+                         modules_to_save=tuple(kw.get("modules_to_save", ())))
 
 
 def _peft_modules(model, cfg):
@@ -646,7 +649,7 @@ def test_peft_options_train_export_and_load_with_peft_logits(checkpoints, case, 
   tokens, mask = _batch(4)
   real = np.asarray(mask).astype(bool)
 
-  adapters = _trained_like(lora.init(jax.random.key(0), cfg, lcfg), 1, 0.3)
+  adapters = _trained_like(lora.init(jax.random.key(0), cfg, lcfg, params=params), 1, 0.3)
   ours = np.asarray(f(params, adapters, tokens, mask))
   assert np.abs(ours - np.asarray(f(params, None, tokens, mask)))[real].max() > 0.05
   out = lora.save_peft(adapters, cfg, lcfg, tmp_path / "ours")
@@ -660,8 +663,8 @@ def test_peft_options_train_export_and_load_with_peft_logits(checkpoints, case, 
   assert _peft_modules(theirs_model, cfg) == _layout_modules(lcfg, cfg)
   with torch.no_grad():
     for name, p in theirs_model.named_parameters():
-      if "lora_B" in name:
-        p.normal_(0, 0.3)
+      if "lora_B" in name or "modules_to_save" in name:  # trained: B, and the modules' copies
+        p.add_(0.3 * torch.randn_like(p))
   theirs_model.save_pretrained(tmp_path / "peft")
   loaded, loaded_cfg = lora.load_peft(tmp_path / "peft", cfg)
   assert lora.layout(loaded_cfg, cfg.num_layers) == lora.layout(lcfg, cfg.num_layers)
@@ -727,3 +730,31 @@ def test_a_two_layer_all_linear_peft_adapter_with_full_paths_loads(checkpoints, 
       fixtures.hf_model(path), lora.save_peft(adapters, cfg, lcfg, tmp_path / "again")).eval()
   assert _peft_modules(again, cfg) == _peft_modules(model, cfg)
   assert np.abs(ours - _peft_logits(again, tokens, mask))[real].max() <= 1e-4
+
+
+def test_modules_to_save_train_copies_and_leave_the_reference_alone(checkpoints):
+  """modules_to_save: fresh copies equal the base's modules (the policy is the reference: is
+  reference true), a moved copy changes the policy but not the reference (adapters off), its
+  gradient is the full model's gradient of that module at the same weights, and a tied model is
+  refused with a line naming the field."""
+  from grpo_jax import policy as policy_lib
+  params, cfg = weights.load_checkpoint(checkpoints["qwen2_untied"])
+  lcfg = lora.LoraConfig(rank=2, alpha=4, targets=("q_proj",),
+                         modules_to_save=("model.embed_tokens", "lm_head"))
+  assert lcfg.modules_to_save == ("embed_tokens", "lm_head")
+  pol = policy_lib.Lora(lcfg)
+  fresh = pol.init_trainable(params, cfg, 0, jnp.float32)
+  np.testing.assert_array_equal(fresh["lm_head"], params["lm_head"])
+  assert bool(pol.is_reference(fresh, params, jnp.float32))
+  moved = dict(fresh, lm_head=fresh["lm_head"] + 0.1)
+  assert not bool(pol.is_reference(moved, params, jnp.float32))
+  tokens, mask = _batch(2)
+  grads = jax.jit(jax.grad(_loss(qwen.Qwen(cfg), lcfg, tokens, mask)))(fresh, params)
+  full = jax.jit(jax.grad(lambda p: _loss(qwen.Qwen(cfg), lcfg, tokens, mask)(None, p)))(params)
+  for m in ("embed_tokens", "lm_head"):
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7),
+                 grads[m], full[m])
+  assert np.abs(np.asarray(grads["lm_head"])).max() > 1e-6
+  _, tied = weights.load_checkpoint(checkpoints["qwen2_tied"])
+  with pytest.raises(ValueError, match="model.lora.modules_to_save.*tie_word_embeddings"):
+    lora.init(jax.random.key(0), tied, lcfg, params=params)

@@ -537,3 +537,48 @@ def test_init_from_refuses_an_adapter_of_other_targets_scale_or_base(init_from, 
   message = str(e.value)
   assert "\n" not in message and message.startswith("config.model.lora.init_from: "), message
   assert str(tmp_path / "adapter") in message and named in message, message
+
+
+def test_modules_to_save_copies_get_the_full_weight_gradients_and_train():
+  """model.lora.modules_to_save on an untied model: the step's gradients of the embedding and
+  LM head copies are the full-weight step's at the merged weights (the copies in place), and a
+  TrainStep trains them (its state holds them, moved; the frozen base keeps its own)."""
+  import dataclasses
+  model = dataclasses.replace(MODEL, tie_word_embeddings=False)
+  base = qwen.init_params(model, jax.random.key(1))
+  lcfg = lora.LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "down_proj"),
+                         modules_to_save=("embed_tokens", "lm_head"))
+  pol = policy_lib.Lora(lcfg)
+  mesh = sharding.make_mesh((1, 1, 1))
+  batch = train_batch(5)
+  adapters = pol.init_trainable(base, model, 0, jnp.float32)
+  adapters["layers"] = jax.tree.map(lambda x: x + 0.3, adapters["layers"])  # b off 0
+  lora_grad = train_step.make_grad_fn(model, loss_config(), optim_config(), mesh, batch,
+                                      group_size=G, policy=pol)
+  full_grad = train_step.make_grad_fn(model, loss_config(), optim_config(), mesh, batch,
+                                      group_size=G)
+  loss_l, g = lora_grad(adapters, batch, base)
+  loss_f, g_w = full_grad(lora.merge(base, adapters, lcfg), batch)
+  np.testing.assert_allclose(loss_l, loss_f, rtol=1e-5)
+  for m in ("embed_tokens", "lm_head"):
+    for got, want in zip(jax.tree.leaves(g[m]), jax.tree.leaves(g_w[m])):
+      scale = float(np.abs(want).max())
+      assert scale > 1e-6, m
+      np.testing.assert_allclose(got, want, atol=2e-5 * scale, err_msg=m)
+  step = train_step.TrainStep(model, loss_config(beta=0.05), optim_config(), mesh, group_size=G,
+                              policy=pol)
+  frozen = train_step.reference_params(base, model, optim_config(), mesh, pol)
+  state, metrics, _ = step(train_step.create_train_state(adapters, model, optim_config(), mesh,
+                                                         pol), batch, frozen)
+  new = jax.device_get(state["params"])
+  assert np.abs(new["lm_head"] - np.asarray(adapters["lm_head"])).max() > 1e-4
+  np.testing.assert_array_equal(jax.device_get(frozen["lm_head"]), np.asarray(base["lm_head"]))
+  assert metrics["loss/kl"] > 0
+
+
+def test_a_vmapped_group_refuses_modules_to_save():
+  configs = [config_lib.defaults() for _ in range(2)]
+  for c in configs:
+    c.model.lora.update(rank=4, modules_to_save=("lm_head",))
+  with pytest.raises(members.VmapError, match="config.model.lora.modules_to_save"):
+    members.check_vmappable(configs)

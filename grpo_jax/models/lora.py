@@ -53,6 +53,9 @@ TARGETS: dict[str, tuple[str, int]] = {
     "up_proj": ("mlp", 1),        # [D, I]
     "down_proj": ("mlp", 1),      # [I, D]
 }
+# Modules a run may train whole beside the adapters (modules_to_save), keyed as in the params.
+SAVED_MODULES = ("embed_tokens", "lm_head")
+_SAVED_ALIASES = {"model.embed_tokens": "embed_tokens"}
 RANK_AXIS = "lora_rank"  # logical axis of the rank dim (replicated, see sharding.RULES)
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -72,6 +75,9 @@ class LoraConfig:
     get_pattern_key) gives that module its rank / alpha, e.g. (('down_proj', 4),) or
     (('model.layers.1.self_attn.q_proj', 2),).
   layers_to_transform: the layer indices the short-name targets apply to; () = all.
+  modules_to_save: "embed_tokens" and / or "lm_head" (PEFT's names; "model.embed_tokens" too):
+    the optimizer trains a full copy of each beside the adapters, as PEFT's ModulesToSaveWrapper
+    does; the reference keeps the base's. Untied models only (check_saved).
   init_from: a PEFT adapter directory or hub id whose weights a fresh run starts from (its
     settings must give the same modules, ranks and scales as these: check_init_from).
 
@@ -92,6 +98,8 @@ class LoraConfig:
   rank_pattern: tuple[tuple[str, int], ...] = ()
   alpha_pattern: tuple[tuple[str, float], ...] = ()
   layers_to_transform: tuple[int, ...] = ()
+  # Full trained copies of these (PEFT's modules_to_save): "embed_tokens", "lm_head".
+  modules_to_save: tuple[str, ...] = ()
   init_from: str = ""
 
   def __post_init__(self):
@@ -127,6 +135,13 @@ class LoraConfig:
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
       raise ValueError(f"model.lora.layers_to_transform must be layer indices >= 0, got "
                        f"{list(layers)}")
+    saved = (self.modules_to_save,) if isinstance(self.modules_to_save, str) else tuple(
+        self.modules_to_save or ())
+    names = tuple(sorted({_SAVED_ALIASES.get(m, m) for m in saved}))
+    if any(m not in SAVED_MODULES for m in names):
+      raise ValueError(f"model.lora.modules_to_save must name among {list(SAVED_MODULES)}, got "
+                       f"{list(saved)}")
+    object.__setattr__(self, "modules_to_save", names)
     if not isinstance(self.init_from, str):
       raise ValueError(f"model.lora.init_from must be a path or hub id, got {self.init_from!r}")
 
@@ -145,8 +160,8 @@ class LoraConfig:
     extra = sorted(set(c.keys()) - known)
     if extra:
       raise ValueError(f"model.lora: unknown field(s) {extra}; known: {sorted(known)}")
-    return cls(**{k: (tuple(v) if k in ("targets", "layers_to_transform") else v)
-                  for k, v in c.items()})
+    return cls(**{k: (tuple(v) if k in ("targets", "layers_to_transform", "modules_to_save")
+                      else v) for k, v in c.items()})
 
 
 def _positive(x) -> bool:
@@ -199,6 +214,27 @@ def _pattern_value(pattern, path: str, default):
     if re.match(rf"(.*\.)?({key})$", path):
       return value
   return default
+
+
+def check_saved(lcfg: LoraConfig, cfg: qwen.QwenConfig) -> None:
+  """ValueError for modules_to_save on a model whose LM head is its embedding: PEFT would train
+  two separate copies of the one matrix (untying them), which this model cannot hold."""
+  if lcfg.modules_to_save and cfg.tie_word_embeddings:
+    raise ValueError(f"model.lora.modules_to_save={list(lcfg.modules_to_save)}: the model ties "
+                     "its LM head to the embedding (config.json tie_word_embeddings=true), and "
+                     "PEFT would train separate copies of them; use an untied model or leave "
+                     "modules_to_save empty")
+
+
+def _saved_of(adapters) -> list[str]:
+  return [m for m in SAVED_MODULES if m in adapters]
+
+
+def with_saved(params, adapters):
+  """params with the adapters' trained copies (modules_to_save) in place of the base's
+  embed_tokens / lm_head; params itself where there are none."""
+  saved = _saved_of(adapters) if adapters is not None else []
+  return dict(params, **{m: adapters[m] for m in saved}) if saved else params
 
 
 @functools.lru_cache(maxsize=None)
@@ -293,10 +329,18 @@ def _shapes(cfg: qwen.QwenConfig, lcfg: LoraConfig):
   return out
 
 
-def init(key: jax.Array, cfg: qwen.QwenConfig, lcfg: LoraConfig, dtype=jnp.float32):
+def init(key: jax.Array, cfg: qwen.QwenConfig, lcfg: LoraConfig, dtype=jnp.float32,
+         params=None):
   """Fresh adapters: a uniform in ±1/sqrt(fan_in) (PEFT's default), b zeros; a's padding
-  columns (a layer of smaller rank, or none) zeros."""
+  columns (a layer of smaller rank, or none) zeros; with modules_to_save, a copy (in dtype) of
+  the base params' embed_tokens / lm_head, which params must then hold."""
   adapters: dict = {}
+  check_saved(lcfg, cfg)
+  if lcfg.modules_to_save and params is None:
+    raise ValueError("lora.init: model.lora.modules_to_save copies the base's modules; pass "
+                     "params")
+  for m in lcfg.modules_to_save:
+    adapters[m] = jax.tree.map(lambda x: jnp.asarray(x, dtype), params[m])
   shapes = _shapes(cfg, lcfg)
   rel = _relative_scales(lcfg, cfg.num_layers)
   for k, t in zip(jax.random.split(key, len(shapes)), shapes):
@@ -312,14 +356,15 @@ def init(key: jax.Array, cfg: qwen.QwenConfig, lcfg: LoraConfig, dtype=jnp.float
 
 def abstract(cfg: qwen.QwenConfig, lcfg: LoraConfig, dtype=jnp.float32):
   """ShapeDtypeStructs of the adapters: nothing allocated."""
-  return jax.eval_shape(lambda k: init(k, cfg, lcfg, dtype), jax.random.key(0))
+  return jax.eval_shape(lambda k, p: init(k, cfg, lcfg, dtype, p), jax.random.key(0),
+                        qwen.abstract_params(cfg))
 
 
 def logical_axes(cfg: qwen.QwenConfig, lcfg: LoraConfig):
   """PartitionSpecs of logical axis names (the adapters' structure): each factor takes its base
   kernel's names for the dims it shares with it, and RANK_AXIS for the rank."""
   base = qwen.logical_axes(cfg)
-  axes: dict = {}
+  axes: dict = {m: base[m] for m in lcfg.modules_to_save}
   for t in layout(lcfg, cfg.num_layers):
     names = tuple(_get(base, _kernel_path(t))["kernel"])  # ('layers', *in, *out)
     n_in = TARGETS[t][1]
@@ -342,16 +387,16 @@ def variables(params, adapters, lcfg: LoraConfig | None, scale=None) -> dict:
   if adapters is None:
     return {"params": params}
   s = lcfg.scale if scale is None else scale
-  scaled = jax.tree.map(lambda x: x, adapters)
+  scaled = jax.tree.map(lambda x: x, {"layers": adapters["layers"]})
   rel = _relative_scales(lcfg, _num_layers(adapters))
   for t in _targets_of(adapters):
     node = _get(scaled, _kernel_path(t))
     node["lora_b"] = _scaled_b(node["lora_b"], None if rel is None else rel[t], s)
-  return {"params": params, "lora": scaled}
+  return {"params": with_saved(params, adapters), "lora": scaled}
 
 
 def _num_layers(adapters) -> int:
-  return jax.tree.leaves(adapters)[0].shape[0]
+  return jax.tree.leaves(adapters["layers"])[0].shape[0]
 
 
 def b_factors(adapters) -> list:
@@ -401,10 +446,14 @@ def with_kernels(params, kernels: dict[str, jax.Array]):
 
 
 def merge(params, adapters, lcfg: LoraConfig):
-  """The base params with each target kernel W replaced by W + (alpha / r)·a·b: one plain model
-  that computes what base + adapters compute (an int8 base is dequantized throughout, into the
-  embedding's dtype), e.g. to export."""
-  return with_kernels(quant.dequantize(params), merged_kernels(params, adapters, lcfg))
+  """The base params with each target kernel W replaced by W + (alpha / r)·a·b, and the trained
+  copies of modules_to_save in place (in the base's dtype): one plain model that computes what
+  base + adapters compute (an int8 base is dequantized throughout, into the embedding's dtype),
+  e.g. to export."""
+  plain = quant.dequantize(params)
+  dtype = plain["embed_tokens"]["embedding"].dtype
+  saved = {m: jax.tree.map(lambda x: x.astype(dtype), adapters[m]) for m in _saved_of(adapters)}
+  return with_saved(with_kernels(plain, merged_kernels(params, adapters, lcfg)), saved)
 
 
 def merged_policy(params, adapters, lcfg: LoraConfig, merge_fn=None):
@@ -415,7 +464,9 @@ def merged_policy(params, adapters, lcfg: LoraConfig, merge_fn=None):
   the base."""
   kernels = (merge_fn(params, adapters) if merge_fn is not None
              else merged_kernels(params, adapters, lcfg))
-  return with_kernels(params, kernels)
+  dtype = params["embed_tokens"]["embedding"].dtype
+  saved = {m: jax.tree.map(lambda x: x.astype(dtype), adapters[m]) for m in _saved_of(adapters)}
+  return with_saved(with_kernels(params, kernels), saved)
 
 
 # --- PEFT export -------------------------------------------------------------------------------
@@ -431,6 +482,9 @@ def peft_tensors(adapters, cfg: qwen.QwenConfig, lcfg: LoraConfig) -> dict[str, 
   """
   lay = layout(lcfg, cfg.num_layers)
   out = {}
+  for m in _saved_of(adapters):  # PEFT's ModulesToSaveWrapper saves the copy as the module's own
+    w = np.asarray(jax.device_get(qwen_weight(adapters, m)), np.float32)
+    out[f"base_model.model.{_SAVED_PATHS[m]}.weight"] = np.ascontiguousarray(w)
   for t in _targets_of(adapters):
     node = _get(adapters, _kernel_path(t))
     a = np.asarray(jax.device_get(node["lora_a"]), np.float32)
@@ -443,6 +497,16 @@ def peft_tensors(adapters, cfg: qwen.QwenConfig, lcfg: LoraConfig) -> dict[str, 
       out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, big)[:, :r].T)
       out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(big, -1)[:r].T)
   return out
+
+
+# modules_to_save: the module's path in the causal LM (PEFT's tensor names) and its weight as
+# transformers holds it ([V, D] both: our lm_head is [D, V]).
+_SAVED_PATHS = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
+
+
+def qwen_weight(tree, module: str):
+  """A modules_to_save module's transformers weight [V, D] from a params-like tree."""
+  return tree["embed_tokens"]["embedding"] if module == "embed_tokens" else tree["lm_head"].T
 
 
 def peft_config(lcfg: LoraConfig, base_model: str = "") -> dict:
@@ -465,7 +529,7 @@ def peft_config(lcfg: LoraConfig, base_model: str = "") -> dict:
       "use_rslora": lcfg.use_rslora,
       "use_dora": False,
       "init_lora_weights": True,
-      "modules_to_save": None,
+      "modules_to_save": list(lcfg.modules_to_save) or None,
       "inference_mode": True,
   }
 
@@ -487,6 +551,9 @@ def save_peft(adapters, cfg: qwen.QwenConfig, lcfg: LoraConfig, out_dir,
   if extra:
     raise ValueError(f"save_peft: the adapters hold {extra}, which model.lora.targets "
                      f"{list(lcfg.targets)} does not name (PEFT would load them as no adapter)")
+  if _saved_of(adapters) != list(lcfg.modules_to_save):
+    raise ValueError(f"save_peft: the adapters hold copies of {_saved_of(adapters)}, "
+                     f"model.lora.modules_to_save names {list(lcfg.modules_to_save)}")
   for t in held:
     r, want = _get(adapters, _kernel_path(t))["lora_a"].shape[-1], max(lay[t][0])
     if r != want:
@@ -518,7 +585,7 @@ _PEFT_IGNORED = frozenset({
     "peft_type", "task_type", "auto_mapping", "peft_version", "base_model_name_or_path",
     "revision", "inference_mode", "r", "lora_alpha", "lora_dropout", "target_modules",
     "runtime_config", "megatron_core", "qalora_group_size", "use_rslora", "rank_pattern",
-    "alpha_pattern", "layers_to_transform", "layers_pattern"})
+    "alpha_pattern", "layers_to_transform", "layers_pattern", "modules_to_save"})
 _PEFT_DEFAULTS = {"bias": "none"}
 # init_lora_weights that only chose the starting A and B. pissa, olora, corda, loftq and lora_ga
 # also rewrite the base weights, so their adapters do not apply to the original base.
@@ -574,8 +641,10 @@ def _config_of(pc: dict, cfg_file: Path, cfg: qwen.QwenConfig) -> LoraConfig:
                       use_rslora=bool(pc.get("use_rslora") or False),
                       rank_pattern=pc.get("rank_pattern") or (),
                       alpha_pattern=pc.get("alpha_pattern") or (),
-                      layers_to_transform=pc.get("layers_to_transform") or ())
+                      layers_to_transform=pc.get("layers_to_transform") or (),
+                      modules_to_save=tuple(pc.get("modules_to_save") or ()))
     layout(lcfg, cfg.num_layers)
+    check_saved(lcfg, cfg)
   except ValueError as e:
     raise weights.CheckpointError(f"{cfg_file}: {e}") from e
   return lcfg
@@ -613,6 +682,18 @@ def _read_tensors(f, w_file, cfg, lcfg, dtype):
   names = set(f.keys())
   unread = set(names)
   adapters: dict = {}
+  for m in lcfg.modules_to_save:
+    key, want = f"base_model.model.{_SAVED_PATHS[m]}.weight", (cfg.vocab_size, cfg.hidden_size)
+    if key not in names:
+      raise weights.CheckpointError(f"{w_file}: tensor {key!r} is missing (modules_to_save "
+                                    f"names {m})")
+    unread.discard(key)
+    x = f.get_tensor(key)
+    if x.shape != want:
+      raise weights.CheckpointError(f"{w_file}: tensor {key!r} has shape {tuple(x.shape)}; the "
+                                    f"model's config.json implies {want}")
+    x = jnp.asarray(x, dtype)
+    adapters[m] = {"embedding": x} if m == "embed_tokens" else x.T
   for t, (ranks, _) in layout(lcfg, cfg.num_layers).items():
     a_shape, b_shape = shapes[t]
     n_in, n_out, big = math.prod(a_shape[1:-1]), math.prod(b_shape[2:]), a_shape[-1]
