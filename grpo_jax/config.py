@@ -83,7 +83,7 @@ def model() -> ConfigDict:
           # The decoder layer's projections adapted (names: grpo_jax.models.lora.TARGETS).
           targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
           dropout=0.0,              # only 0 is supported
-          quantize="none",          # 'int8': the frozen base's projection kernels as int8 (QLoRA)
+          quantize="none",          # 'int8' or 'nf4': the frozen base's projection kernels (QLoRA)
           # True: the sampler runs the base with W + (alpha / r)·a·b in each target, merged
           # once per step (decode 1.18x faster on an H100 at 1.5B; costs a copy of the target
           # kernels while sampling). False: base and adapters side by side. K-member sweeps

@@ -64,29 +64,30 @@ class Policy:
     """Whether the frozen params exist, given whether the loss needs the reference."""
     return self.applies_frozen or reference
 
-  def _frozen_quantized(self) -> bool:
-    return False
+  def _frozen_quantized(self) -> str:
+    """The frozen base's quant.MODES entry, '' for none."""
+    return ""
 
   def abstract_frozen(self, model_cfg, dtype):
     """ShapeDtypeStructs of the frozen params, stored in dtype (train_step.reference_dtype)."""
     if self._frozen_quantized():
-      return quant.abstract(model_cfg, dtype)
+      return quant.abstract(model_cfg, dtype, self._frozen_quantized())
     return qwen.abstract_params(model_cfg, dtype)
 
   def frozen_shardings(self, model_cfg, dtype, mesh):
     """NamedShardings of the frozen params (abstract_frozen), by the logical-axis rules."""
-    axes = quant.logical_axes(model_cfg) if self._frozen_quantized() else qwen.logical_axes(
-        model_cfg)
+    mode = self._frozen_quantized()
+    axes = quant.logical_axes(model_cfg, mode) if mode else qwen.logical_axes(model_cfg)
     return sharding.param_shardings(axes, self.abstract_frozen(model_cfg, dtype), mesh)
 
   def make_frozen(self, params, model_cfg, dtype, mesh):
     """The frozen params: a fresh copy of params in dtype, placed by the rules (the caller's
-    params may be dropped afterwards); int8 projection kernels where the policy says."""
-    quantize = self._frozen_quantized()
+    params may be dropped afterwards); int8 or NF4 projection kernels where the policy says."""
+    mode = self._frozen_quantized()
 
     def make(p):
       p = jax.tree.map(lambda x: x.astype(dtype), p)
-      return quant.quantize(p) if quantize else p
+      return quant.quantize(p, mode) if mode else p
     plain_sh = sharding.param_shardings(qwen.logical_axes(model_cfg),
                                         qwen.abstract_params(model_cfg, dtype), mesh)
     return jax.jit(make, out_shardings=self.frozen_shardings(model_cfg, dtype, mesh))(
@@ -173,8 +174,8 @@ class Lora(Policy):
     """The adapters' scale alpha / r, which a vmapped sweep may vary per member."""
     return {"lora_scale": self.lcfg.scale}
 
-  def _frozen_quantized(self) -> bool:
-    return self.lcfg.quantize == "int8"
+  def _frozen_quantized(self) -> str:
+    return "" if self.lcfg.quantize == "none" else self.lcfg.quantize
 
   def variables(self, params, frozen, scale=None) -> dict:
     """The base (frozen) with the adapters (params) on, b scaled by scale (default alpha / r;

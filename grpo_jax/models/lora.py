@@ -89,7 +89,7 @@ class LoraConfig:
   alpha: float
   targets: tuple[str, ...] = tuple(TARGETS)
   dropout: float = 0.0
-  # 'int8': the frozen base's seven projection kernels stored as int8 (QLoRA, models/quant.py).
+  # 'int8' / 'nf4': the frozen base's seven projection kernels as int8 or NF4 (QLoRA, quant.py).
   quantize: str = "none"
   # The sampler runs one model with W + (alpha / r)·a·b in each target (merged_policy), not the
   # base and the adapters side by side; sweeps of K members always run them side by side.
