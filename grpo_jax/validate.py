@@ -49,16 +49,17 @@ def batch_devices(config, num_devices: int) -> int:
   return shape[0] * shape[1]
 
 
-def check_lora(config, cfg) -> None:
-  """model.lora against the model (a QwenConfig): its targets and layers exist there, and an
-  init_from adapter is readable and adapts the same modules with the same ranks and scales
-  (weights.CheckpointError naming config.model.lora.init_from). Reads no base weights."""
+def check_lora(config, cfg, first_start: bool = True) -> None:
+  """model.lora against the model (a QwenConfig): its targets and layers exist there, and on a
+  first start an init_from adapter is readable and adapts the same modules with the same ranks
+  and scales (weights.CheckpointError naming config.model.lora.init_from; a resumed run has
+  its adapters in its checkpoint). Reads no base weights."""
   lcfg = lora.LoraConfig.from_config(config.model.get("lora"))
   if lcfg is None:
     return
   _named(lora.layout, lcfg, cfg.num_layers)
   _named(lora.check_saved, lcfg, cfg)
-  if lcfg.init_from:
+  if lcfg.init_from and first_start:
     lora.start_adapters(lcfg, cfg)
 
 
