@@ -11,6 +11,11 @@ the base params' subtrees they attach to, stacked over layers:
     hidden, _ = model.apply(lora.variables(params, adapters, lcfg), tokens, positions, mask)
     hidden, _ = model.apply(lora.variables(params, None, lcfg), ...)   # the base model
 
+With lcfg.modules_to_save the adapters also hold full trained copies under the params' own
+keys ({'embed_tokens': {'embedding': [V, D]}, 'lm_head': [D, V]}), which lora.variables puts in
+place of the base's. Per-module ranks and scales (PEFT's patterns, layers_to_transform, full
+module paths, rsLoRA) are resolved by `layout`.
+
 `a` holds the kernel's input dims then the rank, `b` the rank then its output dims (o_proj:
 a [L, N, H, r], b [L, r, D]), so each factor is sharded by the same rules-table entries as the
 base kernel's dims (grpo_jax.sharding; the rank axis is replicated). Only the adapters are
@@ -238,7 +243,7 @@ def with_saved(params, adapters):
 
 
 @functools.lru_cache(maxsize=None)
-def layout(lcfg: LoraConfig, num_layers: int) -> dict[str, tuple[tuple[int, ...], tuple[float, ...]]]:
+def layout(lcfg: LoraConfig, num_layers: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
   """{target: (rank per layer, scale per layer)} as PEFT builds the adapter on a model of
   num_layers decoder layers: rank 0 where a layer's module is not adapted; targets adapted in
   no layer are left out. ValueError (naming model.lora's field) for an entry that matches no
