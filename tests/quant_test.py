@@ -254,6 +254,14 @@ def test_qlora_adapters_on_an_nf4_base(nf4_params):
       quant.logical_axes(NF4_CFG, "nf4"), quant.abstract(NF4_CFG, jnp.float32, "nf4"), mesh))
   up = placed["layers"]["mlp"]["up_proj"]
   assert up["kernel_scale"].addressable_shards[0].data.shape == (2, 2, 256 // 4)
+  small = dataclasses.replace(NF4_CFG, intermediate_size=96)
   with pytest.raises(ValueError, match="model.lora.quantize='nf4'.*96 inputs"):
-    quant.quantize(qwen.init_params(dataclasses.replace(NF4_CFG, intermediate_size=96),
-                                    jax.random.key(0)), "nf4")
+    quant.quantize(qwen.init_params(small, jax.random.key(0)), "nf4")
+  # The config check before anything compiles (validate.check_lora, from prepare.setup).
+  from grpo_jax import config as config_lib, validate
+  config = config_lib.defaults()
+  config.model.lora.update(rank=4, quantize="nf4")
+  validate.check_lora(config, NF4_CFG)
+  with pytest.raises(validate.ConfigError, match="config.model.lora.quantize='nf4': down_proj "
+                     "has 96 inputs"):
+    validate.check_lora(config, small)

@@ -70,6 +70,20 @@ def _nf4_kernel(w: jax.Array, in_ndim: int) -> dict[str, jax.Array]:
           "kernel_scale": q.scale.reshape(l, n_in // NF4_BLOCK, *out_shape)}
 
 
+def check_shapes(cfg: qwen.QwenConfig, mode: str) -> None:
+  """ValueError (naming model.lora.quantize) when a kernel of this model cannot be stored in
+  mode: NF4 needs each kernel's inputs to be whole blocks of NF4_BLOCK."""
+  if mode != "nf4":
+    return
+  base = qwen.abstract_params(cfg)
+  for name, (parent, in_ndim) in KERNELS.items():
+    shape = base["layers"][parent][name]["kernel"].shape
+    n_in = math.prod(shape[1:1 + in_ndim])
+    if n_in % NF4_BLOCK:
+      raise ValueError(f"model.lora.quantize='nf4': {name} has {n_in} inputs, not a whole number "
+                       f"of blocks of {NF4_BLOCK}; use quantize='int8' for this model")
+
+
 def quantize(params, mode: str = "int8"):
   """The params with the seven projection kernels as int8 + per-output-channel scale, or as
   NF4 codes + per-block absmax (mode 'nf4')."""
