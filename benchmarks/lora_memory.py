@@ -42,7 +42,7 @@ _TARGETS = flags.DEFINE_list("targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,u
 _BETA = flags.DEFINE_float("beta", 0.04, "KL weight; > 0 adds the reference forward")
 _PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "bfloat16", ["bfloat16", "float32"],
                                  "the frozen base's dtype (compute stays bf16)")
-_QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"],
+_QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8", "nf4"],
                               "int8: the projection kernels of the base as int8 (QLoRA)")
 _SAMPLE_ROWS = flags.DEFINE_integer("sample_rows", 64, "rows decoded at once (KV cache figure)")
 GB = 1e9
@@ -61,8 +61,8 @@ def main(argv):
   pdtype = jnp.dtype(_PARAM_DTYPE.value)
   model = qwen.Qwen(cfg, dtype=jnp.bfloat16, param_dtype=pdtype, remat=True)
   params = qwen.abstract_params(cfg, pdtype)
-  if _QUANTIZE.value == "int8":
-    params = quant.abstract(cfg, pdtype)
+  if _QUANTIZE.value != "none":
+    params = quant.abstract(cfg, pdtype, _QUANTIZE.value)
   adapters = lora.abstract(cfg, lcfg)
   opt = optax.adamw(1e-5, weight_decay=0.0)
   opt_state = jax.eval_shape(opt.init, adapters)

@@ -83,12 +83,24 @@ def model() -> ConfigDict:
           # The decoder layer's projections adapted (names: grpo_jax.models.lora.TARGETS).
           targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
           dropout=0.0,              # only 0 is supported
-          quantize="none",          # 'int8': the frozen base's projection kernels as int8 (QLoRA)
+          quantize="none",          # 'int8' or 'nf4': the frozen base's projection kernels (QLoRA)
           # True: the sampler runs the base with W + (alpha / r)·a·b in each target, merged
           # once per step (decode 1.18x faster on an H100 at 1.5B; costs a copy of the target
           # kernels while sampling). False: base and adapters side by side. K-member sweeps
           # always sample side by side (one base for all).
           merge_for_sampling=True,
+          # PEFT's LoraConfig options, with PEFT's meaning (docs/lora.md, "Settings"): targets
+          # may also be full module paths (model.layers.0.self_attn.q_proj).
+          use_rslora=False,         # scale alpha / sqrt(r) (rsLoRA) instead of alpha / r
+          rank_pattern=placeholder(dict),   # {module-path regex: rank}; None: none
+          alpha_pattern=placeholder(dict),  # {module-path regex: alpha}; None: none
+          layers_to_transform=(),   # layer indices the targets' short names apply to; () all
+          # Modules trained whole beside the adapters (a full copy each; untied models only):
+          # 'embed_tokens', 'lm_head'.
+          modules_to_save=(),
+          # A PEFT adapter directory or hub id a fresh run starts its adapters from (it must
+          # adapt the same modules with the same ranks and scales as the fields above say).
+          init_from="",
       )),
   ))
 

@@ -108,6 +108,9 @@ def check_vmappable(configs) -> None:
                     "they cannot share one program")
   if len({len(c.rewards.weights) for c in configs}) > 1:
     raise VmapError("config.rewards.weights: the runs weight different numbers of rewards")
+  if len(configs) > 1 and configs[0].model.lora.get("modules_to_save"):
+    raise VmapError("config.model.lora.modules_to_save: the members' programs share the base's "
+                    "embedding and LM head, not trained copies; run them without --vmap")
   if len(configs) > 1 and configs[0].agent.enabled:
     raise VmapError("config.agent.enabled: multi-turn agent rollouts are not vmapped; run them "
                     "without --vmap")

@@ -8,7 +8,7 @@ Two variants, static and hashable (a field of the jit-static train_step.StepSpec
 
 What each answers, Full | Lora:
   trained (abstract_trainable, trainable_axes, init_trainable): the model's params | the
-    adapters alone, fresh from the run's seed (b = 0).
+    adapters alone, fresh from the run's seed (b = 0) or model.lora.init_from's.
   frozen (abstract_frozen, frozen_shardings, make_frozen), in the dtype the step gives
     (train_step.reference_dtype): the reference, kept where β > 0 | the base, always, int8
     projection kernels where lcfg.quantize = 'int8'; with the adapters off it is also the
@@ -64,29 +64,30 @@ class Policy:
     """Whether the frozen params exist, given whether the loss needs the reference."""
     return self.applies_frozen or reference
 
-  def _frozen_quantized(self) -> bool:
-    return False
+  def _frozen_quantized(self) -> str:
+    """The frozen base's quant.MODES entry, '' for none."""
+    return ""
 
   def abstract_frozen(self, model_cfg, dtype):
     """ShapeDtypeStructs of the frozen params, stored in dtype (train_step.reference_dtype)."""
     if self._frozen_quantized():
-      return quant.abstract(model_cfg, dtype)
+      return quant.abstract(model_cfg, dtype, self._frozen_quantized())
     return qwen.abstract_params(model_cfg, dtype)
 
   def frozen_shardings(self, model_cfg, dtype, mesh):
     """NamedShardings of the frozen params (abstract_frozen), by the logical-axis rules."""
-    axes = quant.logical_axes(model_cfg) if self._frozen_quantized() else qwen.logical_axes(
-        model_cfg)
+    mode = self._frozen_quantized()
+    axes = quant.logical_axes(model_cfg, mode) if mode else qwen.logical_axes(model_cfg)
     return sharding.param_shardings(axes, self.abstract_frozen(model_cfg, dtype), mesh)
 
   def make_frozen(self, params, model_cfg, dtype, mesh):
     """The frozen params: a fresh copy of params in dtype, placed by the rules (the caller's
-    params may be dropped afterwards); int8 projection kernels where the policy says."""
-    quantize = self._frozen_quantized()
+    params may be dropped afterwards); int8 or NF4 projection kernels where the policy says."""
+    mode = self._frozen_quantized()
 
     def make(p):
       p = jax.tree.map(lambda x: x.astype(dtype), p)
-      return quant.quantize(p) if quantize else p
+      return quant.quantize(p, mode) if mode else p
     plain_sh = sharding.param_shardings(qwen.logical_axes(model_cfg),
                                         qwen.abstract_params(model_cfg, dtype), mesh)
     return jax.jit(make, out_shardings=self.frozen_shardings(model_cfg, dtype, mesh))(
@@ -162,17 +163,19 @@ class Lora(Policy):
     return lora_lib.logical_axes(model_cfg, self.lcfg)
 
   def init_trainable(self, params, model_cfg, seed: int, dtype):
-    """Fresh adapters (PEFT's initialisation from the run's seed, b = 0)."""
-    del params
+    """Fresh adapters (PEFT's initialisation from the run's seed, b = 0), or lcfg.init_from's
+    PEFT adapter (lora.start_adapters); modules_to_save copies params' modules."""
+    if self.lcfg.init_from:
+      return lora_lib.start_adapters(self.lcfg, model_cfg, dtype)
     key = jax.random.fold_in(jax.random.key(seed), LORA_INIT_STREAM)
-    return lora_lib.init(key, model_cfg, self.lcfg, dtype)
+    return lora_lib.init(key, model_cfg, self.lcfg, dtype, params)
 
   def hparams(self) -> dict:
     """The adapters' scale alpha / r, which a vmapped sweep may vary per member."""
     return {"lora_scale": self.lcfg.scale}
 
-  def _frozen_quantized(self) -> bool:
-    return self.lcfg.quantize == "int8"
+  def _frozen_quantized(self) -> str:
+    return "" if self.lcfg.quantize == "none" else self.lcfg.quantize
 
   def variables(self, params, frozen, scale=None) -> dict:
     """The base (frozen) with the adapters (params) on, b scaled by scale (default alpha / r;
@@ -180,9 +183,14 @@ class Lora(Policy):
     return lora_lib.variables(frozen, params, self.lcfg, scale=scale)
 
   def is_reference(self, params, frozen, dtype):
-    """A traced bool: every b is 0, so each adapted projection adds exact zeros to the base's."""
-    del frozen, dtype
-    return jnp.all(jnp.stack([jnp.all(b == 0) for b in lora_lib.b_factors(params)]))
+    """A traced bool: every b is 0, so each adapted projection adds exact zeros to the base's,
+    and each modules_to_save copy equals the base's module in the compute dtype."""
+    zero_b = jnp.all(jnp.stack([jnp.all(b == 0) for b in lora_lib.b_factors(params)]))
+    saved = lora_lib.SAVED_MODULES
+    copies = {m: params[m] for m in saved if m in params}
+    if not copies:
+      return zero_b
+    return zero_b & same_params(copies, {m: frozen[m] for m in copies}, dtype)
 
   def sampled(self, params, frozen):
     """What the sampler runs, as model.apply's variables: the base with the adapters merged

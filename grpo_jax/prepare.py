@@ -84,6 +84,7 @@ def setup(config, workdir: str, shared: dict | None = None) -> Setup:
         [r["answer"] for r in probe_rows], rollout.reward_columns(probe_rows, 1),
         allow_missing=config.rewards.allow_missing)
   cfg, generation_config = inputs.model_config(config, tokenizer)
+  validate.check_lora(config, cfg, first_start=previous_config is None)
   if main and previous_config is None and not config.model.random_init:
     # A first start loads these weights after compiling; a resume may need only its own.
     weights.check_weight_files(weights.resolve(config.model.checkpoint,

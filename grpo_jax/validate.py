@@ -16,7 +16,7 @@ import math
 from grpo_jax import (config as config_lib, data, grpo, logging_io, sharding, token_choice,
                       train_step)
 from grpo_jax.errors import UserError
-from grpo_jax.models import lora
+from grpo_jax.models import lora, quant
 from grpo_jax.rewards import options as reward_options
 
 
@@ -47,6 +47,21 @@ def batch_devices(config, num_devices: int) -> int:
          f"not divide {num_devices}; use a shape whose product divides it, e.g. "
          f"(1, {num_devices}, 1) or (1, -1, 1)")
   return shape[0] * shape[1]
+
+
+def check_lora(config, cfg, first_start: bool = True) -> None:
+  """model.lora against the model (a QwenConfig): its targets and layers exist there, and on a
+  first start an init_from adapter is readable and adapts the same modules with the same ranks
+  and scales (weights.CheckpointError naming config.model.lora.init_from; a resumed run has
+  its adapters in its checkpoint). Reads no base weights."""
+  lcfg = lora.LoraConfig.from_config(config.model.get("lora"))
+  if lcfg is None:
+    return
+  _named(lora.layout, lcfg, cfg.num_layers)
+  _named(lora.check_saved, lcfg, cfg)
+  _named(quant.check_shapes, cfg, lcfg.quantize)
+  if lcfg.init_from and first_start:
+    lora.start_adapters(lcfg, cfg)
 
 
 def validate(config, num_devices: int) -> None:

@@ -42,7 +42,9 @@ def test_the_lora_block_defaults_to_off_as_documented():
   block = config_lib.defaults().model.lora
   # docs/lora.md, "Settings".
   assert block.to_dict() == dict(rank=0, alpha=32.0, dropout=0.0, quantize="none",
-                                 targets=tuple(lora.TARGETS), merge_for_sampling=True)
+                                 targets=tuple(lora.TARGETS), merge_for_sampling=True,
+                                 use_rslora=False, rank_pattern=None, alpha_pattern=None,
+                                 layers_to_transform=(), modules_to_save=(), init_from="")
   assert lora.LoraConfig.from_config(block) is None
   block.rank = 8
   assert lora.LoraConfig.from_config(block) == lora.LoraConfig(rank=8, alpha=32.0)

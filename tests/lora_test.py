@@ -362,8 +362,9 @@ def test_load_peft_refuses_what_the_model_does_not_compute(checkpoints, tmp_path
   lcfg = lora.LoraConfig(rank=2, alpha=4, targets=("q_proj",))
   out = lora.save_peft(lora.init(jax.random.key(0), cfg, lcfg), cfg, lcfg, tmp_path / "a")
   config = json.loads((out / lora.CONFIG_FILE).read_text())
-  for field, value, match in (("use_rslora", True, "use_rslora=True"),
-                              ("use_dora", True, "use_dora=True"),
+  for field, value, match in (("use_dora", True, "use_dora=True"),
+                              ("layers_pattern", "blocks", "layers_pattern='blocks'"),
+                              ("layers_to_transform", [5], "layer 5 does not exist"),
                               ("peft_type", "IA3", "peft_type='IA3'"),
                               ("target_modules", ["lm_head"], "model.lora.targets"),
                               ("r", 3, "has shape \\(2, 64\\); r=3")):
@@ -579,3 +580,181 @@ def test_merged_policy_computes_the_adapted_model_and_shares_the_base(checkpoint
   assert np.abs(unmerged - np.asarray(f(base, None, tokens, mask)))[real].max() > 0.05
   np.testing.assert_allclose(np.asarray(f(merged, None, tokens, mask))[real], unmerged[real],
                              atol=2e-5)
+
+
+# --- PEFT's LoraConfig options: rsLoRA, rank / alpha patterns, layers, full module paths --------
+
+OPTION_CASES = {  # name: (fixture kind, peft.LoraConfig's keyword arguments)
+    "rslora": ("qwen2_untied", dict(r=4, lora_alpha=8, use_rslora=True, target_modules=ALL)),
+    "patterns": ("qwen3", dict(r=4, lora_alpha=8, target_modules=ALL, rank_pattern={
+        "down_proj": 2, "model.layers.1.self_attn.q_proj": 6}, alpha_pattern={"v_proj": 3.0})),
+    "patterns_rslora": ("qwen2_untied", dict(r=3, lora_alpha=6, use_rslora=True,
+                                             target_modules=ALL, rank_pattern={"mlp.gate_proj": 5},
+                                             alpha_pattern={"layers.0.self_attn.o_proj": 2.0})),
+    "layers": ("qwen2_untied", dict(r=3, lora_alpha=5, target_modules=["q_proj", "v_proj",
+                                                                       "down_proj"],
+                                    layers_to_transform=[1])),
+    "full_paths": ("qwen3", dict(r=2, lora_alpha=4, target_modules=[
+        "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj",
+        "model.layers.1.mlp.up_proj", "model.layers.0.mlp.down_proj"])),
+    "modules_to_save": ("qwen2_untied", dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                             modules_to_save=["embed_tokens", "lm_head"])),
+}
+
+
+def _ours(kw) -> lora.LoraConfig:
+  """The LoraConfig of peft.LoraConfig keyword arguments."""
+  return lora.LoraConfig(rank=kw["r"], alpha=kw["lora_alpha"], targets=tuple(kw["target_modules"]),
+                         use_rslora=kw.get("use_rslora", False),
+                         rank_pattern=kw.get("rank_pattern"), alpha_pattern=kw.get("alpha_pattern"),
+                         layers_to_transform=tuple(kw.get("layers_to_transform", ())),
+                         modules_to_save=tuple(kw.get("modules_to_save", ())))
+
+
+def _peft_modules(model, cfg):
+  """{(target, layer): (r, scaling)} of the LoRA layers peft built, (0, 0.0) where none."""
+  out = {}
+  for t in lora.TARGETS:
+    for i in range(cfg.num_layers):
+      m = model.base_model.model.get_submodule(lora.module_path(i, t))
+      out[t, i] = (m.r["default"], m.scaling["default"]) if hasattr(m, "r") else (0, 0.0)
+  return out
+
+
+def _layout_modules(lcfg, cfg):
+  lay = lora.layout(lcfg, cfg.num_layers)
+  none = ((0,) * cfg.num_layers, (0.0,) * cfg.num_layers)
+  return {(t, i): (lay.get(t, none)[0][i], lay.get(t, none)[1][i])
+          for t in lora.TARGETS for i in range(cfg.num_layers)}
+
+
+def _peft_logits(model, tokens, mask):
+  with torch.no_grad():
+    return model(input_ids=torch.tensor(np.asarray(tokens)),
+                 attention_mask=torch.tensor(np.asarray(mask))).logits.numpy()
+
+
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+def test_peft_options_train_export_and_load_with_peft_logits(checkpoints, case, tmp_path):
+  """Each option as grpo_jax trains it (adapters moved off their init, padding included) and
+  exports it: peft builds the same modules with the same ranks and scalings from our
+  adapter_config.json and computes our logits. And as peft trains it: load_peft reads peft's
+  save_pretrained into the same layout, with peft's logits."""
+  import peft
+
+  kind, kw = OPTION_CASES[case]
+  params, cfg = weights.load_checkpoint(checkpoints[kind])
+  lcfg = _ours(kw)
+  f = jax.jit(_logits_fn(qwen.Qwen(cfg), lcfg))
+  tokens, mask = _batch(4)
+  real = np.asarray(mask).astype(bool)
+
+  adapters = _trained_like(lora.init(jax.random.key(0), cfg, lcfg, params=params), 1, 0.3)
+  ours = np.asarray(f(params, adapters, tokens, mask))
+  assert np.abs(ours - np.asarray(f(params, None, tokens, mask)))[real].max() > 0.05
+  out = lora.save_peft(adapters, cfg, lcfg, tmp_path / "ours")
+  model = peft.PeftModel.from_pretrained(fixtures.hf_model(checkpoints[kind]), out).eval()
+  assert _peft_modules(model, cfg) == _layout_modules(lcfg, cfg)
+  assert np.abs(ours - _peft_logits(model, tokens, mask))[real].max() <= 1e-4
+
+  torch.manual_seed(0)
+  theirs_model = peft.get_peft_model(fixtures.hf_model(checkpoints[kind]),
+                                     peft.LoraConfig(**kw)).eval()
+  assert _peft_modules(theirs_model, cfg) == _layout_modules(lcfg, cfg)
+  with torch.no_grad():
+    for name, p in theirs_model.named_parameters():
+      if "lora_B" in name or "modules_to_save" in name:  # trained: B, and the modules' copies
+        p.add_(0.3 * torch.randn_like(p))
+  theirs_model.save_pretrained(tmp_path / "peft")
+  loaded, loaded_cfg = lora.load_peft(tmp_path / "peft", cfg)
+  assert lora.layout(loaded_cfg, cfg.num_layers) == lora.layout(lcfg, cfg.num_layers)
+  got = np.asarray(jax.jit(_logits_fn(qwen.Qwen(cfg), loaded_cfg))(params, loaded, tokens, mask))
+  assert np.abs(got - _peft_logits(theirs_model, tokens, mask))[real].max() <= 1e-4
+
+
+def test_padding_of_smaller_ranks_never_trains(checkpoints):
+  """A layer whose module has a smaller rank than its target's largest, or none, keeps zero
+  columns of a and rows of b (init), and their gradients are exactly zero, so no optimizer moves
+  them; the adapted model's logits ignore whatever they hold."""
+  params, cfg = weights.load_checkpoint(checkpoints["qwen2_untied"])
+  lcfg = _ours(OPTION_CASES["patterns_rslora"][1])
+  lcfg = dataclasses.replace(lcfg, layers_to_transform=(1,))  # gate_proj: layer 1 only
+  adapters = lora.init(jax.random.key(0), cfg, lcfg)
+  a = np.asarray(adapters["layers"]["mlp"]["gate_proj"]["lora_a"])  # [L, D, 5]
+  assert not a[0].any() and np.abs(a[1]).min() > 0
+  assert not np.asarray(adapters["layers"]["self_attn"]["q_proj"]["lora_a"])[0].any()
+  tokens, mask = _batch(5)
+  moved = _trained_like(adapters, 2, 0.3)
+  grads = jax.jit(jax.grad(_loss(qwen.Qwen(cfg), lcfg, tokens, mask)))(moved, params)
+  g = grads["layers"]["mlp"]["gate_proj"]
+  assert not np.asarray(g["lora_a"])[0].any() and not np.asarray(g["lora_b"])[0].any()
+  assert np.abs(np.asarray(g["lora_b"])[1]).max() > 1e-6
+  # The padding of `moved` holds noise; zeroed, the logits are the same to the bit.
+  rel = lora._relative_scales(lcfg, cfg.num_layers)  # pylint: disable=protected-access
+  cleaned = jax.tree.map(lambda x: x, moved)
+  for t, (parent, n_in) in lora.TARGETS.items():
+    on = jnp.asarray(rel[t] > 0)  # [L, R]
+    node = cleaned["layers"][parent][t]
+    node["lora_a"] = node["lora_a"] * on.reshape(on.shape[0], *([1] * n_in), -1)
+    node["lora_b"] = node["lora_b"] * on.reshape(*on.shape, *([1] * (node["lora_b"].ndim - 2)))
+  f = jax.jit(_logits_fn(qwen.Qwen(cfg), lcfg))
+  np.testing.assert_array_equal(np.asarray(f(params, moved, tokens, mask)),
+                                np.asarray(f(params, cleaned, tokens, mask)))
+
+
+def test_a_two_layer_all_linear_peft_adapter_with_full_paths_loads(checkpoints, tmp_path):
+  """peft's target_modules='all-linear' on a 2-layer model saves its 14 modules as full paths
+  (peft shortens the list to names only from 20 modules up): load_peft reads it with peft's
+  logits, and save_peft writes it back so that peft builds the same modules again."""
+  import json
+  import peft
+
+  path = checkpoints["qwen2_untied"]
+  torch.manual_seed(1)
+  model = peft.get_peft_model(fixtures.hf_model(path), peft.LoraConfig(
+      r=2, lora_alpha=3, target_modules="all-linear")).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "lora_B" in name:
+        p.normal_(0, 0.3)
+  model.save_pretrained(tmp_path / "peft")
+  saved = json.loads((tmp_path / "peft" / lora.CONFIG_FILE).read_text())["target_modules"]
+  assert len(saved) == 14 and all(t.startswith("model.layers.") for t in saved)
+  params, cfg = weights.load_checkpoint(path)
+  adapters, lcfg = lora.load_peft(tmp_path / "peft", cfg)
+  tokens, mask = _batch(6)
+  real = np.asarray(mask).astype(bool)
+  ours = np.asarray(jax.jit(_logits_fn(qwen.Qwen(cfg), lcfg))(params, adapters, tokens, mask))
+  assert np.abs(ours - _peft_logits(model, tokens, mask))[real].max() <= 1e-4
+  again = peft.PeftModel.from_pretrained(
+      fixtures.hf_model(path), lora.save_peft(adapters, cfg, lcfg, tmp_path / "again")).eval()
+  assert _peft_modules(again, cfg) == _peft_modules(model, cfg)
+  assert np.abs(ours - _peft_logits(again, tokens, mask))[real].max() <= 1e-4
+
+
+def test_modules_to_save_train_copies_and_leave_the_reference_alone(checkpoints):
+  """modules_to_save: fresh copies equal the base's modules (the policy is the reference: is
+  reference true), a moved copy changes the policy but not the reference (adapters off), its
+  gradient is the full model's gradient of that module at the same weights, and a tied model is
+  refused with a line naming the field."""
+  from grpo_jax import policy as policy_lib
+  params, cfg = weights.load_checkpoint(checkpoints["qwen2_untied"])
+  lcfg = lora.LoraConfig(rank=2, alpha=4, targets=("q_proj",),
+                         modules_to_save=("model.embed_tokens", "lm_head"))
+  assert lcfg.modules_to_save == ("embed_tokens", "lm_head")
+  pol = policy_lib.Lora(lcfg)
+  fresh = pol.init_trainable(params, cfg, 0, jnp.float32)
+  np.testing.assert_array_equal(fresh["lm_head"], params["lm_head"])
+  assert bool(pol.is_reference(fresh, params, jnp.float32))
+  moved = dict(fresh, lm_head=fresh["lm_head"] + 0.1)
+  assert not bool(pol.is_reference(moved, params, jnp.float32))
+  tokens, mask = _batch(2)
+  grads = jax.jit(jax.grad(_loss(qwen.Qwen(cfg), lcfg, tokens, mask)))(fresh, params)
+  full = jax.jit(jax.grad(lambda p: _loss(qwen.Qwen(cfg), lcfg, tokens, mask)(None, p)))(params)
+  for m in ("embed_tokens", "lm_head"):
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7),
+                 grads[m], full[m])
+  assert np.abs(np.asarray(grads["lm_head"])).max() > 1e-6
+  _, tied = weights.load_checkpoint(checkpoints["qwen2_tied"])
+  with pytest.raises(ValueError, match="model.lora.modules_to_save.*tie_word_embeddings"):
+    lora.init(jax.random.key(0), tied, lcfg, params=params)

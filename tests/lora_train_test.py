@@ -400,3 +400,185 @@ def test_an_int8_base_qlora_step_equals_the_step_on_its_dequantized_base(base):
   for name in ("loss", "loss/kl", "grad_norm"):
     np.testing.assert_allclose(m1[name], m2[name], rtol=1e-6, atol=1e-8, err_msg=name)
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-8), p1, p2)
+
+
+# --- model.lora.init_from: a run that starts from a PEFT adapter --------------------------------
+
+INIT_RANK, INIT_ALPHA = 8, 16.0  # tiny_lora's model.lora
+
+
+def _peft_adapter(ckpt, out, seed=0, **lora_kw):
+  """A PEFT adapter on the checkpoint at ckpt, b moved off 0 as training would, saved to out;
+  returns the PeftModel (eval mode)."""
+  import peft
+  import torch
+  import fixtures
+  torch.manual_seed(seed)
+  kw = dict(r=INIT_RANK, lora_alpha=INIT_ALPHA, target_modules=list(lora.TARGETS))
+  kw.update(lora_kw)
+  model = peft.get_peft_model(fixtures.hf_model(ckpt), peft.LoraConfig(**kw))
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "lora_B" in name:
+        p.normal_(0, 0.2)
+  model.save_pretrained(out)
+  return model.eval()
+
+
+@pytest.fixture(scope="module")
+def init_from(tmp_path_factory):
+  """A tiny transformers Qwen2 with the tiny tokenizer's vocabulary (512) and a PEFT adapter of
+  tiny_lora's rank and alpha on it."""
+  import fixtures
+  root = tmp_path_factory.mktemp("init_from")
+  ckpt = fixtures.make_checkpoint(root, "qwen2_untied", vocab_size=512)
+  model = _peft_adapter(ckpt, root / "adapter")
+  return ckpt, root / "adapter", model
+
+
+def _peft_logits(model, tokens):
+  import torch
+  with torch.no_grad():
+    return model(input_ids=torch.tensor(tokens)).logits.numpy()
+
+
+def test_init_from_gives_a_step_0_policy_with_peft_logits(init_from):
+  """What the run's train state starts from (policy.Lora.init_trainable with init_from): on
+  the checkpoint, its logits are peft's for the loaded adapter."""
+  from grpo_jax.models import weights
+  ckpt, adapter, model = init_from
+  params, cfg = weights.load_checkpoint(ckpt)
+  lcfg = lora.LoraConfig(rank=INIT_RANK, alpha=INIT_ALPHA, init_from=str(adapter))
+  adapters = policy_lib.Lora(lcfg).init_trainable(params, cfg, 0, jnp.float32)
+  tokens = np.random.default_rng(0).integers(1, 512, (2, 11))
+  f = jax.jit(lambda p, a, t: qwen.Qwen(cfg).apply(
+      lora.variables(p, a, lcfg), qwen.Qwen(cfg).apply(
+          lora.variables(p, a, lcfg), t, qwen.positions_from_mask(jnp.ones_like(t)),
+          jnp.ones_like(t))[0], method=qwen.Qwen.logits))
+  ours = np.asarray(f(params, adapters, jnp.asarray(tokens)))
+  base = np.asarray(f(params, None, jnp.asarray(tokens)))
+  assert np.abs(ours - base).max() > 0.05  # the adapter matters
+  assert np.abs(ours - _peft_logits(model, tokens)).max() <= 1e-4
+
+
+def _init_from_flags(ckpt, adapter, *extra):
+  return ["--config=configs/gsm8k.py:tiny_lora", "--config.model.random_init=False",
+          f"--config.model.checkpoint={ckpt}", "--config.sft.steps=0",
+          f"--config.model.lora.init_from={adapter}", "--config.train.steps=2",
+          "--config.train.prompts_per_step=4", "--config.train.eval_examples=8",
+          "--config.train.eval_every=0", "--config.train.tensorboard=False",
+          "--config.data.synthetic_train=400", "--config.data.synthetic_test=40", *extra]
+
+
+def test_init_from_trains_the_adapter_further_and_exports_what_peft_loads(init_from, tmp_path):
+  """peft adapter -> a 2-step grpo_jax run from it -> final_adapter/ -> peft: the run started
+  from the adapter (step 1's KL to the base is > 0, where fresh adapters give exactly 0; the
+  trained factors are within the 2 AdamW steps' reach of the loaded ones), trained it (they
+  moved), and peft loads the export with the logits of the merged final_model/."""
+  import peft
+  import fixtures
+  from grpo_jax import logging_io
+  ckpt, adapter, _ = init_from
+  proc = subprocess.run([sys.executable, "-m", "grpo_jax.main", f"--workdir={tmp_path}/run",
+                         *_init_from_flags(ckpt, adapter)], cwd=cli.REPO, env=cli.env(),
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  run = tmp_path / "run"
+  rows = logging_io.read_jsonl(str(run / "metrics.jsonl"))
+  assert rows[1]["step"] == 1 and rows[1]["loss/kl"] > 1e-6
+  loaded = load_file(str(adapter / lora.WEIGHTS_FILE))
+  trained = load_file(str(run / "final_adapter" / lora.WEIGHTS_FILE))
+  assert sorted(trained) == sorted(loaded)
+  moved = max(float(np.abs(trained[k] - loaded[k]).max()) for k in loaded)
+  # AdamW moves each entry by at most about lr per step (3e-3 × 2, with decay on top).
+  assert 0 < moved <= 2 * 3e-3 * 1.5, moved
+  model = peft.PeftModel.from_pretrained(fixtures.hf_model(ckpt), run / "final_adapter").eval()
+  tokens = np.random.default_rng(1).integers(1, 512, (2, 12))
+  merged = fixtures.hf_model(run / "final_model")
+  assert np.abs(_peft_logits(model, tokens) - _peft_logits(merged, tokens)).max() <= 1e-4
+
+
+def test_a_mismatched_init_from_adapter_stops_the_run_with_one_line(init_from, tmp_path):
+  """An adapter of rank 4 where model.lora says 8: one line naming the field, the adapter's
+  adapter_config.json and the first module that differs, before anything compiles (the failed
+  first start leaves no workdir)."""
+  ckpt, _, _ = init_from
+  other = tmp_path / "rank4"
+  _peft_adapter(ckpt, other, r=4)
+  proc = subprocess.run([sys.executable, "-m", "grpo_jax.main", f"--workdir={tmp_path}/run",
+                         *_init_from_flags(ckpt, other)], cwd=cli.REPO, env=cli.env(),
+                        capture_output=True, text=True, timeout=600)
+  line = cli.assert_user_error(proc, "config.model.lora.init_from", f"{other}/adapter_config.json",
+                               "model.layers.0.self_attn.q_proj rank 4", "rank=4")
+  assert "compil" not in proc.stdout.lower()
+  assert not (tmp_path / "run").exists(), line
+
+
+@pytest.mark.parametrize("kind,lora_kw,named", [
+    ("qwen2_untied", dict(target_modules=["q_proj", "v_proj"]),
+     "the adapter gives model.layers.0.self_attn.k_proj rank 0 and scale 0, model.lora gives it "
+     "rank 8 and scale 2"),
+    ("qwen2_untied", dict(lora_alpha=8.0), "q_proj rank 8 and scale 1, model.lora gives it rank "
+     "8 and scale 2"),
+    ("qwen3", {}, "layers.0.self_attn.k_proj.lora_B.weight' has shape (48, 8)"),  # other shapes
+])
+def test_init_from_refuses_an_adapter_of_other_targets_scale_or_base(init_from, tmp_path, kind,
+                                                                     lora_kw, named):
+  """Other targets, another alpha, or an adapter trained on a base of other shapes: one line
+  naming config.model.lora.init_from and the file, before any base weight is read."""
+  import fixtures
+  from grpo_jax.models import weights
+  ckpt, _, _ = init_from
+  source = ckpt if kind == "qwen2_untied" else fixtures.make_checkpoint(tmp_path, kind, 512)
+  _peft_adapter(source, tmp_path / "adapter", **lora_kw)
+  lcfg = lora.LoraConfig(rank=INIT_RANK, alpha=INIT_ALPHA, init_from=str(tmp_path / "adapter"))
+  with pytest.raises(weights.CheckpointError) as e:
+    lora.start_adapters(lcfg, weights.read_config(ckpt))
+  message = str(e.value)
+  assert "\n" not in message and message.startswith("config.model.lora.init_from: "), message
+  assert str(tmp_path / "adapter") in message and named in message, message
+
+
+def test_modules_to_save_copies_get_the_full_weight_gradients_and_train():
+  """model.lora.modules_to_save on an untied model: the step's gradients of the embedding and
+  LM head copies are the full-weight step's at the merged weights (the copies in place), and a
+  TrainStep trains them (its state holds them, moved; the frozen base keeps its own)."""
+  import dataclasses
+  model = dataclasses.replace(MODEL, tie_word_embeddings=False)
+  base = qwen.init_params(model, jax.random.key(1))
+  lcfg = lora.LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "down_proj"),
+                         modules_to_save=("embed_tokens", "lm_head"))
+  pol = policy_lib.Lora(lcfg)
+  mesh = sharding.make_mesh((1, 1, 1))
+  batch = train_batch(5)
+  adapters = pol.init_trainable(base, model, 0, jnp.float32)
+  adapters["layers"] = jax.tree.map(lambda x: x + 0.3, adapters["layers"])  # b off 0
+  lora_grad = train_step.make_grad_fn(model, loss_config(), optim_config(), mesh, batch,
+                                      group_size=G, policy=pol)
+  full_grad = train_step.make_grad_fn(model, loss_config(), optim_config(), mesh, batch,
+                                      group_size=G)
+  loss_l, g = lora_grad(adapters, batch, base)
+  loss_f, g_w = full_grad(lora.merge(base, adapters, lcfg), batch)
+  np.testing.assert_allclose(loss_l, loss_f, rtol=1e-5)
+  for m in ("embed_tokens", "lm_head"):
+    for got, want in zip(jax.tree.leaves(g[m]), jax.tree.leaves(g_w[m])):
+      scale = float(np.abs(want).max())
+      assert scale > 1e-6, m
+      np.testing.assert_allclose(got, want, atol=2e-5 * scale, err_msg=m)
+  step = train_step.TrainStep(model, loss_config(beta=0.05), optim_config(), mesh, group_size=G,
+                              policy=pol)
+  frozen = train_step.reference_params(base, model, optim_config(), mesh, pol)
+  state, metrics, _ = step(train_step.create_train_state(adapters, model, optim_config(), mesh,
+                                                         pol), batch, frozen)
+  new = jax.device_get(state["params"])
+  assert np.abs(new["lm_head"] - np.asarray(adapters["lm_head"])).max() > 1e-4
+  np.testing.assert_array_equal(jax.device_get(frozen["lm_head"]), np.asarray(base["lm_head"]))
+  assert metrics["loss/kl"] > 0
+
+
+def test_a_vmapped_group_refuses_modules_to_save():
+  configs = [config_lib.defaults() for _ in range(2)]
+  for c in configs:
+    c.model.lora.update(rank=4, modules_to_save=("lm_head",))
+  with pytest.raises(members.VmapError, match="config.model.lora.modules_to_save"):
+    members.check_vmappable(configs)

@@ -342,10 +342,14 @@ _rms_norm = jax.checkpoint(_rms_norm_impl, prevent_cse=False, static_argnums=(2,
 
 def _kernel(module: nn.Module, shape, axes, param_dtype) -> Array:
   """The module's kernel in param_dtype: its 'kernel' param, or, for a base quantized by
-  grpo_jax.models.quant, int8 'kernel_q' times the per-output-channel 'kernel_scale'."""
+  grpo_jax.models.quant, int8 'kernel_q' times the per-output-channel 'kernel_scale' (NF4 codes
+  times their block's absmax)."""
   if module.has_variable("params", "kernel_q"):
     q = module.get_variable("params", "kernel_q")
     scale = module.get_variable("params", "kernel_scale")  # [*out]: broadcast over the inputs
+    if q.dtype == jnp.uint4:  # NF4 codes, scale per block of inputs: quant.dequantize_nf4
+      from grpo_jax.models import quant  # pylint: disable=import-outside-toplevel
+      return quant.dequantize_nf4(q, scale, 0, len(shape) - scale.ndim + 1, param_dtype)
     return (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(param_dtype)
   return _param(module, "kernel", shape, axes, _dense_init(), param_dtype)
 
