@@ -545,17 +545,10 @@ def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights
     is_BC, _ = rollout_is_ratio(jax.lax.stop_gradient(old_logp_BC), sampler_logp_BC, mask_BC,
                                 cfg.rollout_is_mode, cfg.rollout_is_clip_min,
                                 cfg.rollout_is_clip_max)
-  token_log_ratio_BC = logp_BC - old_logp_BC
-  policy_BC = policy_term(logp_BC, ratio_BC, token_log_ratio_BC, adv_B1, mask_BC, cfg,
+  policy_BC = policy_term(logp_BC, ratio_BC, logp_BC - old_logp_BC, adv_B1, mask_BC, cfg,
                           (low, high, eps_high), is_BC)
-  if cfg.off_policy_mask_threshold is not None:
-    behaviour_BC = old_logp_BC if sampler_logp_BC is None else sampler_logp_BC
-    policy_BC = policy_BC * off_policy_keep(logp_BC, behaviour_BC, advantages_B, mask_BC,
-                                            cfg.off_policy_mask_threshold)
-  if entropy_keep_BC is not None:
-    policy_BC = policy_BC * entropy_keep_BC
-  if is_BC is not None and cfg.loss_type != "vespo":
-    policy_BC = policy_BC * is_BC
+  policy_BC = _gated(policy_BC, logp_BC, old_logp_BC, sampler_logp_BC, advantages_B, mask_BC,
+                     cfg, entropy_keep_BC, is_BC)
   policy_loss = jnp.sum(weights_BC * policy_BC)
   if needs_reference(cfg):
     if ref_logp_BC is None:
@@ -579,6 +572,21 @@ def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights
   if cfg.entropy_coef != 0:
     sums["loss/entropy"] = jax.lax.stop_gradient(entropy)
   return loss, sums
+
+
+def _gated(policy_BC, logp_BC, old_logp_BC, sampler_logp_BC, advantages_B, mask_BC, cfg,
+           entropy_keep_BC, is_BC):
+  """The policy term times TRL's per-token factors: the off-policy mask, the entropy mask and
+  the rollout ratio (not vespo's: it folds the ratio into its sequence weight)."""
+  if cfg.off_policy_mask_threshold is not None:
+    behaviour_BC = old_logp_BC if sampler_logp_BC is None else sampler_logp_BC
+    policy_BC = policy_BC * off_policy_keep(logp_BC, behaviour_BC, advantages_B, mask_BC,
+                                            cfg.off_policy_mask_threshold)
+  if entropy_keep_BC is not None:
+    policy_BC = policy_BC * entropy_keep_BC
+  if is_BC is not None and cfg.loss_type != "vespo":
+    policy_BC = policy_BC * is_BC
+  return policy_BC
 
 
 def _loss_sums(cfg, ratio_BC, adv_B1, mask_BC, bounds, kl_BC):

@@ -305,7 +305,8 @@ def test_drift_metrics_match_trls_sampling_logp_difference():
   s = trl_self(cfg, use_vllm=True)
   old, sampler, mask = t64(c["old"]), t64(c["sampler"]), t64(c["mask"])
   ns = dict(self=s, old_per_token_logps=old, sampling_per_token_logps=sampler,
-            completion_mask=mask, tool_mask=None, torch=torch, math=math, device="cpu", mode="train",
+            completion_mask=mask, tool_mask=None, torch=torch, math=math, device="cpu",
+            mode="train",
             nanmin=trl_grpo.nanmin, nanmax=trl_grpo.nanmax, sequence_level_is=False,
             vllm_importance_sampling_ratio=trl_is_ratio(cfg, old, sampler, mask))
   exec(_DRIFT_BLOCK, ns)
