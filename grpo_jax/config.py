@@ -183,6 +183,25 @@ def loss() -> ConfigDict:
       scale_rewards="group",         # one of grpo.SCALE_REWARDS
       reward_aggregation="sum_then_normalize",  # one of grpo.REWARD_AGGREGATIONS
       mask_truncated_completions=False,  # drop completions that hit max length from the loss
+      # sapo's gate temperatures, for A > 0 and A <= 0 (TRL's sapo_temperature_pos/neg)
+      sapo_temperature_pos=1.0,
+      sapo_temperature_neg=1.05,
+      # vespo's gamma weight φ(w) = exp(λ + k log w − λ w), for A >= 0 (pos) and A < 0 (neg)
+      vespo_k_pos=2.0,
+      vespo_lambda_pos=3.0,
+      vespo_k_neg=3.0,
+      vespo_lambda_neg=2.0,
+      # Importance sampling between the sampler's and the trainer's log-probs (TRL's
+      # vllm_importance_sampling_*); off by default: the sampler is this model's own code.
+      rollout_is_correction=False,
+      rollout_is_mode="sequence_mask",     # one of grpo.ROLLOUT_IS_MODES
+      rollout_is_clip_min=placeholder(float),  # None: no lower bound
+      rollout_is_clip_max=3.0,             # None: no upper bound (TRL's deprecated _cap)
+      # Drop sequences with A < 0 whose mean (sampler − policy) log-prob exceeds this (None: off)
+      off_policy_mask_threshold=placeholder(float),
+      use_bias_correction_kl=False,        # KL term times π_θ / π_old (TRL's default is True)
+      top_entropy_quantile=1.0,            # train only the top ρ of tokens by entropy (1: all)
+      entropy_coef=0.0,                    # loss −= coef · mean entropy of the trained tokens
   ))
 
 

@@ -20,6 +20,19 @@ Which paper defines what:
   * loss_type='flow_grpo' (a multi-turn trajectory is one row; its actions' tokens are
     averaged per turn, then over turns, then over trajectories): AgentFlow, "In-the-Flow
     Agentic System Optimization" (2025).
+  * loss_type='cispo' (the clipped, stop-gradient importance weight times A times log π):
+    MiniMax-M1 (arXiv 2506.13585); its cap epsilon_high is ScaleRL's ε_max (arXiv 2510.13786).
+  * loss_type='sapo' (a sigmoid gate in place of the clip): Soft Adaptive Policy Optimization
+    (arXiv 2511.20347). loss_type='luspo' (GSPO's loss times each sequence's length): LUSPO
+    (arXiv 2602.05261). loss_type='vespo' (a gamma-shaped weight of the sequence ratio): VESPO
+    (arXiv 2602.10693).
+  * rollout_is_correction (truncated or masked importance sampling between the sampler's and
+    the trainer's log-probs): Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+    Off-Policy RL Training"; TRL's vllm_importance_sampling_*.
+  * off_policy_mask_threshold (eq. 9) and use_bias_correction_kl: DeepSeek-V3.2 (arXiv
+    2512.02556).
+  * top_entropy_quantile: "Beyond the 80/20 Rule" (arXiv 2506.01939). entropy_coef: the
+    entropy bonus of PPO (Schulman et al. 2017), as a mean per token (TRL's).
 
 Every loss type is written as one weighted token sum, `sum(weight_BC * per_token_loss_BC)`, whose
 weights use normalisers of the whole optimizer step (or generation batch), so gradient
@@ -29,6 +42,10 @@ accumulation over micro-batches adds up to exactly the full-batch loss:
   bnpo       weight = mask / tokens_step              token mean over the optimizer step's batch
   dr_grpo    weight = mask / (B_step · C)             token sum over batch × max completion length
   dapo       weight = mask / tokens_generation        token mean over the generation batch
+  cispo      weight = mask / tokens_generation        (as dapo; TRL's)
+  vespo      weight = mask / tokens_generation        (as dapo; TRL's)
+  sapo       weight = mask / (len_b · B_step)         (as grpo; TRL's)
+  luspo      weight = mask / B_step                   token sum per sequence, mean over sequences
   flow_grpo  weight = mask / (B_step · T_b · |a_t|)   token mean per action turn t, then mean
                                                       over the row's T_b turns, then over rows
 
@@ -52,7 +69,13 @@ import jax.numpy as jnp
 
 from grpo_jax import errors
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "flow_grpo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "flow_grpo", "cispo", "sapo", "luspo", "vespo")
+# Rollout importance sampling (TRL's vllm_importance_sampling_mode): the ratio per token or one
+# per sequence; a ratio outside [clip_min, clip_max] truncated to it or masked to 0.
+ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# Loss types whose per-token term is -weight · A · log π with the weight under stop-gradient
+# (no ratio in the gradient path, so no PPO clip metrics of their own).
+_LOGP_WEIGHTED = ("cispo", "vespo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IS_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -86,10 +109,61 @@ def validate_loss_config(cfg) -> None:
                      f"= {1 + cfg.epsilon_high}")
   if not (isinstance(cfg.num_iterations, int) and cfg.num_iterations >= 1):
     raise ValueError(f"loss.num_iterations={cfg.num_iterations!r} must be an int >= 1")
+  _validate_new_losses(cfg)
   if cfg.kl_estimator == "k1" and cfg.beta > 0:
     errors.warn(f"loss.kl_estimator='k1' with beta={cfg.beta}: as a loss term its gradient is 0 "
                 "in expectation (docs/loss.md, 'The KL term'), so it holds nothing near the "
                 "reference; use 'k3' (the default) or 'k2'")
+
+
+def _finite(cfg, name, low=-math.inf, *, positive=False, optional=False):
+  value = cfg[name]
+  if optional and value is None:
+    return
+  ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and low <= value < math.inf
+        and (value > 0 or not positive))
+  if not ok:
+    raise ValueError(f"loss.{name}={value!r} must be {'None or ' if optional else ''}a finite "
+                     f"number {'> 0' if positive else f'>= {low}'}")
+
+
+def _validate_new_losses(cfg) -> None:
+  """The settings of cispo / sapo / luspo / vespo, the rollout correction and the masks."""
+  for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+    _finite(cfg, name, positive=True)
+  for name in ("vespo_k_pos", "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+    _finite(cfg, name, 0.0)
+  _one_of(cfg, "rollout_is_mode", ROLLOUT_IS_MODES)
+  _finite(cfg, "rollout_is_clip_min", 0.0, optional=True)
+  _finite(cfg, "rollout_is_clip_max", positive=True, optional=True)
+  lo, hi = cfg.rollout_is_clip_min, cfg.rollout_is_clip_max
+  if lo is not None and hi is not None and not lo < hi:
+    raise ValueError(f"loss.rollout_is_clip_min={lo!r} must be below loss.rollout_is_clip_max="
+                     f"{hi!r}")
+  if cfg.rollout_is_mode.endswith("_truncate") and lo is None and hi is None:
+    raise ValueError(f"loss.rollout_is_mode={cfg.rollout_is_mode!r} truncates to [clip_min, "
+                     "clip_max]: set loss.rollout_is_clip_min or loss.rollout_is_clip_max")
+  if (cfg.loss_type == "vespo" and cfg.rollout_is_correction
+      and not cfg.rollout_is_mode.startswith("token_")):
+    raise ValueError(f"loss.rollout_is_mode={cfg.rollout_is_mode!r}: loss_type='vespo' folds "
+                     "the rollout ratio into its sequence weight per token; use 'token_truncate' "
+                     "or 'token_mask'")
+  _finite(cfg, "off_policy_mask_threshold", 0.0, optional=True)
+  q = cfg.top_entropy_quantile
+  if isinstance(q, bool) or not (isinstance(q, (int, float)) and 0 <= q <= 1):
+    raise ValueError(f"loss.top_entropy_quantile={q!r} must be in [0, 1] (1 keeps every token)")
+  _finite(cfg, "entropy_coef")
+  for name in ("rollout_is_correction", "use_bias_correction_kl"):
+    if not isinstance(cfg[name], bool):
+      raise ValueError(f"loss.{name}={cfg[name]!r} must be True or False")
+  level = cfg.importance_sampling_level
+  if cfg.loss_type == "luspo" and level != "sequence":
+    errors.warn("loss.loss_type='luspo' with importance_sampling_level='token': LUSPO is GSPO's "
+                "sequence loss; set loss.importance_sampling_level='sequence' (TRL warns alike)")
+  if cfg.loss_type == "vespo" and level != "token":
+    errors.warn("loss.loss_type='vespo' forms its own sequence weight: importance_sampling_level"
+                f"={level!r} reaches only the bias-corrected KL; leave it 'token' (TRL warns "
+                "alike)")
 
 
 def needs_reference(cfg) -> bool:
@@ -278,8 +352,12 @@ def token_weights(mask_BC, loss_type, *, num_sequences, num_tokens, max_completi
   C = mask_BC.shape[-1] if max_completion_length is None else max_completion_length
   if loss_type == "grpo":
     return mask_BC / (jnp.maximum(mask_BC.sum(-1, keepdims=True), 1.0) * num_sequences)
-  if loss_type in ("bnpo", "dapo"):
+  if loss_type in ("bnpo", "dapo", "cispo", "vespo"):
     return mask_BC / jnp.maximum(num_tokens, 1.0)
+  if loss_type == "sapo":
+    return mask_BC / (jnp.maximum(mask_BC.sum(-1, keepdims=True), 1.0) * num_sequences)
+  if loss_type == "luspo":  # the sequence's token sum: its loss times its length
+    return mask_BC / num_sequences
   if loss_type == "dr_grpo":
     return mask_BC / (num_sequences * C)
   if loss_type == "flow_grpo":
@@ -330,19 +408,121 @@ def log_importance_ratio(logp_BC, old_logp_BC, mask_BC, level):
   raise ValueError(f"importance_sampling_level={level!r} is not one of {IS_LEVELS}")
 
 
+def rollout_is_ratio(old_logp_BC, sampler_logp_BC, mask_BC, mode, clip_min, clip_max):
+  """The rollout correction's weight of each token, and which tokens it truncated or masked.
+
+  ρ = π_train / π_sampler at the sampled tokens, with π_train the old (pre-update) policy: per
+  token exp(old − sampler), or per sequence exp(Σ_t m_t (old − sampler)) broadcast to its
+  tokens (a sum, not GSPO's mean: TRL's). '*_truncate' clips ρ to [clip_min, clip_max] (None:
+  no bound on that side), '*_mask' sets a ρ outside it to 0.
+  Example: old − sampler = [[0.0, 2.0]], mask [[1, 1]], 'token_truncate', clip_max 3 →
+  ratio [[1, 3]], outside [[False, True]].
+  Returns (ratio_BC float32, outside_BC bool), both [B, C].
+  """
+  diff_BC = (old_logp_BC - sampler_logp_BC) * mask_BC
+  if mode.startswith("sequence_"):
+    diff_BC = jnp.broadcast_to(diff_BC.sum(-1, keepdims=True), diff_BC.shape)
+  ratio_BC = jnp.exp(diff_BC)
+  lo = -jnp.inf if clip_min is None else clip_min
+  hi = jnp.inf if clip_max is None else clip_max
+  outside_BC = (ratio_BC < lo) | (ratio_BC > hi)
+  if mode.endswith("_truncate"):
+    return jnp.clip(ratio_BC, lo, hi), outside_BC
+  if mode.endswith("_mask"):
+    return jnp.where(outside_BC, 0.0, ratio_BC), outside_BC
+  raise ValueError(f"rollout_is_mode={mode!r} is not one of {ROLLOUT_IS_MODES}")
+
+
+def off_policy_keep(logp_BC, behaviour_logp_BC, advantages_B, mask_BC, threshold):
+  """DeepSeek-V3.2's off-policy sequence mask, [B, 1] float (1 keep, 0 drop).
+
+  A sequence is dropped when its advantage is negative and the mean over its tokens of
+  behaviour − logp (a k1 estimate of KL(π_behaviour ‖ π_θ), logp under stop-gradient) exceeds
+  `threshold`. behaviour: the sampler's log-probs where the batch has them, else the old ones.
+  """
+  kl_BC = (behaviour_logp_BC - jax.lax.stop_gradient(logp_BC)) * mask_BC
+  mean_B1 = kl_BC.sum(-1, keepdims=True) / jnp.maximum(mask_BC.sum(-1, keepdims=True), 1.0)
+  keep_B1 = (advantages_B[:, None] >= 0) | (mean_B1 <= threshold)
+  return keep_B1.astype(jnp.float32)
+
+
+def entropy_threshold(entropy_BC, mask_BC, quantile):
+  """The entropy at the (1 − quantile) quantile of the loss tokens (linear interpolation, as
+  torch.quantile); NaN when there are none. Over the whole step's batch, so that every
+  micro-batch masks against the same bar."""
+  values = jnp.where(mask_BC > 0, entropy_BC.astype(jnp.float32), jnp.nan)
+  return jnp.nanquantile(values.reshape(-1), 1.0 - quantile)
+
+
+def high_entropy_keep(entropy_BC, mask_BC, threshold):
+  """[B, C] float: the loss tokens whose entropy is at or above `threshold` ("80/20": the
+  forking tokens). A NaN threshold (no loss tokens) keeps none."""
+  return ((entropy_BC >= threshold) & (mask_BC > 0)).astype(jnp.float32)
+
+
+def vespo_weights(log_ratio_BC, mask_BC, advantages_B, is_ratio_BC, cfg):
+  """VESPO's sequence weight φ(w) = exp(λ + k log w − λ w), [B, 1], under stop-gradient.
+
+  log w = Σ_t m_t clip(log ratio_t, ±20) (a sum, not a mean), plus Σ_t clip(log ρ_t, log 1e-8,
+  20) of the rollout correction's ratio where it is on, then clipped to [log 1e-8, 20]; k, λ
+  are the _pos settings where A >= 0, else the _neg ones (λ at least 1e-4). φ(1) = 1; a
+  non-finite φ counts as 0.
+  """
+  lower = math.log(1e-8)
+  log_w_B1 = jnp.sum(jnp.clip(log_ratio_BC, -20.0, 20.0) * mask_BC, -1, keepdims=True)
+  if is_ratio_BC is not None:
+    log_w_B1 += jnp.sum(jnp.clip(jnp.log(is_ratio_BC), lower, 20.0), -1, keepdims=True)
+  log_w_B1 = jnp.clip(log_w_B1, lower, 20.0)
+  pos_B1 = advantages_B[:, None] >= 0
+  k_B1 = jnp.where(pos_B1, cfg.vespo_k_pos, cfg.vespo_k_neg)
+  lam_B1 = jnp.maximum(jnp.where(pos_B1, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg), 1e-4)
+  phi_B1 = jnp.exp(lam_B1 + k_B1 * log_w_B1 - lam_B1 * jnp.exp(log_w_B1))
+  phi_B1 = jnp.where(jnp.isfinite(phi_B1), phi_B1, 0.0)
+  return jax.lax.stop_gradient(phi_B1)
+
+
+def policy_term(logp_BC, ratio_BC, log_ratio_BC, adv_B1, mask_BC, cfg, bounds, is_ratio_BC):
+  """The per-token policy loss of cfg.loss_type before masks and aggregation, [B, C].
+
+  bounds: (low, high, epsilon_high), the clip 1 − ε, 1 + ε_high and ε_high itself (cispo's
+  cap). ratio_BC: π_θ / π_old at cfg.importance_sampling_level; log_ratio_BC per token (vespo).
+  """
+  low, high, eps_high = bounds
+  if cfg.loss_type == "cispo":  # the weight clipped from above and held: -sg(min(ρ, ε)) A log π
+    return -jax.lax.stop_gradient(jnp.minimum(ratio_BC, eps_high)) * adv_B1 * logp_BC
+  if cfg.loss_type == "sapo":  # a sigmoid gate, slope 1 at ρ = 1 whatever the temperature τ
+    tau_B1 = jnp.where(adv_B1 > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+    return -jax.nn.sigmoid(tau_B1 * (ratio_BC - 1.0)) * 4.0 / tau_B1 * adv_B1
+  if cfg.loss_type == "vespo":
+    phi_B1 = vespo_weights(log_ratio_BC, mask_BC, adv_B1[:, 0], is_ratio_BC, cfg)
+    return -phi_B1 * adv_B1 * logp_BC
+  clipped_BC = jnp.clip(ratio_BC, low, high)
+  capped_BC = ratio_BC if cfg.delta is None else jnp.minimum(ratio_BC, cfg.delta)
+  return -jnp.minimum(capped_BC * adv_B1, clipped_BC * adv_B1)
+
+
 def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights_BC, cfg,
-               hp=None):
+               hp=None, *, sampler_logp_BC=None, entropy_BC=None, entropy_keep_BC=None,
+               entropy_weights_BC=None):
   """The weighted-sum loss of one (micro-)batch, and its metric sums.
 
   hp: the train step's hyperparameter arrays ('beta', 'clip_low' = 1 - epsilon, 'clip_high' =
-  1 + epsilon_high; train_step.hparams), which take the place of cfg's values; the program's
-  structure (whether there is a KL term at all) still follows cfg.beta.
+  1 + epsilon_high, 'epsilon_high'; train_step.hparams), which take the place of cfg's values;
+  the program's structure (whether there is a KL term at all) still follows cfg.beta.
 
   old_logp_BC None → on-policy: stop_gradient(logp), so the ratio is exactly 1 (μ = 1).
   ref_logp_BC is read only when cfg.beta > 0.
+  sampler_logp_BC: the sampler's log-probs of the same tokens (the rollout correction's and
+  the off-policy mask's behaviour policy); required by cfg.rollout_is_correction.
+  entropy_keep_BC: top_entropy_quantile's mask (high_entropy_keep), None for every token.
+  entropy_BC, entropy_weights_BC: the per-token entropy (with its gradient) and the weights of
+  its mean over the step (mask · keep / the step's kept tokens), read when cfg.entropy_coef != 0.
+  The per-token policy term is multiplied, as in TRL, by the off-policy mask, the entropy mask
+  and the rollout ratio (not vespo's, which folds it into its weight); the β·KL term by none.
   Returns (loss scalar, sums) where `sums` holds token-summed quantities the caller divides by
   the step's loss-token count (clip counts, ratio sum, per-token KL sum 'kl/sum') and the
-  already-normalised 'loss/policy', 'loss/kl'; plus 'ratio/min', 'ratio/max'.
+  already-normalised 'loss/policy', 'loss/kl' (and with entropy_coef 'loss/entropy', the bonus's
+  mean entropy); plus 'ratio/min', 'ratio/max'.
   The β·KL term is the per-token KL estimate under the same weights_BC as the policy term, so
   it is aggregated like it (flow_grpo: KL per action token, averaged per turn, over the row's
   turns, over sequences).
@@ -355,29 +535,75 @@ def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights
   adv_B1 = advantages_B[:, None].astype(jnp.float32)
   if hp is None:
     beta, low, high = cfg.beta, 1.0 - cfg.epsilon, 1.0 + cfg.epsilon_high
+    eps_high = cfg.epsilon_high
   else:
-    beta, low, high = hp["beta"], hp["clip_low"], hp["clip_high"]
-  clipped_BC = jnp.clip(ratio_BC, low, high)
-  capped_BC = ratio_BC if cfg.delta is None else jnp.minimum(ratio_BC, cfg.delta)
-  policy_BC = -jnp.minimum(capped_BC * adv_B1, clipped_BC * adv_B1)
+    beta, low, high, eps_high = hp["beta"], hp["clip_low"], hp["clip_high"], hp["epsilon_high"]
+  is_BC = None
+  if cfg.rollout_is_correction:
+    if sampler_logp_BC is None:
+      raise ValueError("loss.rollout_is_correction=True needs batch['sampler_logp_BC']")
+    is_BC, _ = rollout_is_ratio(jax.lax.stop_gradient(old_logp_BC), sampler_logp_BC, mask_BC,
+                                cfg.rollout_is_mode, cfg.rollout_is_clip_min,
+                                cfg.rollout_is_clip_max)
+  policy_BC = policy_term(logp_BC, ratio_BC, logp_BC - old_logp_BC, adv_B1, mask_BC, cfg,
+                          (low, high, eps_high), is_BC)
+  policy_BC = _gated(policy_BC, logp_BC, old_logp_BC, sampler_logp_BC, advantages_B, mask_BC,
+                     cfg, entropy_keep_BC, is_BC)
   policy_loss = jnp.sum(weights_BC * policy_BC)
   if needs_reference(cfg):
     if ref_logp_BC is None:
       raise ValueError(f"loss.beta={cfg.beta} > 0 needs batch['ref_logp_BC']")
     kl_BC = kl_estimate(logp_BC, ref_logp_BC, cfg.kl_estimator)
+    if cfg.use_bias_correction_kl:  # weighted by π_θ / π_old, its gradient included
+      kl_BC = kl_BC * ratio_BC
     kl = jnp.sum(weights_BC * kl_BC)
   else:
     kl_BC = kl = jnp.zeros((), jnp.float32)
   loss = policy_loss + beta * kl
+  if cfg.entropy_coef != 0:
+    if entropy_BC is None or entropy_weights_BC is None:
+      raise ValueError(f"loss.entropy_coef={cfg.entropy_coef} needs the per-token entropy and "
+                       "its weights")
+    entropy = jnp.sum(entropy_weights_BC * entropy_BC)
+    loss = loss - cfg.entropy_coef * entropy
+  sums = _loss_sums(cfg, ratio_BC, adv_B1, mask_BC, (low, high, eps_high), kl_BC)
+  sums.update({"loss/policy": jax.lax.stop_gradient(policy_loss),
+               "loss/kl": jax.lax.stop_gradient(kl)})
+  if cfg.entropy_coef != 0:
+    sums["loss/entropy"] = jax.lax.stop_gradient(entropy)
+  return loss, sums
 
-  # DAPO's clip metrics: a token is clipped when the clipped branch is the active one.
+
+def _gated(policy_BC, logp_BC, old_logp_BC, sampler_logp_BC, advantages_B, mask_BC, cfg,
+           entropy_keep_BC, is_BC):
+  """The policy term times TRL's per-token factors: the off-policy mask, the entropy mask and
+  the rollout ratio (not vespo's: it folds the ratio into its sequence weight)."""
+  if cfg.off_policy_mask_threshold is not None:
+    behaviour_BC = old_logp_BC if sampler_logp_BC is None else sampler_logp_BC
+    policy_BC = policy_BC * off_policy_keep(logp_BC, behaviour_BC, advantages_B, mask_BC,
+                                            cfg.off_policy_mask_threshold)
+  if entropy_keep_BC is not None:
+    policy_BC = policy_BC * entropy_keep_BC
+  if is_BC is not None and cfg.loss_type != "vespo":
+    policy_BC = policy_BC * is_BC
+  return policy_BC
+
+
+def _loss_sums(cfg, ratio_BC, adv_B1, mask_BC, bounds, kl_BC):
+  """Token sums of the clip counts, the ratio and the KL. A token is clipped (DAPO's metrics)
+  when the clipped branch is the active one; cispo's when its weight hit the cap ε_high
+  (TRL's cispo_clip_ratio, counted as 'high'); sapo and vespo have no hard clip."""
+  low, high, eps_high = bounds
   ratio_BC = jax.lax.stop_gradient(ratio_BC)
-  low_BC = (ratio_BC < low) & (adv_B1 < 0)
-  high_BC = (ratio_BC > high) & (adv_B1 > 0)
   on_BC = mask_BC > 0
-  sums = {
-      "loss/policy": jax.lax.stop_gradient(policy_loss),
-      "loss/kl": jax.lax.stop_gradient(kl),
+  if cfg.loss_type == "cispo":
+    low_BC, high_BC = jnp.zeros_like(on_BC), (ratio_BC > eps_high) & (adv_B1 > 0)
+  elif cfg.loss_type in ("sapo", "vespo"):
+    low_BC = high_BC = jnp.zeros_like(on_BC)
+  else:
+    low_BC = (ratio_BC < low) & (adv_B1 < 0)
+    high_BC = (ratio_BC > high) & (adv_B1 > 0)
+  return {
       "kl/sum": jax.lax.stop_gradient(jnp.sum(jnp.where(on_BC, kl_BC, 0.0))),
       "clip/low_count": jnp.sum(low_BC & on_BC),
       "clip/high_count": jnp.sum(high_BC & on_BC),
@@ -385,12 +611,41 @@ def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights
       "ratio/min": jnp.min(jnp.where(on_BC, ratio_BC, jnp.inf)),
       "ratio/max": jnp.max(jnp.where(on_BC, ratio_BC, -jnp.inf)),
   }
-  return loss, sums
+
+
+def drift_metrics(train_logp_BC, sampler_logp_BC, mask_BC, advantages_B, cfg):
+  """How far the sampler's log-probs are from the train step's at the same params, over the
+  loss tokens: 'drift/logp_diff_mean' and '_max' (|Δ log p|), 'drift/kl' (the k3 estimate of
+  KL(π_sampler ‖ π_train) from the sampled tokens: exp(Δ) − 1 − Δ, Δ = train − sampler; ≥ 0,
+  unbiased), 'drift/is_clipped_frac' (the share of loss tokens whose rollout ratio lies outside
+  [rollout_is_clip_min, rollout_is_clip_max], which the correction truncates or masks: reported
+  whether or not it is on), and with off_policy_mask_threshold 'drift/off_policy_masked_frac'
+  (the share of loss tokens in sequences the off-policy mask drops, at these log-probs).
+  NaN when there is no loss token."""
+  on_BC = mask_BC > 0
+  n = jnp.maximum(on_BC.sum(), 1)
+  has = on_BC.any()
+  delta_BC = jnp.where(on_BC, train_logp_BC - sampler_logp_BC, 0.0)
+  mean = lambda x_BC: jnp.where(has, jnp.sum(jnp.where(on_BC, x_BC, 0.0)) / n, jnp.nan)
+  _, outside_BC = rollout_is_ratio(train_logp_BC, sampler_logp_BC, mask_BC, cfg.rollout_is_mode,
+                                   cfg.rollout_is_clip_min, cfg.rollout_is_clip_max)
+  out = {
+      "drift/logp_diff_mean": mean(jnp.abs(delta_BC)),
+      "drift/logp_diff_max": jnp.where(has, jnp.max(jnp.abs(delta_BC)), jnp.nan),
+      "drift/kl": mean(jnp.expm1(delta_BC) - delta_BC),
+      "drift/is_clipped_frac": mean(outside_BC.astype(jnp.float32)),
+  }
+  if cfg.off_policy_mask_threshold is not None:
+    keep_B1 = off_policy_keep(train_logp_BC, sampler_logp_BC, advantages_B, mask_BC,
+                              cfg.off_policy_mask_threshold)
+    out["drift/off_policy_masked_frac"] = mean(jnp.broadcast_to(1.0 - keep_B1, mask_BC.shape))
+  return out
 
 
 def finalize_metrics(sums, num_tokens):
   """Turns accumulated `loss_terms` sums (over a step's micro-batches) into flat metrics."""
   n = jnp.maximum(num_tokens, 1.0)
+  extra = {"loss/entropy": sums["loss/entropy"]} if "loss/entropy" in sums else {}
   low = sums["clip/low_count"] / n
   high = sums["clip/high_count"] / n
   has_tokens = num_tokens > 0
@@ -404,24 +659,44 @@ def finalize_metrics(sums, num_tokens):
       "ratio/min": jnp.where(has_tokens, sums["ratio/min"], jnp.nan),
       "ratio/mean": jnp.where(has_tokens, sums["ratio/sum"] / n, jnp.nan),
       "ratio/max": jnp.where(has_tokens, sums["ratio/max"], jnp.nan),
+      **extra,
   }
 
 
 def grpo_loss(logp_BC, advantages_B, mask_BC, cfg, *, old_logp_BC=None, ref_logp_BC=None,
-              num_tokens=None, max_completion_length=None, turn_ids_BC=None, max_turns=None):
+              num_tokens=None, max_completion_length=None, turn_ids_BC=None, max_turns=None,
+              sampler_logp_BC=None, entropy_BC=None):
   """The whole-batch loss and metrics of one un-accumulated step (convenience for tests/tools).
 
   num_tokens: the dapo normaliser (loss tokens of the generation batch); default: this batch's.
   turn_ids_BC, max_turns: flow_grpo's turn of each token and bound on turns (token_weights).
+  sampler_logp_BC: the sampler's log-probs (rollout correction, off-policy mask).
+  entropy_BC: per-token entropies, needed by top_entropy_quantile < 1 and entropy_coef != 0.
   """
   mask_BC = jnp.asarray(mask_BC, jnp.float32)
   step_tokens = mask_BC.sum()
-  if num_tokens is None or cfg.loss_type != "dapo":
+  if num_tokens is None or cfg.loss_type not in ("dapo", "cispo", "vespo"):
     num_tokens = step_tokens
   weights_BC = token_weights(mask_BC, cfg.loss_type, num_sequences=mask_BC.shape[0],
                              num_tokens=num_tokens, max_completion_length=max_completion_length,
                              turn_ids_BC=turn_ids_BC, max_turns=max_turns)
+  keep_BC = entropy_weights_BC = None
+  if cfg.top_entropy_quantile < 1:
+    threshold = entropy_threshold(jax.lax.stop_gradient(entropy_BC), mask_BC,
+                                  cfg.top_entropy_quantile)
+    keep_BC = high_entropy_keep(jax.lax.stop_gradient(entropy_BC), mask_BC, threshold)
+  if cfg.entropy_coef != 0:
+    entropy_weights_BC = entropy_weights(mask_BC, keep_BC)
   loss, sums = loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC,
-                          weights_BC, cfg)
+                          weights_BC, cfg, sampler_logp_BC=sampler_logp_BC,
+                          entropy_BC=entropy_BC, entropy_keep_BC=keep_BC,
+                          entropy_weights_BC=entropy_weights_BC)
   return loss, finalize_metrics(sums, step_tokens)
 
+
+def entropy_weights(mask_BC, keep_BC=None, num_kept=None):
+  """Weights of the entropy bonus's mean: mask · keep / (kept loss tokens of the step, >= 1).
+  num_kept: that count over the whole step (default: these rows'), so micro-batches add up."""
+  eff_BC = mask_BC if keep_BC is None else mask_BC * keep_BC
+  n = eff_BC.sum() if num_kept is None else num_kept
+  return eff_BC / jnp.maximum(n, 1.0)

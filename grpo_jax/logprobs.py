@@ -19,7 +19,9 @@ saved logsumexp: d l = g (onehot - softmax) / temperature, so
 one block at a time (the one-hot enters each block by a compare of ids, so there is no scatter
 into the [V, D] gradient). The whole pass costs four matmuls with the head (one forward, three
 backward) and the traffic of the blocks.
-The entropy is a metric: it carries no gradient.
+The entropy is a metric and carries no gradient, unless `entropy_grad=True` (an entropy bonus
+in the loss): then its cotangent g_H joins the same backward, d l −= g_H p (log p + H), from the
+entropy H saved by the forward (dH/dl_v = −p_v (log p_v + H)); no extra matmul.
 
 Inputs may be bf16 (the compute dtype): the matmuls accumulate in fp32 and every softmax
 statistic is fp32; the backward casts d l to the compute dtype for its two matmuls, as an
@@ -123,39 +125,48 @@ def _blocks(x_N, t):
   return x_N.reshape(-1, t, *x_N.shape[1:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fused(h_ND, w_VD, y_N, inv_temp, t, c):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fused(h_ND, w_VD, y_N, inv_temp, t, c, entropy_grad):
   logp_N, entropy_N, _ = _forward(h_ND, w_VD, y_N, inv_temp, t, c)
   return logp_N, entropy_N
 
 
-def _fused_fwd(h_ND, w_VD, y_N, inv_temp, t, c):
+def _fused_fwd(h_ND, w_VD, y_N, inv_temp, t, c, entropy_grad):
   logp_N, entropy_N, lse_N = _forward(h_ND, w_VD, y_N, inv_temp, t, c)
-  return (logp_N, entropy_N), (h_ND, w_VD, y_N, lse_N)
+  return (logp_N, entropy_N), (h_ND, w_VD, y_N, lse_N, entropy_N)
 
 
-def _fused_bwd(inv_temp, t, c, residuals, cotangents):
-  h_ND, w_VD, y_N, lse_N = residuals
-  g_N = cotangents[0].astype(jnp.float32) * inv_temp  # the entropy's cotangent is dropped
+def _fused_bwd(inv_temp, t, c, entropy_grad, residuals, cotangents):
+  h_ND, w_VD, y_N, lse_N, entropy_N = residuals
+  g_N = cotangents[0].astype(jnp.float32) * inv_temp
   n_tok, d = h_ND.shape
   cdt = h_ND.dtype
   h_btD, lse_bt, g_bt, y_bt = _blocks(h_ND, t), _blocks(lse_N, t), _blocks(g_N, t), _blocks(y_N, t)
+  if entropy_grad:
+    gh_bt = _blocks(cotangents[1].astype(jnp.float32) * inv_temp, t)
+    ent_bt = _blocks(entropy_N, t)
+  else:  # the entropy's cotangent is dropped: nothing more in the loop
+    gh_bt = ent_bt = jnp.zeros(g_bt.shape[:1], jnp.float32)
 
   def rows_block(w_cD, offset):
     """d head for rows [offset, offset + c) and these rows' share of d hidden."""
     rows_c = offset + jnp.arange(w_cD.shape[0], dtype=jnp.int32)
 
     def tokens_block(dw_Dc, xs):
-      h_tD, lse_t, g_t, y_t = xs
+      h_tD, lse_t, g_t, y_t, gh_t, ent_t = xs
       # d l = g (onehot - p), the one-hot folded in by a compare: no gather or scatter.
-      p_tc = jnp.exp(_logits(h_tD, w_cD, inv_temp) - lse_t[:, None])
-      dl_tc = (g_t[:, None] * ((y_t[:, None] == rows_c[None, :]) - p_tc)).astype(cdt)
+      logp_tc = _logits(h_tD, w_cD, inv_temp) - lse_t[:, None]
+      p_tc = jnp.exp(logp_tc)
+      dl_tc = g_t[:, None] * ((y_t[:, None] == rows_c[None, :]) - p_tc)
+      if entropy_grad:
+        dl_tc = dl_tc - gh_t[:, None] * p_tc * (logp_tc + ent_t[:, None])
+      dl_tc = dl_tc.astype(cdt)
       dh_tD = jnp.einsum("tc,cD->tD", dl_tc, w_cD, preferred_element_type=jnp.float32)
       # d head transposed, [D, c]: XLA:CPU runs "tD,tc->Dc" at 1.45x the speed of "tc,tD->cD"
       # (2.0 against 2.9 ms for a [1024, 1024] block, D = 256).
       return dw_Dc + jnp.einsum("tD,tc->Dc", h_tD, dl_tc, preferred_element_type=jnp.float32), dh_tD
     dw_Dc, dh_btD = jax.lax.scan(tokens_block, jnp.zeros(w_cD.shape[::-1], jnp.float32),
-                                 (h_btD, lse_bt, g_bt, y_bt))
+                                 (h_btD, lse_bt, g_bt, y_bt, gh_bt, ent_bt))
     return dw_Dc.T.astype(w_cD.dtype), dh_btD.reshape(-1, d)[:n_tok]
 
   full_ncD, rest_rD = _split_rows(w_VD, c)
@@ -177,7 +188,7 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def token_logprobs(hidden_ND, head_VD, targets_N, *, temperature: float = 1.0,
-                   block_bytes: int = DEFAULT_BLOCK_BYTES):
+                   block_bytes: int = DEFAULT_BLOCK_BYTES, entropy_grad: bool = False):
   """log softmax(hidden @ head^T / temperature)[target] and the entropy per token, fp32 [N].
 
   hidden_ND [N, D] and head_VD [V, D] share a dtype; leading axes of hidden and targets are
@@ -185,7 +196,8 @@ def token_logprobs(hidden_ND, head_VD, targets_N, *, temperature: float = 1.0,
   Example: hidden [2, 5, 8], head [11, 8], targets int [2, 5] → (logp [2, 5], entropy [2, 5]).
   Targets must lie in [0, V); nothing here checks it (it runs traced): another reads row V - 1's
   log-prob, with a gradient that is not that value's. train_step.check_batch checks the loss
-  tokens on the host.
+  tokens on the host. entropy_grad: whether the entropy carries its gradient (else it is a
+  metric, and its cotangent is dropped).
   """
   lead = targets_N.shape
   h_ND = hidden_ND.reshape(-1, hidden_ND.shape[-1])
@@ -193,5 +205,5 @@ def token_logprobs(hidden_ND, head_VD, targets_N, *, temperature: float = 1.0,
   t, c = block_shape(h_ND.shape[0], head_VD.shape[0], block_bytes)
   with jax.named_scope("token_logprobs"):  # names its kernels in compiled programs and profiles
     logp_N, entropy_N = _fused(h_ND, head_VD.astype(h_ND.dtype), y_N, 1.0 / float(temperature),
-                               t, c)
+                               t, c, bool(entropy_grad))
   return logp_N.reshape(lead), entropy_N.reshape(lead)

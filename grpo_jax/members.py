@@ -143,7 +143,7 @@ def pad_batches(batches, pad_id):
     b = dict(b, prompt_NP=np.pad(b["prompt_NP"], ((0, 0), (p, 0)), constant_values=pad_id),
              prompt_mask_NP=np.pad(b["prompt_mask_NP"], ((0, 0), (p, 0))),
              completion_BC=np.pad(b["completion_BC"], ((0, 0), (0, c)), constant_values=pad_id))
-    for k in ("loss_mask_BC", "turn_ids_BC"):
+    for k in ("loss_mask_BC", "turn_ids_BC", "sampler_logp_BC"):
       if k in b:
         b[k] = np.pad(b[k], ((0, 0), (0, c)))
     out.append(b)

@@ -59,6 +59,8 @@ _METRIC_PANELS = (
     ("Gradient norm", "grad_norm", False),
     ("Completion length (tokens)", "completion/mean_length", False),
     ("Clipped fraction", "clip/region_frac", True),
+    # The sampler's log-probs against the train step's at the same params (grpo.drift_metrics).
+    ("Rollout/train drift: mean |Δ log p|", "drift/logp_diff_mean", False),
 )
 # Panels left out when the series is 0 at every step.
 OFF_WHEN_ZERO = frozenset(key for _, key, off in _METRIC_PANELS if off)

@@ -57,6 +57,10 @@ DEAD_FIELDS = (
     ("data.synthetic_", (), lambda c: c.data.source != "synthetic",
      "the config's data.source is not 'synthetic', so its problems come from there and "
      "{field} is never read"),
+    ("loss.sapo_", (), lambda c: c.loss.loss_type != "sapo",
+     "the config has a loss.loss_type other than 'sapo', and only sapo reads {field}"),
+    ("loss.vespo_", (), lambda c: c.loss.loss_type != "vespo",
+     "the config has a loss.loss_type other than 'vespo', and only vespo reads {field}"),
 )
 
 

@@ -81,6 +81,9 @@ class Rollouts:
   loss_mask_BC: np.ndarray | None = None
   turn_ids_BC: np.ndarray | None = None
   trajectories: list[str] | None = None
+  # The sampler's log-prob of each sampled token (0 past lengths): the train step's drift/*
+  # metrics and rollout correction compare it with its own. None from multi-turn rollouts.
+  sampler_logp_BC: np.ndarray | None = None
 
   PER_PROMPT = ("rows", "prompts", "prompt_ids")
 
@@ -122,6 +125,8 @@ class Rollouts:
     if self.loss_mask_BC is not None:
       batch["loss_mask_BC"] = np.ascontiguousarray(self.loss_mask_BC[:, :c], np.int32)
       batch["turn_ids_BC"] = np.ascontiguousarray(self.turn_ids_BC[:, :c], np.int32)
+    if self.sampler_logp_BC is not None:
+      batch["sampler_logp_BC"] = np.ascontiguousarray(self.sampler_logp_BC[:, :c], np.float32)
     return batch
 
   def train_batch(self, config, pad_id: int) -> dict[str, np.ndarray]:
@@ -172,7 +177,8 @@ def batch_layout(config, tokenizer, rows, num_rewards: int) -> dict[str, jax.Sha
   b, width = len(rows) * g, config.sampling.max_new_tokens
   longest = Rollouts(rows, prompts.texts, prompts.ids, np.zeros((b, width), np.int32),
                      np.full(b, width), np.ones(b, bool), [""] * b,
-                     np.zeros((b, num_rewards), np.float32))
+                     np.zeros((b, num_rewards), np.float32),
+                     sampler_logp_BC=np.zeros((b, width), np.float32))
   batch = longest.train_batch(config, tokenizer.pad_token_id)
   return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
 
@@ -234,7 +240,8 @@ def score_samples(config, tokenizer, rows, prompts, out, rewards, t0):
   prompt_texts_B = [p for p in prompts.texts for _ in range(g)]
   reward_BR, reward_metrics = score(rewards, prompt_texts_B, texts, g, reward_columns(rows, g))
   part = Rollouts(list(rows), prompts.texts, prompts.ids, completion_ids, lengths,
-                  np.asarray(out.truncated), texts, reward_BR)
+                  np.asarray(out.truncated), texts, reward_BR,
+                  sampler_logp_BC=np.asarray(out.logprobs, np.float32))
   return part, reward_metrics, out.metrics, (t1 - t0, time.perf_counter() - t1)
 
 

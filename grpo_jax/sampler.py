@@ -51,10 +51,10 @@ in grpo_jax.token_choice (the cuts, their order and how they are drawn from exac
 `logprobs` are log_softmax(logits / temperature) over the valid vocabulary at the sampled token,
 BEFORE the top-k/top-p/min-p cut: the policy's own distribution, the quantity the loss uses
 (train_step.completion_logprobs, through logprobs.token_logprobs over head[:, :valid_vocab_size]
-at the same temperature, gives the same numbers). The train step does not read them: it
-recomputes the old policy's log-probs in its own forward; these are reported for diagnostics
-(agent records) and tests. Greedy decoding reports them at `temperature` too (1 for
-temperature=0).
+at the same temperature, gives the same numbers up to rounding). The train step recomputes the
+old policy's log-probs in its own forward; single-turn rollouts pass these to it as
+sampler_logp_BC, for its drift/* metrics and loss.rollout_is_correction (docs/loss.md).
+Greedy decoding reports them at `temperature` too (1 for temperature=0).
 
 Randomness: each row has its own key, fold_in(fold_in(key, prompt_id), g) with prompt_id
 defaulting to the prompt's index in the batch (pass `prompt_ids` for stable ids), and every

@@ -35,6 +35,9 @@ padded prompt and completion widths, S = P + C):
                               still covers every token up to lengths_B
     turn_ids_BC      int32    optional; required by loss.loss_type='flow_grpo': 0-based turn of
                               each completion token (read only where the loss mask is 1)
+    sampler_logp_BC  float32  optional; required by loss.rollout_is_correction: the sampler's
+                              log-prob of each sampled token (0 past lengths_B). With it the
+                              step logs drift/* (grpo.drift_metrics)
   train (the same step with given advantages; tests, the warm start, other rollouts):
     tokens_BS        int32    prompt left-padded to P, then the completion right-padded to C
     attn_mask_BS     int32    1 on real prompt and completion tokens
@@ -45,6 +48,7 @@ padded prompt and completion widths, S = P + C):
                               params before the first update)
     ref_logp_BC      float32  optional when β > 0 (default: computed from ref_params)
     turn_ids_BC      int32    optional; required by flow_grpo (as in the rollout layout)
+    sampler_logp_BC  float32  optional (as in the rollout layout)
 
 Example (B=2, P=3, C=4; 0 is the pad id, 9 the EOS):
   tokens_BS          [[0, 5, 6, 7, 8, 9, 0],  [4, 5, 6, 7, 7, 7, 7]]
@@ -264,11 +268,12 @@ def batch_shardings(batch, mesh):
 ROLLOUT_KEYS = ("prompt_NP", "prompt_mask_NP", "completion_BC", "lengths_B", "rewards_BR")
 TRAIN_KEYS = ("tokens_BS", "attn_mask_BS", "completion_mask_BC", "advantages_B")
 SFT_KEYS = ("tokens_BS", "attn_mask_BS", "completion_mask_BC")
-_OPTIONAL = {"grpo": ("truncated_B", "old_logp_BC", "ref_logp_BC", "turn_ids_BC"), "sft": ()}
+_OPTIONAL = {"grpo": ("truncated_B", "old_logp_BC", "ref_logp_BC", "turn_ids_BC",
+                      "sampler_logp_BC"), "sft": ()}
 # The train layout a rollout batch becomes on the device also keeps its prompts once per group,
 # for the packed forward (completion_logprobs); a batch given in the train layout has none.
 _PROMPTS = ("prompt_NP", "prompt_mask_NP")
-ROLLOUT_OPTIONAL = ("truncated_B", "loss_mask_BC", "turn_ids_BC")
+ROLLOUT_OPTIONAL = ("truncated_B", "loss_mask_BC", "turn_ids_BC", "sampler_logp_BC")
 
 
 def is_rollout(batch) -> bool:
@@ -300,14 +305,14 @@ def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_p
                        f"and prompt_NP with one row per group (B / G), got {N} rows")
     expect = {"prompt_mask_NP": (N, P_), "lengths_B": (B,), "truncated_B": (B,),
               "rewards_BR": (B, num_rewards or _shape(batch["rewards_BR"])[-1]),
-              "loss_mask_BC": (B, C), "turn_ids_BC": (B, C)}
+              "loss_mask_BC": (B, C), "turn_ids_BC": (B, C), "sampler_logp_BC": (B, C)}
     tokens = batch["prompt_NP"]
   else:
     B, S = _shape(batch["tokens_BS"])
     C = _shape(batch["completion_mask_BC"])[-1]
     expect = {"attn_mask_BS": (B, S), "completion_mask_BC": (B, C), "advantages_B": (B,),
               "old_logp_BC": (B, C), "ref_logp_BC": (B, C), "truncated_B": (B,),
-              "turn_ids_BC": (B, C)}
+              "turn_ids_BC": (B, C), "sampler_logp_BC": (B, C)}
     tokens = batch["tokens_BS"]
     if not C < S:
       raise ValueError(f"completion length C={C} must be shorter than tokens_BS length S={S}")
@@ -329,6 +334,9 @@ def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_p
                        "batch['ref_logp_BC'])")
     if loss_cfg.mask_truncated_completions and "truncated_B" not in batch:
       raise ValueError("loss.mask_truncated_completions=True needs batch['truncated_B']")
+    if loss_cfg.rollout_is_correction and "sampler_logp_BC" not in batch:
+      raise ValueError("loss.rollout_is_correction=True needs batch['sampler_logp_BC'] (the "
+                       "sampler's log-probs; multi-turn rollouts do not carry them)")
     if loss_cfg.loss_type == "flow_grpo":
       if "turn_ids_BC" not in batch:
         raise ValueError("loss.loss_type='flow_grpo' needs batch['turn_ids_BC'] (the turn of "
@@ -408,7 +416,7 @@ def make_batch(rollout, loss_cfg, *, group_size, reward_weights):
       "completion_mask_BC": loss_BC,
       "advantages_B": adv_B,
   }
-  for k in ("truncated_B", "turn_ids_BC"):
+  for k in ("truncated_B", "turn_ids_BC", "sampler_logp_BC"):
     if k in rollout:
       batch[k] = rollout[k]
   return batch, stats
@@ -426,7 +434,7 @@ def build_model(model_cfg, optim_cfg, mesh):
 
 
 def completion_logprobs(model, variables, tokens_BS, attn_mask_BS, C, *, temperature, valid,
-                        block_bytes, group=1, prompts=None):
+                        block_bytes, group=1, prompts=None, entropy_grad=False):
   """Per-token log-probs and entropies of the last C tokens: ([B, C], [B, C]) fp32.
 
   variables: what model.apply takes, {'params': ...} and with LoRA {'lora': ...} (policy_vars).
@@ -442,7 +450,7 @@ def completion_logprobs(model, variables, tokens_BS, attn_mask_BS, C, *, tempera
   once per row: the same numbers, at about 1/group of the prompt's cost (in the reference
   forward and the policy's forward and backward alike). prompts: (prompt_bP, prompt_mask_bP),
   the b = B / group prompts once each, as a rollout batch carries them; None: taken from every
-  group's first row.
+  group's first row. entropy_grad: whether the entropies carry a gradient (loss.entropy_coef).
   """
   B, S = tokens_BS.shape
   positions_BS = qwen.positions_from_mask(attn_mask_BS)
@@ -463,7 +471,8 @@ def completion_logprobs(model, variables, tokens_BS, attn_mask_BS, C, *, tempera
     hidden_BCD = hidden_BTD[:, -C:]
   head_VD = qwen.head_kernel(variables["params"], model.cfg).T[:valid].astype(model.dtype)
   return logprobs.token_logprobs(hidden_BCD, head_VD, tokens_BS[:, -C:],
-                                 temperature=temperature, block_bytes=block_bytes)
+                                 temperature=temperature, block_bytes=block_bytes,
+                                 entropy_grad=entropy_grad)
 
 
 def _split_micro(x, accum, mesh, unit=1):
@@ -611,6 +620,7 @@ def hparams(loss_cfg, optim_cfg, reward_weights=(), policy=policy_lib.FULL
   hp = {"lr": f32(optim_cfg.lr), "beta": f32(loss_cfg.beta),
         "clip_low": f32(1.0 - float(loss_cfg.epsilon)),
         "clip_high": f32(1.0 + float(loss_cfg.epsilon_high)),
+        "epsilon_high": f32(loss_cfg.epsilon_high),  # cispo's cap of the weight itself
         "reward_weights": f32(tuple(map(float, reward_weights)))}
   hp.update({k: f32(v) for k, v in policy.hparams().items()})
   return hp
@@ -672,11 +682,11 @@ def _loss(spec, model, hp, params, ref_params, mb, norm, ref_is_policy):
   ref_params: the frozen params (the reference; with LoRA the base, adapters off).
   ref_is_policy: a traced bool, whether the policy computes what the reference does."""
   C = mb["completion_mask_BC"].shape[1]
-  kw = dict(temperature=spec.temperature, valid=spec.valid,
-            block_bytes=spec.optim.logprob_block_bytes, group=norm["group"],
-            prompts=(mb["prompt_NP"], mb["prompt_mask_NP"]) if "prompt_NP" in mb else None)
+  kw = _logprob_kw(spec, norm, mb)
+  bonus = spec.objective == "grpo" and spec.loss.entropy_coef != 0
   logp_BC, entropy_BC = completion_logprobs(model, policy_vars(spec, params, ref_params, hp),
-                                            mb["tokens_BS"], mb["attn_mask_BS"], C, **kw)
+                                            mb["tokens_BS"], mb["attn_mask_BS"], C, **kw,
+                                            entropy_grad=bonus)
   mask_BC = mb["mask_BC"]
   if spec.objective == "sft":
     loss = -jnp.sum(mask_BC * logp_BC) / jnp.maximum(norm["tokens"], 1.0)
@@ -697,11 +707,54 @@ def _loss(spec, model, hp, params, ref_params, mb, norm, ref_is_policy):
                                     num_sequences=norm["sequences"], num_tokens=norm["tokens"],
                                     max_completion_length=norm["max_completion_length"],
                                     turn_ids_BC=mb.get("turn_ids_BC"), max_turns=spec.max_turns)
-    loss, sums = grpo.loss_terms(logp_BC, mb.get("old_logp_BC"), ref_BC, mb["advantages_B"],
-                                 mask_BC, weights_BC, spec.loss, hp=hp)
+    keep_BC, kept = _entropy_keep(spec.loss, mb, mask_BC, entropy_BC, norm)
+    loss, sums = grpo.loss_terms(
+        logp_BC, mb.get("old_logp_BC"), ref_BC, mb["advantages_B"], mask_BC, weights_BC,
+        spec.loss, hp=hp, sampler_logp_BC=mb.get("sampler_logp_BC"), entropy_BC=entropy_BC,
+        entropy_keep_BC=keep_BC,
+        entropy_weights_BC=grpo.entropy_weights(mask_BC, keep_BC, kept) if bonus else None)
   sums["loss"] = jax.lax.stop_gradient(loss)
   sums["entropy/sum"] = jnp.sum(jax.lax.stop_gradient(entropy_BC) * mask_BC)
   return loss, (sums, jax.lax.stop_gradient(logp_BC), ref_BC)
+
+
+def _logprob_kw(spec, norm, mb):
+  """completion_logprobs' settings for a micro-batch."""
+  return dict(temperature=spec.temperature, valid=spec.valid,
+              block_bytes=spec.optim.logprob_block_bytes, group=norm["group"],
+              prompts=(mb["prompt_NP"], mb["prompt_mask_NP"]) if "prompt_NP" in mb else None)
+
+
+def _entropy_keep(lc, mb, mask_BC, entropy_BC, norm):
+  """top_entropy_quantile's mask of a micro-batch and the step's count of kept loss tokens:
+  (None, tokens) when every token is kept; given in mb when _whole_batch_keep made them for
+  several micro-batches; else (one micro-batch: the whole batch) from its own entropies."""
+  if lc.top_entropy_quantile >= 1:
+    return None, norm["tokens"]
+  if "entropy_keep_BC" in mb:
+    return mb["entropy_keep_BC"], norm["kept_tokens"]
+  entropy_BC = jax.lax.stop_gradient(entropy_BC)
+  keep_BC = grpo.high_entropy_keep(entropy_BC, mask_BC, grpo.entropy_threshold(
+      entropy_BC, mask_BC, lc.top_entropy_quantile))
+  return keep_BC, keep_BC.sum()
+
+
+def _whole_batch_keep(spec, model, hp, params, ref_params, micro, norm):
+  """top_entropy_quantile over several micro-batches: the entropies of the whole batch at the
+  update's params (a forward of each micro-batch, before the gradients), so that every
+  micro-batch masks against the batch's quantile, as one micro-batch would. Returns the
+  [accum, b, C] mask and the kept loss tokens' count."""
+  variables = policy_vars(spec, params, ref_params, hp)
+
+  def entropy(mb):
+    C = mb["completion_mask_BC"].shape[1]
+    return completion_logprobs(model, variables, mb["tokens_BS"], mb["attn_mask_BS"], C,
+                               **_logprob_kw(spec, norm, mb))[1]
+  entropy_ABC = jax.lax.stop_gradient(jax.lax.map(entropy, micro))
+  mask_ABC = micro["mask_BC"]
+  keep_ABC = grpo.high_entropy_keep(entropy_ABC, mask_ABC, grpo.entropy_threshold(
+      entropy_ABC, mask_ABC, spec.loss.top_entropy_quantile))
+  return keep_ABC, keep_ABC.sum()
 
 
 def _grads(spec, hp, params, ref_params, batch, norm):
@@ -713,7 +766,7 @@ def _grads(spec, hp, params, ref_params, batch, norm):
                    else _policy_is_reference(spec, params, ref_params, model.dtype))
   accum, mesh = spec.optim.grad_accum_steps, spec.mesh
   keys = ("tokens_BS", "attn_mask_BS", "advantages_B", "old_logp_BC", "ref_logp_BC", "mask_BC",
-          "completion_mask_BC", "turn_ids_BC")
+          "completion_mask_BC", "turn_ids_BC", "sampler_logp_BC")
   unit = norm["unit"]
   micro = {k: _split_micro(batch[k], accum, mesh, unit) for k in keys if k in batch}
   if norm["group"] > 1 and "prompt_NP" in batch:  # the packed forward's prompts, once per group
@@ -724,6 +777,10 @@ def _grads(spec, hp, params, ref_params, batch, norm):
         micro[k] = jax.lax.with_sharding_constraint(
             jnp.broadcast_to(batch[k], (accum,) + batch[k].shape),
             NamedSharding(mesh, P(None, sharding.BATCH_AXES)))
+  if spec.objective == "grpo" and spec.loss.top_entropy_quantile < 1 and accum > 1:
+    micro["entropy_keep_BC"], kept = _whole_batch_keep(spec, model, hp, params, ref_params,
+                                                       micro, norm)
+    norm = dict(norm, kept_tokens=kept)
   grad_fn = jax.grad(lambda p, mb: _loss(spec, model, hp, p, ref_params, mb, norm, ref_is_policy),
                      has_aux=True)
   param_sh = state_shardings(spec.model, spec.optim, mesh, spec.policy)["params"]
@@ -802,6 +859,10 @@ def train_step(state, batch, hparams, ref_params=None, *, spec: StepSpec):
   B = mask_BC.shape[0]
   norm = _normalisers(spec, mask_BC, *layout)
   state, m, logp_BC, ref_BC = _update(spec, hp, state, ref_params, batch, norm)
+  if spec.objective == "grpo" and "sampler_logp_BC" in batch:
+    # The first update's log-probs are the train step's at the params that sampled.
+    metrics.update(grpo.drift_metrics(logp_BC, batch["sampler_logp_BC"], mask_BC,
+                                      batch["advantages_B"], lc))
   if spec.objective == "grpo" and lc.num_iterations > 1:
     # Updates 2..μ: old log-probs are the first update's (the params before any update).
     later = dict(batch, old_logp_BC=batch.get("old_logp_BC", logp_BC))

@@ -124,6 +124,9 @@ def validate(config, num_devices: int) -> None:
   _validate_agent(config)
   _check(lc.loss_type != "flow_grpo" or config.agent.enabled, "loss.loss_type",
          "'flow_grpo' normalises over an agent's turns: it needs agent.enabled=True")
+  _check(not (lc.rollout_is_correction and config.agent.enabled), "loss.rollout_is_correction",
+         "multi-turn agent rollouts do not carry the sampler's log-probs it corrects with; set "
+         "it False or agent.enabled=False")
 
 
 

@@ -26,8 +26,14 @@ from ml_collections import config_dict
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = {"configs/gsm8k.py": ("default", "0.5b", "tiny"),
            "configs/gsm8k_agent.py": ("default", "tiny")}
-# Added beside the snapshot's making (docs/lora.md); its defaults are checked on their own.
-EXCLUDED = ("model.lora",)
+# Added beside the snapshot's making (docs/lora.md; docs/loss.md's options from TRL 1.16);
+# their defaults are checked on their own (config_test).
+NEW_LOSS_FIELDS = ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                   "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "rollout_is_correction",
+                   "rollout_is_mode", "rollout_is_clip_min", "rollout_is_clip_max",
+                   "off_policy_mask_threshold", "use_bias_correction_kl", "top_entropy_quantile",
+                   "entropy_coef")
+EXCLUDED = ("model.lora",) + tuple(f"loss.{k}" for k in NEW_LOSS_FIELDS)
 
 
 def load(path: str):

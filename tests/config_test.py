@@ -50,6 +50,23 @@ def test_the_lora_block_defaults_to_off_as_documented():
   assert lora.LoraConfig.from_config(block) == lora.LoraConfig(rank=8, alpha=32.0)
 
 
+def test_the_new_loss_options_default_to_off_as_documented():
+  """docs/loss.md, 'Options from TRL 1.16': TRL's values, except the two that would change a
+  run that does not ask for them (rollout correction and bias-corrected KL: off); and every
+  preset leaves them alone."""
+  block = config_lib.loss()
+  assert {k: block[k] for k in config_snapshot.NEW_LOSS_FIELDS} == dict(
+      sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
+      vespo_k_neg=3.0, vespo_lambda_neg=2.0, rollout_is_correction=False,
+      rollout_is_mode="sequence_mask", rollout_is_clip_min=None, rollout_is_clip_max=3.0,
+      off_policy_mask_threshold=None, use_bias_correction_kl=False, top_entropy_quantile=1.0,
+      entropy_coef=0.0)
+  for path, presets in config_snapshot.PRESETS.items():
+    for preset in presets:
+      loss = config_snapshot.load(path).get_config(preset).loss
+      assert all(loss[k] == block[k] for k in config_snapshot.NEW_LOSS_FIELDS), (path, preset)
+
+
 def test_each_section_has_one_home():
   """The defaults come from the schema's section functions, fresh on every call."""
   c = config_lib.defaults()

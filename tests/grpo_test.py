@@ -139,12 +139,12 @@ def finite_diff_grad(f, x, h=1e-6):
 # Token log-probs (logprobs.py: the fused, blocked head pass with its hand-written backward).
 
 
-def fused(hidden, head_DV, targets, temperature=1.0, blocks=None):
+def fused(hidden, head_DV, targets, temperature=1.0, blocks=None, entropy_grad=False):
   """logprobs' custom-VJP pass on [B, T] targets with explicit (tokens, rows) per block."""
   h_ND = hidden.reshape(-1, hidden.shape[-1])
   t, c = blocks or logprobs.block_shape(h_ND.shape[0], head_DV.shape[1])
   logp, ent = logprobs._fused(h_ND, head_DV.T.astype(h_ND.dtype), targets.reshape(-1),
-                              1.0 / temperature, t, c)
+                              1.0 / temperature, t, c, entropy_grad)
   return logp.reshape(targets.shape), ent.reshape(targets.shape)
 
 
@@ -214,6 +214,35 @@ def test_token_logprobs_value_and_grad_match_dense_numpy(lm_case, blocks, temper
                              rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(np.asarray(g_head), np.einsum("btd,btv->dv", hidden, dlogits),
                              rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("blocks,temperature", [((14, 13), 1.0), ((3, 4), 0.7)])
+def test_token_logprobs_entropy_gradient_when_asked_matches_dense(lm_case, blocks, temperature):
+  """entropy_grad=True (loss.entropy_coef): the gradient of Σ w_n (logp_n + 2 H_n) through the
+  fused pass is jax.grad of the same sum over dense log_softmax (float64, x64 mode)."""
+  hidden, head, targets, weights = lm_case
+
+  def dense(h, w):
+    logits = h @ w / temperature
+    logp_all = jax.nn.log_softmax(logits)
+    logp = jnp.take_along_axis(logp_all, targets[..., None], -1)[..., 0]
+    ent = -(jnp.exp(logp_all) * logp_all).sum(-1)
+    return jnp.sum(weights * (logp + 2.0 * ent))
+
+  def ours(h, w):
+    logp, ent = fused(h, w, jnp.asarray(targets), temperature, blocks, entropy_grad=True)
+    return jnp.sum(weights * (logp + 2.0 * ent))
+  got = jax.grad(ours, argnums=(0, 1))(jnp.asarray(hidden), jnp.asarray(head))
+  with jax.enable_x64():
+    want = jax.grad(dense, argnums=(0, 1))(jnp.asarray(hidden, jnp.float64),
+                                           jnp.asarray(head, jnp.float64))
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+  # The entropy's share is not 0: without it the gradient differs.
+  no_h = jax.grad(lambda h, w: jnp.sum(weights * fused(h, w, jnp.asarray(targets), temperature,
+                                                       blocks)[0]))(jnp.asarray(hidden),
+                                                                    jnp.asarray(head))
+  assert np.abs(np.asarray(no_h) - np.asarray(got[0])).max() > 1e-2
 
 
 def test_token_logprobs_entropy_carries_no_gradient(lm_case):
@@ -418,9 +447,10 @@ def _check_loss(cfg, case, gen_tokens=None):
   return np_metrics
 
 
-# flow_grpo (multi-turn rows) has its own NumPy reference in flow_grpo_test.py.
+# flow_grpo (multi-turn rows) has its own NumPy reference in flow_grpo_test.py; cispo, sapo,
+# luspo and vespo are checked against TRL's own code in grpo_trl_test.py.
 @pytest.mark.parametrize("loss_type,level", list(itertools.product(
-    [t for t in grpo.LOSS_TYPES if t != "flow_grpo"], grpo.IS_LEVELS)))
+    ("grpo", "bnpo", "dr_grpo", "dapo"), grpo.IS_LEVELS)))
 def test_loss_types_and_is_levels_match_numpy(loss_type, level):
   cfg = config_lib.loss()
   cfg.update(loss_type=loss_type, importance_sampling_level=level, beta=0.04, epsilon_high=0.28)

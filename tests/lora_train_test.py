@@ -354,7 +354,11 @@ def test_vmapped_lora_members_share_one_base_and_match_their_separate_runs(tmp_p
   assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
   for w, g in zip(want, got):
     for k in set(w) - set(logging_io.TIMING_METRICS):
-      assert g[k] == pytest.approx(w[k], rel=2e-3, abs=1e-6), (w["step"], k)
+      # drift/* measure float32 rounding between the sampler and the train step (~1e-6 here),
+      # which two differently compiled programs do not share: compared at their noise bound
+      # (train_test's 1e-4), not as if they were a signal.
+      tol = dict(abs=1e-4) if k.startswith("drift/") else dict(rel=2e-3, abs=1e-6)
+      assert g[k] == pytest.approx(w[k], **tol), (w["step"], k)
   p_sep, p_b = (load(os.path.join(d, "final_adapter", "adapter_model.safetensors"))
                 for d in (sep, b))
   assert max(float(np.abs(p_sep[k] - p_b[k]).max()) for k in p_sep) <= 2 * 3e-3 * 3

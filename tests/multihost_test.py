@@ -137,7 +137,11 @@ def test_two_processes_resume_and_train_as_one_process_on_8_devices(tmp_path):
     for key in ra:
       if key.startswith("time/") or key in TIMING_METRICS:  # wall clock
         continue
-      np.testing.assert_allclose(rb[key], ra[key], rtol=1e-6, atol=1e-7, err_msg=key)
+      # drift/* measure float32 rounding between sampler and train step (~1e-6 here), which
+      # the one-process and two-process programs do not share: compared at their noise bound
+      # (train_test's 1e-4), not as a signal.
+      atol = 1e-4 if key.startswith("drift/") else 1e-7
+      np.testing.assert_allclose(rb[key], ra[key], rtol=1e-6, atol=atol, err_msg=key)
     # The throughput counts every process's tokens (not process 0's share): the same tokens as
     # the one process generated, over the run's own time.
     tokens = lambda r: r["sampler/tokens_per_s"] * r["sampler/seconds"]

@@ -27,7 +27,7 @@ def _record(rng, i, steps):
           "clip/low_frac": 0.0, "ratio/mean": 1.0, "entropy": 0.3 - 0.001 * i,
           "grad_norm": 1.0 + rng.normal(0, 0.1), "completion/mean_length": 200.0 - i,
           "completion/max_length": 256, "time/sample_s": 1.5, "sampler/tokens_per_s": 300.0,
-          "step/skipped": 0.0}
+          "step/skipped": 0.0, "drift/logp_diff_mean": 0.01, "drift/kl": 1e-4}
 
 
 def _write_run(workdir, steps=60, beta=None, **overrides):
@@ -56,7 +56,8 @@ def test_a_panel_per_metric_and_per_reward_component(tmp_path):
   assert _titles(drawn) == [
       "Reward: total", "Reward: math_accuracy", "Reward: format", "Held-out accuracy (greedy)",
       "KL to reference", "Policy loss", "Entropy (nats/token)", "Gradient norm",
-      "Completion length (tokens)"]  # clip/region_frac is all 0: no panel
+      "Completion length (tokens)",
+      "Rollout/train drift: mean |Δ log p|"]  # clip/region_frac is all 0: no panel
   by_key = {p.key: p for p in drawn}
   assert set(by_key) == set(plots.PLOTTED_KEYS) - {"clip/region_frac"} | {
       f"reward/{name}/mean" for name in REWARDS}

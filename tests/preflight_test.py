@@ -157,6 +157,10 @@ def _fields_error(config, *keys):
     ("sft.lr", "sft.steps=0, which turns the warm start off and never reads sft.lr"),
     ("agent.max_turns", "agent.enabled=False (single-turn rollouts), which never reads "
                         "agent.max_turns"),
+    ("loss.sapo_temperature_neg", "a loss.loss_type other than 'sapo', and only sapo reads "
+                                  "loss.sapo_temperature_neg"),
+    ("loss.vespo_k_pos", "a loss.loss_type other than 'vespo', and only vespo reads "
+                         "loss.vespo_k_pos"),
 ])
 def test_a_set_field_the_tiny_preset_never_reads_is_refused(key, why):
   config = gsm8k.get_config("tiny")
@@ -178,6 +182,9 @@ def test_fields_the_config_reads_pass():
   assert "data.synthetic_train is never read" in _fields_error(full, "data.synthetic_train")
   full.model.lora.rank, full.agent.enabled = 8, True
   assert _fields_error(full, "model.lora.alpha", "agent.max_turns") is None
+  full.loss.loss_type = "sapo"
+  assert _fields_error(full, "loss.sapo_temperature_pos", "loss.loss_type") is None
+  assert "only vespo reads loss.vespo_lambda_neg" in _fields_error(full, "loss.vespo_lambda_neg")
 
 
 def test_an_overrides_file_key_is_named_as_such(tmp_path):

@@ -843,3 +843,62 @@ def test_a_precompiled_members_layout_compiles_once(params, data, batched):
 
 def train_step_stack(trees):
   return jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *trees)
+
+
+def _with_sampler(batch, seed=11):
+  """The batch with a sampler's log-probs near the old ones (a drifted rollout engine)."""
+  rng = np.random.default_rng(seed)
+  noise = rng.normal(scale=0.2, size=batch["old_logp_BC"].shape)
+  return dict(batch, sampler_logp_BC=(batch["old_logp_BC"] + noise).astype(np.float32))
+
+
+# Each new loss option, alone or with the others: 4 micro-batches give the one-batch step.
+@pytest.mark.parametrize("loss_kw", [
+    dict(loss_type="cispo", epsilon_high=1.2, rollout_is_correction=True,
+         rollout_is_mode="token_truncate", rollout_is_clip_min=0.8),
+    dict(loss_type="sapo", off_policy_mask_threshold=0.02),
+    dict(loss_type="luspo", importance_sampling_level="sequence", use_bias_correction_kl=True),
+    dict(loss_type="vespo", rollout_is_correction=True, rollout_is_mode="token_mask",
+         rollout_is_clip_max=1.2),
+    dict(loss_type="dapo", top_entropy_quantile=0.3, entropy_coef=0.05,
+         rollout_is_correction=True, rollout_is_mode="sequence_mask", rollout_is_clip_max=2.0),
+], ids=["cispo", "sapo", "luspo", "vespo", "entropy"])
+def test_new_loss_options_one_micro_batch_equals_four(params, data, loss_kw):
+  batch = _with_sampler(data[0])
+  mesh = single_mesh()
+  loss_cfg = loss_config(**loss_kw)
+  results = []
+  for accum in (1, 4):
+    optim = optim_config(grad_accum_steps=accum)
+    step = train_step.make_train_step(MODEL, loss_cfg, optim, mesh)
+    state, metrics, _ = step(train_step.create_train_state(params, MODEL, optim, mesh), batch)
+    results.append((host(state), host(metrics)))
+  assert_same_step(*results[1], *results[0])
+  m = results[0][1]
+  assert {"drift/logp_diff_mean", "drift/logp_diff_max", "drift/kl",
+          "drift/is_clipped_frac"} <= set(m)
+  assert ("loss/entropy" in m) == ("entropy_coef" in loss_kw)
+  if "off_policy_mask_threshold" in loss_kw:
+    assert 0 < m["drift/off_policy_masked_frac"] < 1
+
+
+def test_drift_metrics_are_the_first_updates_log_probs_against_the_samplers(params, data):
+  """drift/* compare the step's own log-probs at the params that sampled (dense NumPy ones
+  here) with the batch's sampler_logp_BC, over the loss tokens; μ = 2 changes nothing."""
+  batch = {k: v for k, v in _with_sampler(data[0]).items() if k != "old_logp_BC"}
+  optim = optim_config(grad_accum_steps=2)
+  mesh = single_mesh()
+  step = train_step.make_train_step(MODEL, loss_config(num_iterations=2), optim, mesh)
+  _, m, _ = step(train_step.create_train_state(params, MODEL, optim, mesh), batch)
+  logp = dense_logprobs(params, batch["tokens_BS"], batch["attn_mask_BS"])
+  on = (batch["completion_mask_BC"] > 0) & ~batch["truncated_B"][:, None]  # mask_truncated
+  d_BC = np.where(on, logp - batch["sampler_logp_BC"], 0.0)
+  d = d_BC[on]
+  np.testing.assert_allclose(float(m["drift/logp_diff_mean"]), np.abs(d).mean(), rtol=1e-4)
+  np.testing.assert_allclose(float(m["drift/logp_diff_max"]), np.abs(d).max(), rtol=1e-4)
+  np.testing.assert_allclose(float(m["drift/kl"]), np.mean(np.expm1(d) - d), rtol=1e-3)
+  # The default sequence_mask with C_max = 3 drops the rows whose exp(Σ_t Δ) exceeds 3.
+  dropped_B = np.exp(d_BC.sum(1)) > 3.0
+  want = (dropped_B[:, None] & on).sum() / on.sum()
+  assert 0 < want < 1
+  np.testing.assert_allclose(float(m["drift/is_clipped_frac"]), want, rtol=1e-6)

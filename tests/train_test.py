@@ -82,8 +82,22 @@ def test_real_gsm8k_through_the_whole_data_path(gsm8k_run):
   assert plots.config_beta(str(tmp_path)) == config.loss.beta == 0.0
   assert [p.title for p in plots.panels(records, plots.config_beta(str(tmp_path)))] == [
       "Reward: total", "Reward: math_accuracy", "Held-out accuracy (greedy)", "Policy loss",
-      "Entropy (nats/token)", "Gradient norm", "Completion length (tokens)"]
+      "Entropy (nats/token)", "Gradient norm", "Completion length (tokens)",
+      "Rollout/train drift: mean |Δ log p|"]
   assert (tmp_path / "final_model" / "config.json").is_file()
+  # The rollout/train drift, every step. The tiny preset computes in float32, where the
+  # sampler's decode (one token at a time, against its KV cache) and the train step's forward
+  # (the whole sequence at once) differ only in the order they sum in: a few float32 ulps of
+  # logits of order 1 (2^-23 ≈ 1.2e-7 each) through two layers: measured |Δ log p| max 7e-6,
+  # mean 1.5e-6, KL 2e-12. 1e-4 is 15 times that max and 300 times under bfloat16's max
+  # (3e-2 to 9e-2; docs/loss.md, 'Rollout/train drift'), so a real mismatch cannot pass.
+  for r in records[1:]:
+    drift = {k: v for k, v in r.items() if k.startswith("drift/")}
+    assert set(drift) == {"drift/logp_diff_mean", "drift/logp_diff_max", "drift/kl",
+                          "drift/is_clipped_frac"}
+    assert all(isinstance(v, float) and np.isfinite(v) for v in drift.values()), drift
+    assert 0 <= drift["drift/logp_diff_mean"] <= drift["drift/logp_diff_max"] < 1e-4
+    assert 0 <= drift["drift/kl"] < 1e-8 and drift["drift/is_clipped_frac"] == 0.0
 
 
 def test_final_model_loads_in_transformers_and_generates_like_the_sampler(gsm8k_run):
@@ -438,7 +452,8 @@ def test_the_first_steps_compile_ahead_layout_is_the_batch_at_max_new_tokens():
 
   def real(lengths_B):
     r = rollout.Rollouts(rows, prompts.texts, prompts.ids, rng.integers(0, 100, (8, 40)),
-                         lengths_B, lengths_B == 40, [""] * 8, rng.normal(size=(8, 2)))
+                         lengths_B, lengths_B == 40, [""] * 8, rng.normal(size=(8, 2)),
+                         sampler_logp_BC=-rng.random((8, 40)))
     return {k: (v.shape, v.dtype) for k, v in r.train_batch(config, tok.pad_token_id).items()}
   lengths_B = np.array([3, 40, 17, 8, 1, 39, 22, 5])
   assert real(lengths_B) == {k: (v.shape, v.dtype) for k, v in layout.items()}

@@ -52,6 +52,8 @@ def test_presets_are_valid(preset):
      r"config\.rewards\.weights: weight of 'format' must be a finite number, got nan"),
     ("train.members", "pmap", r"config\.train\.members: 'pmap' is not one of 'auto', 'vmap'"),
     ("train.members", "map", None),
+    ("loss.rollout_is_mode", "token", r"config\.loss\.rollout_is_mode='token' is not one of"),
+    ("loss.top_entropy_quantile", 0.2, None),
 ])
 def test_bad_settings_are_named(field, value, message):
   config = gsm8k.get_config("default")
@@ -97,6 +99,17 @@ def test_the_agent_template_is_checked_against_the_fields_its_environment_fills(
   with pytest.raises(validate.ConfigError, match=r"config\.agent\.user_template: .*cannot be "
                      r"filled .*its placeholders are \{question\}, \{tools\}, \{tool_names\}"):
     validate.validate(agent, num_devices=1)
+
+
+def test_the_rollout_correction_needs_single_turn_rollouts():
+  """Agent rollouts carry no sampler log-probs: the correction would have nothing to read."""
+  agent = gsm8k_agent.get_config("tiny")
+  agent.loss.rollout_is_correction = True
+  with pytest.raises(validate.ConfigError, match=r"config\.loss\.rollout_is_correction: multi-"
+                     r"turn agent rollouts do not carry the sampler's log-probs"):
+    validate.validate(agent, num_devices=1)
+  agent.loss.rollout_is_correction = False
+  validate.validate(agent, num_devices=1)
 
 
 class _Chat:
