@@ -81,6 +81,9 @@ class Rollouts:
   loss_mask_BC: np.ndarray | None = None
   turn_ids_BC: np.ndarray | None = None
   trajectories: list[str] | None = None
+  # The sampler's log-probs (0 past lengths), kept one step behind (train.off_policy_steps=1):
+  # the behaviour policy of the update (the train batch's old_logp_BC).
+  logprobs_BC: np.ndarray | None = None
 
   PER_PROMPT = ("rows", "prompts", "prompt_ids")
 
@@ -122,6 +125,8 @@ class Rollouts:
     if self.loss_mask_BC is not None:
       batch["loss_mask_BC"] = np.ascontiguousarray(self.loss_mask_BC[:, :c], np.int32)
       batch["turn_ids_BC"] = np.ascontiguousarray(self.turn_ids_BC[:, :c], np.int32)
+    if self.logprobs_BC is not None:
+      batch["old_logp_BC"] = np.ascontiguousarray(self.logprobs_BC[:, :c], np.float32)
     return batch
 
   def train_batch(self, config, pad_id: int) -> dict[str, np.ndarray]:
@@ -234,7 +239,9 @@ def score_samples(config, tokenizer, rows, prompts, out, rewards, t0):
   prompt_texts_B = [p for p in prompts.texts for _ in range(g)]
   reward_BR, reward_metrics = score(rewards, prompt_texts_B, texts, g, reward_columns(rows, g))
   part = Rollouts(list(rows), prompts.texts, prompts.ids, completion_ids, lengths,
-                  np.asarray(out.truncated), texts, reward_BR)
+                  np.asarray(out.truncated), texts, reward_BR,
+                  logprobs_BC=(np.asarray(out.logprobs, np.float32)
+                               if config.train.off_policy_steps else None))
   return part, reward_metrics, out.metrics, (t1 - t0, time.perf_counter() - t1)
 
 

@@ -35,6 +35,8 @@ padded prompt and completion widths, S = P + C):
                               still covers every token up to lengths_B
     turn_ids_BC      int32    optional; required by loss.loss_type='flow_grpo': 0-based turn of
                               each completion token (read only where the loss mask is 1)
+    old_logp_BC      float32  optional: the sampler's log-probs, the behaviour policy of a
+                              batch sampled one step behind (train.off_policy_steps=1)
   train (the same step with given advantages; tests, the warm start, other rollouts):
     tokens_BS        int32    prompt left-padded to P, then the completion right-padded to C
     attn_mask_BS     int32    1 on real prompt and completion tokens
@@ -268,7 +270,7 @@ _OPTIONAL = {"grpo": ("truncated_B", "old_logp_BC", "ref_logp_BC", "turn_ids_BC"
 # The train layout a rollout batch becomes on the device also keeps its prompts once per group,
 # for the packed forward (completion_logprobs); a batch given in the train layout has none.
 _PROMPTS = ("prompt_NP", "prompt_mask_NP")
-ROLLOUT_OPTIONAL = ("truncated_B", "loss_mask_BC", "turn_ids_BC")
+ROLLOUT_OPTIONAL = ("truncated_B", "loss_mask_BC", "turn_ids_BC", "old_logp_BC")
 
 
 def is_rollout(batch) -> bool:
@@ -300,7 +302,7 @@ def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_p
                        f"and prompt_NP with one row per group (B / G), got {N} rows")
     expect = {"prompt_mask_NP": (N, P_), "lengths_B": (B,), "truncated_B": (B,),
               "rewards_BR": (B, num_rewards or _shape(batch["rewards_BR"])[-1]),
-              "loss_mask_BC": (B, C), "turn_ids_BC": (B, C)}
+              "loss_mask_BC": (B, C), "turn_ids_BC": (B, C), "old_logp_BC": (B, C)}
     tokens = batch["prompt_NP"]
   else:
     B, S = _shape(batch["tokens_BS"])
@@ -408,7 +410,7 @@ def make_batch(rollout, loss_cfg, *, group_size, reward_weights):
       "completion_mask_BC": loss_BC,
       "advantages_B": adv_B,
   }
-  for k in ("truncated_B", "turn_ids_BC"):
+  for k in ("truncated_B", "turn_ids_BC", "old_logp_BC"):
     if k in rollout:
       batch[k] = rollout[k]
   return batch, stats
