@@ -105,9 +105,7 @@ class Pipeline:
     ahead = self._draw(group, step + 1, staleness=1) if step + 1 < steps else None
     if ahead is not None:
       self._score(ahead)
-    t_wait = time.perf_counter()
-    result = flight.scored.result()  # raises the scorer's errors (Interrupted: a signal)
-    wait_s = time.perf_counter() - t_wait
+    result, wait_s = _wait(flight)
     pool, m = self._collect(group, step, result)
     t0 = time.perf_counter()
     batch = pool.train_batch(self.config, self.trainer.tokenizer.pad_token_id)
@@ -170,6 +168,14 @@ class Pipeline:
     if self.held is not None and self.held.scored is not None and not self.held.scored.done():
       self.run.setup.interrupt.set()
     self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _wait(flight: Flight):
+  """(the flight's scored rollouts, seconds waited); raises the scorer's errors (Interrupted:
+  a signal)."""
+  t0 = time.perf_counter()
+  result = flight.scored.result()
+  return result, time.perf_counter() - t0
 
 
 @dataclasses.dataclass
