@@ -57,6 +57,7 @@ class Restored:
   state: Any
   data_position: dict
   counters: dict = dataclasses.field(default_factory=dict)  # {} from a save that passed none
+  in_flight: dict | None = None  # the batch sampled ahead of the step (grpo_jax.pipeline)
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -175,11 +176,15 @@ class Checkpointer:
     if wait_for_cleanup is not None:
       wait_for_cleanup()
 
-  def save(self, step: int, state, data_position: dict, counters: dict | None = None) -> bool:
+  def save(self, step: int, state, data_position: dict, counters: dict | None = None,
+           in_flight: dict | None = None) -> bool:
     """Starts saving (async by default); False when `step` is not after the latest saved step.
-    counters: the loop's own JSON-able counts (train: its stopping rules'), restored with it."""
+    counters: the loop's own JSON-able counts (train: its stopping rules'), restored with it.
+    in_flight: JSON, the batch a pipelined run sampled for the next step (grpo_jax.pipeline)."""
     meta = {"step": int(step), "data_position": data_position, "counters": counters or {}}
-    for name in ("data_position", "counters"):
+    if in_flight is not None:
+      meta["in_flight"] = in_flight
+    for name in [n for n in ("data_position", "counters", "in_flight") if n in meta]:
       try:
         json.dumps(meta[name])  # Fail here, not later in the background save thread.
       except TypeError as e:
@@ -246,7 +251,7 @@ class Checkpointer:
           "workdir") from e
     meta = out["meta"]
     return Restored(step=step, state=out["state"], data_position=meta["data_position"],
-                    counters=meta.get("counters", {}))
+                    counters=meta.get("counters", {}), in_flight=meta.get("in_flight"))
 
   def delete_after(self, step: int) -> list[int]:
     """Deletes the steps after `step` (those restore skipped); returns them."""

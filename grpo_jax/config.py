@@ -272,6 +272,11 @@ def train() -> ConfigDict:
       # runs each run's own program in turn inside it (what a CPU runs fastest: batching adds no
       # arithmetic rate there); "auto" = map on CPU, else vmap. A plain run ignores it.
       members="auto",
+      # 0: each step samples with the params it then updates. 1: one step behind: step t+1's
+      # rollouts are sampled with step t's params, before step t's update, and step t's rewards
+      # are scored on a host thread while the device samples (grpo_jax.pipeline); the loss takes
+      # the sampler's log-probs as the behaviour policy (docs/loss.md, "One step behind").
+      off_policy_steps=0,
   ))
 
 

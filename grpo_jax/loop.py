@@ -23,8 +23,9 @@ from __future__ import annotations
 import gc
 import time
 
-from grpo_jax import (export, hosts, interrupts, members as members_lib, prepare, progress, runs as
-                      runs_lib, sft, sharding, start as start_lib, trainer as trainer_lib)
+from grpo_jax import (export, hosts, interrupts, members as members_lib, pipeline, prepare,
+                      progress, runs as runs_lib, sft, sharding, start as start_lib,
+                      trainer as trainer_lib)
 from grpo_jax.rewards import Interrupted, MissingRewardsError
 
 # What a signal before the warm start (or before the resume's first step) says: setup and the
@@ -68,13 +69,17 @@ class _Loop:
     self.start, states, refs = start_lib.start(self.runs, self.trainers, stop)
     hparams = [trainer.hparams(m.config) for m in self.runs]
     shared_ref = trainer.policy_type.members_share_frozen
+    # One step behind (one run): the next step's batch is sampled before this step's update.
+    self.pipe = (pipeline.Pipeline(self.runs[0], self.trainers[0], self.start)
+                 if config.train.off_policy_steps else None)
     # The first step's train program compiles from here on, in the background, for the first
     # rows' likely batch: beside the stacking, the step-0 eval (runs warm-started here) and the
     # first rows' sampling, not after them.
     if self.start < config.train.steps:
       members_lib.compile_ahead(self.trainers, members_lib.Group.spec(states, refs, hparams,
                                                                       shared_ref),
-                                [m.next_rows(peek=True) for m in self.runs], len(s0.rewards))
+                                [m.next_rows(peek=True) for m in self.runs], len(s0.rewards),
+                                behaviour_logp=self.pipe is not None)
     self.main = hosts.is_main()  # the one process that writes the runs' files
     members_lib.open_all(self.runs, self.start, self.main)
     self.group = members_lib.Group.of(states, refs, hparams, shared_ref)
@@ -98,7 +103,10 @@ class _Loop:
       ckpt_state = {"train": state}
       if ref is not None and self.trainers[0].policy_type.frozen_in_checkpoint:
         ckpt_state["ref"] = ref
-      m.ckpt.save(step, ckpt_state, m.it.position(), m.counters())
+      if self.pipe is None:
+        m.ckpt.save(step, ckpt_state, m.it.position(), m.counters())
+      else:  # with the batch sampled for step + 1 (its rows are behind the data position)
+        m.ckpt.save(step, ckpt_state, m.it.position(), m.counters(), self.pipe.in_flight())
 
   def steps(self) -> str | None:
     """The step-0 eval of runs warm-started here, then GRPO steps up to train.steps or a
@@ -143,9 +151,12 @@ class _Loop:
     t_step = time.perf_counter()
     live = self.failures.live(self.runs)
     try:
-      self.group, ms, samples = members_lib.group_step(
-          self.trainers, self.group, [m.setup.rewards for m in self.runs],
-          [m.next_rows if m in live else None for m in self.runs], step)
+      if self.pipe is not None:
+        self.group, ms, samples = self.pipe.step(self.group, step, self.c.steps)
+      else:
+        self.group, ms, samples = members_lib.group_step(
+            self.trainers, self.group, [m.setup.rewards for m in self.runs],
+            [m.next_rows if m in live else None for m in self.runs], step)
     except Interrupted:  # a signal while a reward waited on its scorer: drop this step
       for m, p in zip(self.runs, positions):
         m.it.restore(p)
@@ -196,6 +207,8 @@ class _Loop:
 
   def close(self) -> None:
     gc.unfreeze()  # run_group may be called again in this process (tests, sweeps)
+    if self.pipe is not None:
+      self.pipe.close()
     self.shared_interrupt.stop()
     for m in self.runs:
       m.close()

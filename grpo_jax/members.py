@@ -114,6 +114,9 @@ def check_vmappable(configs) -> None:
   if len(configs) > 1 and configs[0].agent.enabled:
     raise VmapError("config.agent.enabled: multi-turn agent rollouts are not vmapped; run them "
                     "without --vmap")
+  if len(configs) > 1 and configs[0].train.off_policy_steps:
+    raise VmapError("config.train.off_policy_steps=1: the pipelined loop runs one run at a "
+                    "time; run the sweep without --vmap, or with train.off_policy_steps=0")
   if len(configs) > 1 and hosts.count() > 1:  # the members' sampler gathers no process's rows
     raise VmapError(f"a vmapped group runs in one process, and this is one of "
                     f"{hosts.count()}: run its {len(configs)} runs without --vmap")
@@ -376,12 +379,13 @@ def open_all(members, start: int, main: bool) -> None:
       m.ckpt.delete_after(start)
 
 
-def compile_ahead(trainers, group, rows_K, num_rewards):
+def compile_ahead(trainers, group, rows_K, num_rewards, behaviour_logp=False):
   """Starts compiling the group's train program for the first rows' likely batch (each
   member's longest completion at max_new_tokens) while they are sampled: the first step then
   takes about the longer of sampling and compiling, not their sum. A group (K > 1) without
   LoRA also compiles its sampling programs for those rows, in the sampler's compile thread.
-  group may be abstract (Group.spec). A head start only: a layout that cannot be predicted
+  group may be abstract (Group.spec); behaviour_logp: the batch carries the sampler's
+  log-probs (train.off_policy_steps=1, one run). A head start only: a layout that cannot be predicted
   (an agent's) or raises is left to the step."""
   first = trainers[0]
   try:
@@ -391,7 +395,11 @@ def compile_ahead(trainers, group, rows_K, num_rewards):
   if any(layout is None for layout in layouts):
     return
   if group.k == 1:
-    first.step_fn.precompile(group.state, layouts[0], group.ref)
+    layout = layouts[0]
+    if behaviour_logp:  # one step behind: the sampler's log-probs ride with the batch
+      layout = dict(layout, old_logp_BC=jax.ShapeDtypeStruct(layout["completion_BC"].shape,
+                                                             np.float32))
+    first.step_fn.precompile(group.state, layout, group.ref)
     return
   # The members' batches as members() gets them: padded to one layout, then stacked.
   empty = [{name: np.zeros(s.shape, s.dtype) for name, s in layout.items()}
@@ -468,6 +476,17 @@ def group_step(trainers, group: Group, rewards_K, next_rows_K, step):
   batches = [pool.train_batch(c, pad_id) for c, pool in zip(configs, pools) if pool is not None]
   batches = [pool.train_batch(c, pad_id) if pool is not None else batches[0]
              for c, pool in zip(configs, pools)]
+  return update(trainers, group, pools, ms, batches, rewards_K, t0)
+
+
+def update(trainers, group: Group, pools, ms, batches, rewards_K, t0):
+  """group_step's second half, the update: batches (one host batch per member, in the rollout
+  layout; a failed member's is another's) trained on in one compiled program. pools, ms: each
+  member's Rollouts and rollout metrics (None for a failed member); t0: when the update's
+  host work began (time/train_s). Returns (group, per run metrics, per run samples)."""
+  first, k = trainers[0], group.k
+  configs = [t.config for t in trainers]
+  pad_id = first.tokenizer.pad_token_id
   # Host arrays: checked without a device round trip, then uploaded once, by the jitted
   # step's input shardings (the batch split over data × fsdp).
   if k == 1:

@@ -84,6 +84,9 @@ class Rollouts:
   # The sampler's log-prob of each sampled token (0 past lengths): the train step's drift/*
   # metrics and rollout correction compare it with its own. None from multi-turn rollouts.
   sampler_logp_BC: np.ndarray | None = None
+  # True one step behind (train.off_policy_steps=1): the sampler's log-probs are also the
+  # update's behaviour policy, the train batch's old_logp_BC.
+  behind: bool = False
 
   PER_PROMPT = ("rows", "prompts", "prompt_ids")
 
@@ -127,6 +130,8 @@ class Rollouts:
       batch["turn_ids_BC"] = np.ascontiguousarray(self.turn_ids_BC[:, :c], np.int32)
     if self.sampler_logp_BC is not None:
       batch["sampler_logp_BC"] = np.ascontiguousarray(self.sampler_logp_BC[:, :c], np.float32)
+    if self.behind:
+      batch["old_logp_BC"] = batch["sampler_logp_BC"]
     return batch
 
   def train_batch(self, config, pad_id: int) -> dict[str, np.ndarray]:
@@ -241,7 +246,8 @@ def score_samples(config, tokenizer, rows, prompts, out, rewards, t0):
   reward_BR, reward_metrics = score(rewards, prompt_texts_B, texts, g, reward_columns(rows, g))
   part = Rollouts(list(rows), prompts.texts, prompts.ids, completion_ids, lengths,
                   np.asarray(out.truncated), texts, reward_BR,
-                  sampler_logp_BC=np.asarray(out.logprobs, np.float32))
+                  sampler_logp_BC=np.asarray(out.logprobs, np.float32),
+                  behind=bool(config.train.off_policy_steps))
   return part, reward_metrics, out.metrics, (t1 - t0, time.perf_counter() - t1)
 
 

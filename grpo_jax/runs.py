@@ -33,6 +33,7 @@ class Run:
   fresh: bool = False  # warm-started in this process (no checkpoint to resume from)
   bad: int = 0  # consecutive steps with a skipped (non-finite) update
   streaks: dict = dataclasses.field(default_factory=dict)  # restored RewardHealth streaks
+  in_flight: dict | None = None  # the checkpoint's batch sampled ahead (grpo_jax.pipeline)
 
   @property
   def workdir(self):

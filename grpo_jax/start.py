@@ -79,6 +79,7 @@ def _resumed(m, r, trainer, label: str):
   # The stopping rules' counts (zeros where a checkpoint holds none).
   m.bad = int(r.counters.get("bad_steps", 0))
   m.streaks = dict(r.counters.get("reward_streaks", {}))
+  m.in_flight = r.in_flight  # a pipelined run's next batch, sampled before the checkpoint
   changes = config_lib.config_changes(s.previous_config, c)
   if changes:
     warn(f"{where}: resuming with settings changed since the workdir's config.json was "

@@ -82,7 +82,7 @@ POST_WARM_START = frozenset({
     "train.dynamic_sampling", "train.max_sampling_rounds", "train.max_missing_reward_steps",
     "train.tensorboard", "train.wandb", "train.wandb_project", "train.wandb_entity",
     "train.wandb_name", "train.wandb_tags", "train.wandb_mode", "train.progress_every_s",
-    "train.compilation_cache",
+    "train.compilation_cache", "train.off_policy_steps",
     "sampling.num_generations", "sampling.top_k", "sampling.top_p", "sampling.min_p",
     "rewards.names", "rewards.weights",
 })

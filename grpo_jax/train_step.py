@@ -38,6 +38,8 @@ padded prompt and completion widths, S = P + C):
     sampler_logp_BC  float32  optional; required by loss.rollout_is_correction: the sampler's
                               log-prob of each sampled token (0 past lengths_B). With it the
                               step logs drift/* (grpo.drift_metrics)
+    old_logp_BC      float32  optional: the sampler's log-probs, the behaviour policy of a
+                              batch sampled one step behind (train.off_policy_steps=1)
   train (the same step with given advantages; tests, the warm start, other rollouts):
     tokens_BS        int32    prompt left-padded to P, then the completion right-padded to C
     attn_mask_BS     int32    1 on real prompt and completion tokens
@@ -273,7 +275,8 @@ _OPTIONAL = {"grpo": ("truncated_B", "old_logp_BC", "ref_logp_BC", "turn_ids_BC"
 # The train layout a rollout batch becomes on the device also keeps its prompts once per group,
 # for the packed forward (completion_logprobs); a batch given in the train layout has none.
 _PROMPTS = ("prompt_NP", "prompt_mask_NP")
-ROLLOUT_OPTIONAL = ("truncated_B", "loss_mask_BC", "turn_ids_BC", "sampler_logp_BC")
+ROLLOUT_OPTIONAL = ("truncated_B", "loss_mask_BC", "turn_ids_BC", "sampler_logp_BC",
+                    "old_logp_BC")
 
 
 def is_rollout(batch) -> bool:
@@ -305,7 +308,8 @@ def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_p
                        f"and prompt_NP with one row per group (B / G), got {N} rows")
     expect = {"prompt_mask_NP": (N, P_), "lengths_B": (B,), "truncated_B": (B,),
               "rewards_BR": (B, num_rewards or _shape(batch["rewards_BR"])[-1]),
-              "loss_mask_BC": (B, C), "turn_ids_BC": (B, C), "sampler_logp_BC": (B, C)}
+              "loss_mask_BC": (B, C), "turn_ids_BC": (B, C), "sampler_logp_BC": (B, C),
+              "old_logp_BC": (B, C)}
     tokens = batch["prompt_NP"]
   else:
     B, S = _shape(batch["tokens_BS"])
@@ -416,7 +420,7 @@ def make_batch(rollout, loss_cfg, *, group_size, reward_weights):
       "completion_mask_BC": loss_BC,
       "advantages_B": adv_B,
   }
-  for k in ("truncated_B", "turn_ids_BC", "sampler_logp_BC"):
+  for k in ("truncated_B", "turn_ids_BC", "sampler_logp_BC", "old_logp_BC"):
     if k in rollout:
       batch[k] = rollout[k]
   return batch, stats

@@ -154,6 +154,20 @@ def _validate_train(config) -> None:
   _named(logging_io.check_wandb_config, t)
   _check(t.members in config_lib.MEMBERS, "train.members",
          f"{t.members!r} is not one of {', '.join(map(repr, config_lib.MEMBERS))}")
+  _validate_off_policy(config)
+
+
+def _validate_off_policy(config) -> None:
+  """train.off_policy_steps: 0, or 1 for single-turn rollouts (the pipelined loop splits a
+  rollout into the device's sampling and the host's scoring)."""
+  n = config.train.off_policy_steps
+  _check(n in (0, 1), "train.off_policy_steps",
+         f"must be 0 (on-policy) or 1 (one step behind), got {n!r}")
+  if n == 0:
+    return
+  _check(not config.agent.enabled, "train.off_policy_steps",
+         "1 pipelines single-turn rollouts; an agent's tool calls interleave with its sampling: "
+         "set it to 0 with agent.enabled=True")
 
 
 def _validate_sft(config, split: int) -> None:
@@ -259,6 +273,8 @@ def validate_processes(config, num_devices: int, num_processes: int) -> None:
   _check(split % num_processes == 0, "mesh",
          f"{tuple(config.mesh)} splits the batch {split} ways; {where} that must be a multiple "
          f"of {num_processes} (each process holds its own rows): grow data or fsdp, shrink tensor")
+  _check(config.train.off_policy_steps == 0, "train.off_policy_steps",
+         f"the pipelined loop scores on a host thread of one process; {where}, set it to 0")
   n = config.train.prompts_per_step
   _check(n % num_processes == 0, "train.prompts_per_step",
          f"{n} prompts do not split evenly over {num_processes} processes")

@@ -205,3 +205,31 @@ def test_trl_runs_no_old_logprob_forward_with_or_without_vllm(monkeypatch, tmp_p
     old = kw["gradient_accumulation_steps"] % every != 0 or (
         kw["use_vllm"] and kw.get("vllm_importance_sampling_correction", True))
     assert not old, (vllm, kw)
+
+
+def test_async_step_judge_grades_after_its_delay_and_its_phases_exist():
+  """benchmarks/async_step.py's judge answers the quality reward, each batch after delay_s, and
+  the functions it times are the ones the loop calls (a rename fails here)."""
+  import time
+  from grpo_jax import members, rollout, sampler
+  from grpo_jax.rewards import quality
+  from grpo_jax.rewards.options import HttpOptions, QualityOptions
+  bench = _load("async_step", "async_step.py")
+  for owner, name in ((sampler.Sampler, "generate"), (rollout, "score_samples"),
+                      (members, "update")):
+    assert callable(getattr(owner, name)), name
+  judge = bench.Judge(0.3)
+  try:
+    reward = quality.QualityReward(QualityOptions(question_column="", http=HttpOptions(
+        base_url=judge.url, model="judge", max_retries=0, cache_size=0, max_concurrency=8)))
+    t0 = time.perf_counter()
+    scores = reward(["q"] * 8, [f"answer {i}" for i in range(8)])
+    took = time.perf_counter() - t0
+  finally:
+    judge.stop()
+  assert scores == [scores[0]] * 8 and scores[0] is not None  # every grade 3/5, parsed
+  assert 0.3 <= took < 1.5, took  # the 8 requests wait together: one delay, not eight
+  # The timeline puts each phase on its thread's row, in time order.
+  rows = bench.timeline([("S", "main", 0.0, 1.0), ("R", "score", 1.0, 2.0),
+                         ("U", "main", 1.0, 2.0)], width=4)
+  assert rows[1].endswith("SSUU") and rows[2].endswith("  RR")

@@ -126,8 +126,10 @@ def test_an_unparseable_local_judge_stops_the_run_at_start_up(tmp_path):
   assert not (tmp_path / "run" / "checkpoints").exists()  # stopped before the model was built
 
 
-def test_a_scorer_that_breaks_mid_run_stops_it_after_n_steps_with_a_checkpoint(tmp_path, capsys):
-  config = _tiny_config(max_missing_reward_steps=3)
+@pytest.mark.parametrize("off_policy_steps", [0, 1])
+def test_a_scorer_that_breaks_mid_run_stops_it_after_n_steps_with_a_checkpoint(tmp_path, capsys,
+                                                                              off_policy_steps):
+  config = _tiny_config(max_missing_reward_steps=3, off_policy_steps=off_policy_steps)
   config.rewards.names, config.rewards.weights = ("math_accuracy", "quality"), (1.0, 0.5)
   # The probe's two requests are answered; every later one gets HTTP 500.
   with FakeChatServer(max_requests=100, lifetime_s=300, fail_after=2) as server:
@@ -135,7 +137,9 @@ def test_a_scorer_that_breaks_mid_run_stops_it_after_n_steps_with_a_checkpoint(t
     with pytest.raises(MissingRewardsError, match=rf"'quality' missing on 100% .* step 3 from {server.url}"
                                                   r" .*http_500 8.*3 steps in a row.*saved"):
       train.run(config, str(tmp_path))
-    assert server.requests == 2 + 3 * 8
+    # One step behind, step 4's batch is sampled before step 3 stops the run: its scoring may
+    # have sent its requests too.
+    assert server.requests in ((2 + 3 * 8, 2 + 4 * 8) if off_policy_steps else (2 + 3 * 8,))
   warnings = [l for l in capsys.readouterr().err.splitlines() if "warning: reward 'quality'" in l]
   assert len(warnings) == 3 and "[3/3 bad steps in a row]" in warnings[-1]
   assert checkpoint.latest_step(str(tmp_path)) == 3
@@ -164,10 +168,17 @@ def test_cli_exits_2_naming_the_reward_and_url_when_the_scorer_is_unreachable(tm
   assert "refused" in done.stderr and "allow_missing" in done.stderr
 
 
-def test_cli_sigterm_during_a_wait_on_a_silent_scorer_exits_within_5_s(tmp_path):
-  # Answers the probe, then reads every request and never answers (until the test ends).
+@pytest.mark.parametrize("off_policy_steps", [0, 1])
+def test_cli_sigterm_during_a_wait_on_a_silent_scorer_exits_within_5_s(tmp_path, off_policy_steps):
+  # Answers the probe, then reads every request and never answers (until the test ends). One
+  # step behind, the wait is the main thread's on the scoring thread's (pipeline.Pipeline).
   with FakeChatServer(max_requests=100, lifetime_s=600, fail_after=2, failure="silent") as server:
-    proc = subprocess.Popen(_command(tmp_path, server.url), cwd=REPO, env=cli.env(),
+    # Its own compilation cache, as every run here gets at its first test: a process exits
+    # only once a compile in flight ends (the train step's, started ahead at the loop's start),
+    # and a cache that holds all but one program would leave that one compiling at the signal.
+    proc = subprocess.Popen(_command(tmp_path / "run", server.url,
+                                     f"--config.train.off_policy_steps={off_policy_steps}"),
+                            cwd=REPO, env=cli.env(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla")),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []  # (arrival time, line)
     reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), l) for l in proc.stdout))
@@ -197,6 +208,6 @@ def test_cli_sigterm_during_a_wait_on_a_silent_scorer_exits_within_5_s(tmp_path)
   assert exited < 5.0, (exited, out[-3000:])
   # The interrupted step was dropped: the checkpoint is the state before it, and resuming
   # starts again at step 0 with the same prompts.
-  assert checkpoint.latest_step(str(tmp_path)) == 0
-  assert not (tmp_path / "final_model").exists()
-  assert [r["step"] for r in logging_io.read_jsonl(str(tmp_path / "metrics.jsonl"))] == [0]
+  assert checkpoint.latest_step(str(tmp_path / "run")) == 0
+  assert not (tmp_path / "run" / "final_model").exists()
+  assert [r["step"] for r in logging_io.read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))] == [0]
