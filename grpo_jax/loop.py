@@ -24,7 +24,7 @@ import gc
 import time
 
 from grpo_jax import (export, hosts, interrupts, members as members_lib, pipeline, prepare,
-                      progress, runs as runs_lib, sft, sharding, start as start_lib,
+                      progress, runs as runs_lib, sharding, start as start_lib,
                       trainer as trainer_lib)
 from grpo_jax.rewards import Interrupted, MissingRewardsError
 
@@ -142,7 +142,7 @@ class _Loop:
               f"step 0: {acc:.1%}", flush=True)
     self.save(0, only=fresh)
     for m in fresh if self.main else ():
-      sft.delete_checkpoint(m.workdir, m.ckpt)
+      start_lib.warm_start_done(m)
 
   def _step(self, step: int, bar, evals_ahead: bool) -> str | None:
     """GRPO step step + 1 of every live run: rollouts and update, then the stopping rules,

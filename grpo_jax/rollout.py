@@ -89,12 +89,13 @@ class Rollouts:
   behind: bool = False
 
   PER_PROMPT = ("rows", "prompts", "prompt_ids")
+  WHOLE = ("behind",)  # of the batch, not per row: pool and take keep it
 
   @staticmethod
   def pool(parts: list[Rollouts]) -> Rollouts:
     def join(values):
-      if values[0] is None:
-        return None
+      if values[0] is None or isinstance(values[0], bool):  # WHOLE: the first part's
+        return values[0]
       return sum(values, []) if isinstance(values[0], list) else np.concatenate(values)
     return Rollouts(*[join([getattr(p, f.name) for p in parts])
                       for f in dataclasses.fields(Rollouts)])
@@ -104,8 +105,8 @@ class Rollouts:
 
     def pick(name):
       value, index = getattr(self, name), groups if name in self.PER_PROMPT else rows_B
-      if value is None:
-        return None
+      if value is None or name in self.WHOLE:
+        return value
       return [value[i] for i in index] if isinstance(value, list) else value[index]
     return Rollouts(*[pick(f.name) for f in dataclasses.fields(Rollouts)])
 

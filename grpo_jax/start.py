@@ -19,6 +19,12 @@ from grpo_jax.models import weights
 BASE_DIR = workdir_files.BASE_DIR
 
 
+def warm_start_done(m) -> None:
+  """Deletes run m's interrupted warm start's checkpoint (what a restart would have resumed
+  from) once GRPO's step 0 is saved: from then on a restart resumes from that."""
+  sft.delete_checkpoint(m.workdir, m.ckpt)
+
+
 def start(runs, trainers, stop=None):
   """Each run's state at one common step: resumed from its latest usable checkpoint, or
   warm-started (a run without one; stop: its interrupts, which save the warm start's progress

@@ -16,7 +16,7 @@ import math
 from grpo_jax import (config as config_lib, data, grpo, logging_io, sharding, token_choice,
                       train_step)
 from grpo_jax.errors import UserError
-from grpo_jax.models import lora, quant
+from grpo_jax.models import lora
 from grpo_jax.rewards import options as reward_options
 
 
@@ -57,9 +57,7 @@ def check_lora(config, cfg, first_start: bool = True) -> None:
   lcfg = lora.LoraConfig.from_config(config.model.get("lora"))
   if lcfg is None:
     return
-  _named(lora.layout, lcfg, cfg.num_layers)
-  _named(lora.check_saved, lcfg, cfg)
-  _named(quant.check_shapes, cfg, lcfg.quantize)
+  _named(lora.check_model, lcfg, cfg)
   if lcfg.init_from and first_start:
     lora.start_adapters(lcfg, cfg)
 

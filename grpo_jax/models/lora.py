@@ -231,6 +231,15 @@ def check_saved(lcfg: LoraConfig, cfg: qwen.QwenConfig) -> None:
                      "modules_to_save empty")
 
 
+def check_model(lcfg: LoraConfig, cfg: qwen.QwenConfig) -> None:
+  """ValueError naming the first LoRA setting this model cannot take: the per-module layout
+  (layout), modules_to_save on a tied model (check_saved), a base kernel that the quantized
+  format cannot store (quant.check_shapes)."""
+  layout(lcfg, cfg.num_layers)
+  check_saved(lcfg, cfg)
+  quant.check_shapes(cfg, lcfg.quantize)
+
+
 def _saved_of(adapters) -> list[str]:
   return [m for m in SAVED_MODULES if m in adapters]
 

@@ -31,14 +31,14 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from grpo_jax import sharding as sharding_lib
-from grpo_jax.models import qwen, weights
+from grpo_jax.models import nf4, qwen, weights
 
 # target -> (parent module in a layer, number of input dims of the kernel), as models/lora.py.
 KERNELS = {"q_proj": ("self_attn", 1), "k_proj": ("self_attn", 1), "v_proj": ("self_attn", 1),
            "o_proj": ("self_attn", 2), "gate_proj": ("mlp", 1), "up_proj": ("mlp", 1),
            "down_proj": ("mlp", 1)}
 MODES = ("none", "int8", "nf4")
-NF4_BLOCK = 64  # inputs per absmax block (QLoRA's and bitsandbytes' default)
+NF4_BLOCK = nf4.BLOCK
 
 
 def copy_tree(tree):
@@ -119,21 +119,9 @@ def dequantize_kernel(node, in_ndim: int, dtype) -> jax.Array:
   """kernel_q · kernel_scale of one quantized node (stacked over layers), in dtype: int8 times
   the channel's scale, or NF4's level times the block's absmax."""
   if node["kernel_q"].dtype == jnp.uint4:
-    return dequantize_nf4(node["kernel_q"], node["kernel_scale"], 1, in_ndim, dtype)
+    return nf4.dequantize(node["kernel_q"], node["kernel_scale"], 1, in_ndim, dtype)
   scale = jnp.expand_dims(node["kernel_scale"], tuple(range(1, 1 + in_ndim)))
   return (node["kernel_q"].astype(jnp.float32) * scale).astype(dtype)
-
-
-def dequantize_nf4(q, scale, lead: int, in_ndim: int, dtype) -> jax.Array:
-  """NF4 codes q [*lead, *in, *out] and absmax [*lead, IN / NF4_BLOCK, *out] (lead: 0 or 1
-  leading axes, e.g. the layer) as the kernel in dtype, through qwix."""
-  import qwix  # pylint: disable=import-outside-toplevel
-  n_in = math.prod(q.shape[lead:lead + in_ndim])
-  flat = (*q.shape[:lead], n_in, -1)
-  blocks = (*q.shape[:lead], n_in // NF4_BLOCK, -1)
-  w = qwix.dequantize(qwix.QArray(q.reshape(flat), scale.astype(jnp.float32).reshape(blocks),
-                                  None, "nf4"))
-  return w.reshape(q.shape).astype(dtype)
 
 
 def abstract(cfg: qwen.QwenConfig, param_dtype=jnp.float32, mode: str = "int8"):

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax import custom_batching
 
 from grpo_jax.errors import UserError
-from grpo_jax.models import decode_attention
+from grpo_jax.models import decode_attention, nf4
 from grpo_jax.models.rope import apply_rope, rope_tables
 
 Array = jax.Array
@@ -347,9 +347,8 @@ def _kernel(module: nn.Module, shape, axes, param_dtype) -> Array:
   if module.has_variable("params", "kernel_q"):
     q = module.get_variable("params", "kernel_q")
     scale = module.get_variable("params", "kernel_scale")  # [*out]: broadcast over the inputs
-    if q.dtype == jnp.uint4:  # NF4 codes, scale per block of inputs: quant.dequantize_nf4
-      from grpo_jax.models import quant  # pylint: disable=import-outside-toplevel
-      return quant.dequantize_nf4(q, scale, 0, len(shape) - scale.ndim + 1, param_dtype)
+    if q.dtype == jnp.uint4:  # NF4 codes, scale per block of inputs
+      return nf4.dequantize(q, scale, 0, len(shape) - scale.ndim + 1, param_dtype)
     return (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(param_dtype)
   return _param(module, "kernel", shape, axes, _dense_init(), param_dtype)
 
