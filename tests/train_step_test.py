@@ -282,17 +282,24 @@ def test_bnpo_on_policy_one_micro_batch_equals_four(params, data):
   """β = 0 and μ = 1: no reference or old log-probs; ratios exactly 1, nothing clipped."""
   batch, _ = data
   batch = {k: v for k, v in batch.items() if k not in ("old_logp_BC", "ref_logp_BC")}
-  loss_cfg = loss_config(loss_type="bnpo", beta=0.0, num_iterations=1)
+  results = _one_step_each(params, batch, loss_config(loss_type="bnpo", beta=0.0,
+                                                     num_iterations=1), (1, 4))
+  for _, metrics in results:
+    assert metrics["ratio/min"] == 1.0 and metrics["ratio/max"] == 1.0
+    assert metrics["clip/region_frac"] == 0.0 and metrics["loss/kl"] == 0.0
+  assert_same_step(*results[1], *results[0])
+
+
+def _one_step_each(params, batch, loss_cfg, accums):
+  """[(state, metrics) on the host] after one step from params, for each grad_accum_steps."""
   mesh = single_mesh()
   results = []
-  for accum in (1, 4):
+  for accum in accums:
     optim = optim_config(grad_accum_steps=accum)
     step = train_step.make_train_step(MODEL, loss_cfg, optim, mesh)
     state, metrics, _ = step(train_step.create_train_state(params, MODEL, optim, mesh), batch)
     results.append((host(state), host(metrics)))
-    assert metrics["ratio/min"] == 1.0 and metrics["ratio/max"] == 1.0
-    assert metrics["clip/region_frac"] == 0.0 and metrics["loss/kl"] == 0.0
-  assert_same_step(*results[1], *results[0])
+  return results
 
 
 def test_nonfinite_step_leaves_state_unchanged(params, data, baseline):
@@ -864,15 +871,7 @@ def _with_sampler(batch, seed=11):
          rollout_is_correction=True, rollout_is_mode="sequence_mask", rollout_is_clip_max=2.0),
 ], ids=["cispo", "sapo", "luspo", "vespo", "entropy"])
 def test_new_loss_options_one_micro_batch_equals_four(params, data, loss_kw):
-  batch = _with_sampler(data[0])
-  mesh = single_mesh()
-  loss_cfg = loss_config(**loss_kw)
-  results = []
-  for accum in (1, 4):
-    optim = optim_config(grad_accum_steps=accum)
-    step = train_step.make_train_step(MODEL, loss_cfg, optim, mesh)
-    state, metrics, _ = step(train_step.create_train_state(params, MODEL, optim, mesh), batch)
-    results.append((host(state), host(metrics)))
+  results = _one_step_each(params, _with_sampler(data[0]), loss_config(**loss_kw), (1, 4))
   assert_same_step(*results[1], *results[0])
   m = results[0][1]
   assert {"drift/logp_diff_mean", "drift/logp_diff_max", "drift/kl",
