@@ -537,7 +537,8 @@ def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights
     beta, low, high = cfg.beta, 1.0 - cfg.epsilon, 1.0 + cfg.epsilon_high
     eps_high = cfg.epsilon_high
   else:
-    beta, low, high, eps_high = hp["beta"], hp["clip_low"], hp["clip_high"], hp["epsilon_high"]
+    beta, low, high = hp["beta"], hp["clip_low"], hp["clip_high"]
+    eps_high = hp.get("epsilon_high", cfg.epsilon_high)  # in hp for cispo, which alone reads it
   is_BC = None
   if cfg.rollout_is_correction:
     if sampler_logp_BC is None:

@@ -217,6 +217,8 @@ def sample_and_score(config, sampler, tokenizer, params, rows, rewards, key):
   # processes' tokens over that time.
   tokens = float(np.sum(part.lengths_B))
   sampler_m = dict(sampler_m, **{"sampler/tokens_per_s": tokens / sampler_m["sampler/seconds"]})
+  if sampler_m.get("sampler/row_steps"):  # the program's row-steps cover every process's rows
+    sampler_m["sampler/row_steps_wasted"] = 1.0 - tokens / sampler_m["sampler/row_steps"]
   return part, reward_m, sampler_m, times
 
 

@@ -694,8 +694,9 @@ class Sampler:
         "sampler/cut_extra_rounds": int(results["extra_rounds"]),
         "sampler/cut_fallback_rows": int(results["fallback_rows"]),
         "sampler/prompt_bucket": conv.prompt_tokens.shape[1],
-        # Rows the decode steps computed (live or finished, the mesh's padding included), and
-        # the share of them spent on rows that had already finished.
+        # Rows the decode steps computed (live or finished, the mesh's padding included; every
+        # process's), and the share of them spent on rows that had already finished (of this
+        # process's tokens: rollout.sample_and_score counts every process's).
         "sampler/row_steps": row_steps,
         "sampler/row_steps_wasted": 1.0 - generated / row_steps if row_steps else 0.0,
     }

@@ -624,8 +624,9 @@ def hparams(loss_cfg, optim_cfg, reward_weights=(), policy=policy_lib.FULL
   hp = {"lr": f32(optim_cfg.lr), "beta": f32(loss_cfg.beta),
         "clip_low": f32(1.0 - float(loss_cfg.epsilon)),
         "clip_high": f32(1.0 + float(loss_cfg.epsilon_high)),
-        "epsilon_high": f32(loss_cfg.epsilon_high),  # cispo's cap of the weight itself
         "reward_weights": f32(tuple(map(float, reward_weights)))}
+  if loss_cfg.loss_type == "cispo":  # its cap of the weight itself (no other loss reads it)
+    hp["epsilon_high"] = f32(loss_cfg.epsilon_high)
   hp.update({k: f32(v) for k, v in policy.hparams().items()})
   return hp
 

@@ -598,9 +598,9 @@ def test_a_fresh_run_queues_its_first_steps_train_program_before_the_step_0_eval
   events = []
   real_ahead, real_eval = members_lib.compile_ahead, members_lib.evaluate
 
-  def ahead(trainers, group, rows_K, num_rewards):
+  def ahead(trainers, group, rows_K, num_rewards, **kwargs):
     events.append(("compile_ahead", [r["question"] for r in rows_K[0]]))
-    return real_ahead(trainers, group, rows_K, num_rewards)
+    return real_ahead(trainers, group, rows_K, num_rewards, **kwargs)
 
   def evaluate(*args):
     events.append(("eval",))
