@@ -41,7 +41,7 @@ import time
 import jax
 import numpy as np
 
-from grpo_jax import config as config_lib, members as members_lib, rollout
+from grpo_jax import config as config_lib, members as members_lib, rollout, sharding
 
 # The sampler's per-row arrays a Flight keeps, and their dtypes.
 ARRAYS = {"tokens": np.int32, "lengths": np.int32, "truncated": np.bool_,
@@ -82,10 +82,15 @@ class Flight:
 class Pipeline:
   """The pipelined steps of one run: the Flight in hand and the scoring thread."""
 
-  def __init__(self, run, trainer, start: int):
-    """start: the step the run resumes from (its checkpoint's batch in flight is start's)."""
+  def __init__(self, run, trainer, start: int, sample_mesh=None):
+    """start: the step the run resumes from (its checkpoint's batch in flight is start's).
+    sample_mesh (train.sample_devices): the devices a step's first round is sampled on, apart
+    from the train mesh; None: the trainer's sampler, on the train mesh."""
     self.run, self.trainer = run, trainer
     self.config = trainer.config
+    self.sample_mesh = sample_mesh
+    self.sampler = trainer.sampler if sample_mesh is None else trainer.sampler_on(sample_mesh)
+    self.transfer_s = 0.0  # this step's param copies to the sampling mesh
     self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo_jax-score")
     self.held = None  # the Flight of the next step to train (what a checkpoint includes)
     if run.in_flight is not None and int(run.in_flight["step"]) == start:
@@ -112,6 +117,8 @@ class Pipeline:
     group, ms, samples = members_lib.update([self.trainer], group, [pool], [m], [batch],
                                             [self.run.setup.rewards], t0)
     ms[0].update({"async/staleness": flight.staleness, "time/reward_wait_s": wait_s})
+    if self.sample_mesh is not None:
+      ms[0]["time/param_transfer_s"], self.transfer_s = self.transfer_s, 0.0
     self.held = ahead
     return group, ms, samples
 
@@ -139,7 +146,12 @@ class Pipeline:
     t0 = time.perf_counter()
     prompts = rollout.encode(c, t.tokenizer, rows)
     key = jax.random.fold_in(jax.random.key(c.seed), step)  # the sequential loop's round key
-    out = t.rollout.sampler.generate(t.policy(group.state["params"], group.ref), prompts.ids,
+    variables = t.policy(group.state["params"], group.ref)
+    if self.sample_mesh is not None:
+      t1 = time.perf_counter()
+      variables = move(variables, self.sample_mesh)
+      self.transfer_s += time.perf_counter() - t1
+    out = self.sampler.generate(variables, prompts.ids,
                                      num_samples=config_lib.group_size(c), key=key,
                                      prompt_ids=np.arange(len(rows)))
     arrays = {name: np.asarray(getattr(out, name), dtype) for name, dtype in ARRAYS.items()}
@@ -168,6 +180,13 @@ class Pipeline:
     if self.held is not None and self.held.scored is not None and not self.held.scored.done():
       self.run.setup.interrupt.set()
     self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def move(variables, mesh):
+  """The sampled variables (on the train mesh) copied to the sampling mesh, once the copy is
+  done (the next update may donate the originals)."""
+  return jax.block_until_ready(jax.device_put(variables, sharding.moved_shardings(variables,
+                                                                                   mesh)))
 
 
 def _wait(flight: Flight):

@@ -145,3 +145,69 @@ def test_a_pipelined_run_stopped_and_resumed_is_the_uninterrupted_one_bit_for_bi
   assert [r["async/staleness"] for r in ma[1:]] == [0] + [1] * 7
   sa, sb = (logging_io.read_jsonl(str(d / "samples.jsonl")) for d in (straight, stopped))
   assert sa and sa == sb
+
+
+def _devices(tree) -> set:
+  """The devices the arrays of a pytree are placed on."""
+  return set().union(*(x.sharding.device_set for x in jax.tree.leaves(tree)))
+
+
+def test_split_meshes_sample_on_their_own_devices_and_match_one_mesh(tmp_path, monkeypatch):
+  sampled, trained = [], []  # the device sets of the sampled variables and of the train states
+  real_generate, real_call = sampler_lib.Sampler.generate, train_step.TrainStep.__call__
+
+  def generate(self, variables, prompts, *args, **kw):
+    if not kw.get("greedy"):
+      sampled.append(_devices(variables))
+    return real_generate(self, variables, prompts, *args, **kw)
+
+  def call(self, state, batch, *args, **kw):
+    if train_step.is_rollout(batch):
+      trained.append(_devices(state))
+    return real_call(self, state, batch, *args, **kw)
+  monkeypatch.setattr(sampler_lib.Sampler, "generate", generate)
+  monkeypatch.setattr(train_step.TrainStep, "__call__", call)
+  records = {}
+  for name, n in (("one", 0), ("split", 4)):
+    config = _tiny_config(dynamic_sampling=False, sample_devices=n)
+    config.mesh = (1, 4, 1)
+    train.run(config, str(tmp_path / name))
+    records[name] = logging_io.read_jsonl(str(tmp_path / name / "metrics.jsonl"))
+  devices = jax.devices()
+  # One mesh: the first 4 devices sample and train. Split: the first 4 sample, the next 4 train.
+  # (4 steps: step 1 samples its own batch and step 2's, steps 2 and 3 the next step's.)
+  assert sampled[:4] == [set(devices[:4])] * 4 and trained[:4] == [set(devices[:4])] * 4
+  assert sampled[4:] == [set(devices[:4])] * 4, sampled[4:]
+  assert trained[4:] == [set(devices[4:])] * 4, trained[4:]
+  one, split = records["one"], records["split"]
+  # Steps 1-3 copy the params for the next step's batch (step 1 also for its own); the last
+  # step samples nothing ahead.
+  assert all(r["time/param_transfer_s"] > 0 for r in split[1:-1])
+  assert split[-1]["time/param_transfer_s"] == 0
+  assert not any("time/param_transfer_s" in r for r in one)
+  # The same programs on the same mesh shapes, on other devices: the same numbers, bit for bit.
+  timing = set(logging_io.TIMING_METRICS)
+  same = lambda r: {k: v for k, v in r.items() if k not in timing}
+  assert [same(r) for r in split] == [same(r) for r in one]
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(sample_devices=2, off_policy_steps=0),
+     r"config\.train\.sample_devices: 2 devices .*needs train\.off_policy_steps=1"),
+    (dict(sample_devices=8), r"config\.train\.sample_devices: 8 leaves none of the 8 devices"),
+    (dict(sample_devices=-1), r"config\.train\.sample_devices: must be an int >= 0"),
+])
+def test_bad_sample_devices_are_refused(overrides, match):
+  config = gsm8k.get_config("tiny")
+  config.train.update(off_policy_steps=1)
+  config.train.update(**overrides)
+  with pytest.raises(validate.ConfigError, match=match):
+    validate.validate(config, 8)
+
+
+def test_the_train_mesh_is_checked_on_the_devices_sampling_leaves():
+  config = gsm8k.get_config("tiny")
+  config.train.update(off_policy_steps=1, sample_devices=2)
+  config.mesh = (1, -1, 1)  # 6 train devices: the tiny step's 16 × 8 completions do not split
+  with pytest.raises(validate.ConfigError, match=r"not divisible by the 6 devices"):
+    validate.validate(config, 8)
