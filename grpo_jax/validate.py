@@ -179,8 +179,9 @@ def _train_devices(config, num_devices: int) -> int:
          f"{n} devices sampling apart from training needs train.off_policy_steps=1 (at 0 "
          "sampling waits for each update anyway); set it to 0 or off_policy_steps to 1")
   _check(n < num_devices, "train.sample_devices",
-         f"{n} leaves none of the {num_devices} devices to train on; use at most "
-         f"{num_devices - 1}")
+         f"{n} leaves none of the {num_devices} devices to train on; " +
+         (f"use at most {num_devices - 1}" if num_devices > 1 else
+          "on one device leave it 0 (sampling shares it)"))
   return num_devices - n
 
 

@@ -211,3 +211,9 @@ def test_the_train_mesh_is_checked_on_the_devices_sampling_leaves():
   config.mesh = (1, -1, 1)  # 6 train devices: the tiny step's 16 × 8 completions do not split
   with pytest.raises(validate.ConfigError, match=r"not divisible by the 6 devices"):
     validate.validate(config, 8)
+
+
+def test_the_cli_refuses_sample_devices_on_policy_in_one_line(tmp_path):
+  done = subprocess.run(train_test._command(tmp_path, "--config.train.sample_devices=2"),
+                        cwd=REPO, env=cli.env(), capture_output=True, text=True, timeout=300)
+  cli.assert_user_error(done, "config.train.sample_devices: 2 devices", "train.off_policy_steps=1")
