@@ -1,7 +1,7 @@
 """One step behind (train.off_policy_steps=1): a run's next rollouts are sampled before this
 step's update, and its rewards are scored on a host thread while the device works.
 
-    pipe = pipeline.Pipeline(run, trainer, start)     # one run (K = 1), single-turn rollouts
+    pipe = pipeline.Pipeline(run, trainer, start)     # one run (K = 1), single-turn or agent
     group, metrics_K, samples_K = pipe.step(group, step, steps)
     pipe.held                                         # the Flight a checkpoint of now includes
     pipe.close()
@@ -43,9 +43,12 @@ import numpy as np
 
 from grpo_jax import config as config_lib, members as members_lib, rollout, sharding
 
-# The sampler's per-row arrays a Flight keeps, and their dtypes.
+# The sampler's per-row arrays a Flight keeps, and their dtypes (an agent's: its trajectories,
+# agent.rollout.Agent.arrays).
 ARRAYS = {"tokens": np.int32, "lengths": np.int32, "truncated": np.bool_,
-          "logprobs": np.float32}
+          "logprobs": np.float32, "completion": np.int32, "loss_mask": np.int32,
+          "turn_ids": np.int32, "sampler_logp": np.float32}
+SAMPLED = ("tokens", "lengths", "truncated", "logprobs")  # a single-turn round's
 
 
 @dataclasses.dataclass
@@ -53,7 +56,8 @@ class Flight:
   """The first round of one step's rollouts, sampled and maybe not yet scored (B = prompts × G
   rows): arrays tokens [B, C], lengths [B], truncated [B], logprobs [B, C] (host numpy); the
   rows' dataset indices; the sampler's metrics and seconds; whether the params that sampled it
-  are older than those it updates (staleness 0 or 1)."""
+  are older than those it updates (staleness 0 or 1). An agent's (agent.enabled): its
+  trajectories' arrays (Agent.arrays), and in `extra` their answers' and trajectories' texts."""
   step: int
   staleness: int
   indices: list
@@ -62,6 +66,7 @@ class Flight:
   sample_s: float
   prompts: rollout.Prompts | None = None  # rebuilt from the rows after a resume
   scored: concurrent.futures.Future | None = None
+  extra: dict | None = None  # JSON: an agent's texts
 
   def to_json(self) -> dict:
     """What a checkpoint keeps: the arrays' bytes in base64 (exact), the rest as is."""
@@ -69,14 +74,15 @@ class Flight:
         np.ascontiguousarray(a, ARRAYS[name]).tobytes()).decode()}
               for name, a in self.arrays.items()}
     return {"step": self.step, "staleness": self.staleness, "indices": self.indices,
-            "arrays": arrays, "metrics": self.metrics, "sample_s": self.sample_s}
+            "arrays": arrays, "metrics": self.metrics, "sample_s": self.sample_s,
+            "extra": self.extra}
 
   @staticmethod
   def from_json(d: dict) -> Flight:
     arrays = {name: np.frombuffer(base64.b64decode(a["data"]), ARRAYS[name]).reshape(a["shape"])
               for name, a in d["arrays"].items()}
     return Flight(int(d["step"]), int(d["staleness"]), [int(i) for i in d["indices"]], arrays,
-                  dict(d["metrics"]), float(d["sample_s"]))
+                  dict(d["metrics"]), float(d["sample_s"]), extra=d.get("extra"))
 
 
 class Pipeline:
@@ -144,9 +150,12 @@ class Pipeline:
       members_lib.compile_ahead([t], group, [rows], len(self.run.setup.rewards),
                                 behaviour_logp=True)
     t0 = time.perf_counter()
-    prompts = rollout.encode(c, t.tokenizer, rows)
     key = jax.random.fold_in(jax.random.key(c.seed), step)  # the sequential loop's round key
     variables = t.policy(group.state["params"], group.ref)
+    if c.agent.enabled:  # whole trajectories: the tool calls run here, between the turns
+      prompts, arrays, extra, m, sample_s = t.rollout.draw(variables, rows, key, group.ref)
+      return Flight(step, staleness, indices, arrays, m, sample_s, prompts, extra=extra)
+    prompts = rollout.encode(c, t.tokenizer, rows)
     if self.sample_mesh is not None:
       t1 = time.perf_counter()
       variables = move(variables, self.sample_mesh)
@@ -154,7 +163,7 @@ class Pipeline:
     out = self.sampler.generate(variables, prompts.ids,
                                      num_samples=config_lib.group_size(c), key=key,
                                      prompt_ids=np.arange(len(rows)))
-    arrays = {name: np.asarray(getattr(out, name), dtype) for name, dtype in ARRAYS.items()}
+    arrays = {name: np.asarray(getattr(out, name), ARRAYS[name]) for name in SAMPLED}
     return Flight(step, staleness, indices, arrays, dict(out.metrics),
                   time.perf_counter() - t0, prompts)
 
@@ -165,6 +174,12 @@ class Pipeline:
     c, t, setup = self.config, self.trainer, self.run.setup
     rows = [setup.train_rows[i] for i in flight.indices]
     # Encoded here: the main thread's tokenizer calls never overlap the thread's encoding.
+    if c.agent.enabled:
+      prompts = flight.prompts or t.rollout.prompts(rows)
+      flight.scored = self.pool.submit(t.rollout.score_drawn, rows, prompts, flight.arrays,
+                                       flight.extra, flight.metrics, flight.sample_s,
+                                       setup.rewards)
+      return
     prompts = flight.prompts or rollout.encode(c, t.tokenizer, rows)
 
     def score():

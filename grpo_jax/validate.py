@@ -156,15 +156,15 @@ def _validate_train(config) -> None:
 
 
 def _validate_off_policy(config) -> None:
-  """train.off_policy_steps: 0, or 1 for single-turn rollouts (the pipelined loop splits a
-  rollout into the device's sampling and the host's scoring)."""
+  """train.off_policy_steps: 0, or 1 (the pipelined loop splits a rollout into the sampling and
+  the host's scoring); an agent's turns sample on the train mesh."""
   n = config.train.off_policy_steps
   _check(n in (0, 1), "train.off_policy_steps",
          f"must be 0 (on-policy) or 1 (one step behind), got {n!r}")
   if n == 0:
     return
-  _check(not config.agent.enabled, "train.off_policy_steps",
-         "1 pipelines single-turn rollouts; an agent's tool calls interleave with its sampling: "
+  _check(not (config.agent.enabled and config.train.sample_devices), "train.sample_devices",
+         "an agent's turns sample on the train mesh (its roles read the reference there): "
          "set it to 0 with agent.enabled=True")
 
 
