@@ -2,6 +2,7 @@
 local HTTP judge that answers each request after a fixed delay.
 
     python3 benchmarks/async_step.py [--steps=12] [--delay_s=0.3] [--workdir=DIR]
+    python3 benchmarks/async_step.py --sample_devices=4     # 8 host devices, split meshes
 
 The tiny preset (random init, no warm start, one sampling round a step) is trained twice in this
 process, once at each setting, with rewards math_accuracy + quality, the quality reward's judge
@@ -16,6 +17,13 @@ window's start), the bounds, and last `async_step_speedup=X` (step time at 0 / a
 Bounds: on one device S and U share it, so a pipelined step takes at least max(S + U, R):
 bound = (S + R + U) / max(S + U, R). The issue's three-phase bound, (S + R + U) / max(S, R, U),
 assumes S and U on separate devices (split meshes), and is printed beside it.
+
+--sample_devices=N (placement and transfers, not speed: host devices share the CPU's cores):
+8 host CPU devices (--xla_force_host_platform_device_count=8), the mesh (1, 8 - N, 1). At 0
+one mesh over the first 8 - N devices samples and trains; at 1 (train.sample_devices=N) the
+first N devices sample and the last 8 - N train, and T (pipeline.move: the params' copy to the
+sampling devices after each update) is a phase of its own, its median printed and logged as
+time/param_transfer_s.
 """
 from __future__ import annotations
 
@@ -31,6 +39,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+
+DEVICES = 8  # host devices of a --sample_devices run
 
 
 class Judge:
@@ -89,7 +100,7 @@ class Phases:
     setattr(owner, name, timed)
 
 
-def config(steps: int, off_policy_steps: int, url: str):
+def config(steps: int, off_policy_steps: int, url: str, sample_devices: int = 0):
   from configs import gsm8k
   c = gsm8k.get_config("tiny")
   c.data.synthetic_train, c.data.synthetic_test = 400, 8
@@ -99,15 +110,17 @@ def config(steps: int, off_policy_steps: int, url: str):
   c.train.update(steps=steps, prompts_per_step=4, eval_examples=4, eval_batch_size=4,
                  eval_every=0, checkpoint_every=1000, tensorboard=False, dynamic_sampling=False,
                  off_policy_steps=off_policy_steps)
+  if sample_devices:
+    c.mesh = (1, DEVICES - sample_devices, 1)
+    c.train.sample_devices = sample_devices if off_policy_steps else 0
   return c
 
 
-def run(steps: int, off_policy_steps: int, url: str, workdir: str, phases: Phases):
-  """One run; returns (median step seconds, the phases' calls during its steps 3..)."""
+def run(c, workdir: str):
+  """One run of config c; returns its metrics records of steps 3.. (the first 2: compiles)."""
   from grpo_jax import logging_io, train
-  train.run(config(steps, off_policy_steps, url), workdir)
-  records = logging_io.read_jsonl(os.path.join(workdir, "metrics.jsonl"))[3:]
-  return statistics.median(r["time/step_s"] for r in records)
+  train.run(c, workdir)
+  return logging_io.read_jsonl(os.path.join(workdir, "metrics.jsonl"))[3:]
 
 
 def phase_medians(calls) -> dict:
@@ -119,7 +132,8 @@ def timeline(calls, width: int = 72) -> list[str]:
   start, end = min(s for _, _, s, _ in calls), max(e for _, _, _, e in calls)
   scale = width / max(end - start, 1e-9)
   rows = {}
-  for p, thread, s, e in sorted(calls, key=lambda c: c[2]):
+  # T (a transfer of a millisecond or so) is drawn last: it shows as at least one character.
+  for p, thread, s, e in sorted(calls, key=lambda c: (c[0] == "T", c[2])):
     row = rows.setdefault(thread, [" "] * width)
     a, b = int((s - start) * scale), max(int((s - start) * scale) + 1, int((e - start) * scale))
     for i in range(a, min(b, width)):
@@ -133,20 +147,29 @@ def main(argv=None) -> None:
   ap.add_argument("--steps", type=int, default=12)
   ap.add_argument("--delay_s", type=float, default=0.3)
   ap.add_argument("--workdir", default=None, help="default: a temporary directory")
+  ap.add_argument("--sample_devices", type=int, default=0,
+                  help=f"> 0: {DEVICES} host devices, this many sampling apart at 1")
   args = ap.parse_args(argv)
-  from grpo_jax import members, rollout, sampler
+  if args.sample_devices:  # before jax is imported
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={DEVICES}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from grpo_jax import members, pipeline, rollout, sampler
   phases = Phases()
   phases.wrap(sampler.Sampler, "generate", "S", only=lambda *a, **k: not k.get("greedy"))
   phases.wrap(rollout, "score_samples", "R")
   phases.wrap(members, "update", "U")
+  phases.wrap(pipeline, "move", "T")
   judge = Judge(args.delay_s)
   root = args.workdir or tempfile.mkdtemp(prefix="async_step_")
   results = {}
   try:
     for n in (0, 1):
       phases.calls = []
-      t_steps = run(args.steps, n, judge.url, os.path.join(root, f"off_policy_{n}"), phases)
-      results[n] = (t_steps, list(phases.calls))
+      records = run(config(args.steps, n, judge.url, args.sample_devices),
+                    os.path.join(root, f"off_policy_{n}"))
+      results[n] = (statistics.median(r["time/step_s"] for r in records), list(phases.calls),
+                    records)
   finally:
     judge.stop()
   med = phase_medians(results[0][1])
@@ -154,9 +177,15 @@ def main(argv=None) -> None:
   print(f"phases at off_policy_steps=0 (medians): S sample {s:.3f}s, R score {r:.3f}s, "
         f"U update {u:.3f}s")
   for n in (0, 1):
-    t_steps, calls = results[n]
+    t_steps, calls, records = results[n]
     print(f"off_policy_steps={n}: step {t_steps:.3f}s (median of steps 3..{args.steps})")
-    print(f"  timeline of its last 2 steps (S sample, R score, U update; a row per thread):")
+    if args.sample_devices and n:
+      print(f"  train.sample_devices={args.sample_devices}: sampling on devices "
+            f"0-{args.sample_devices - 1}, training on {args.sample_devices}-{DEVICES - 1}; "
+            f"param transfer (time/param_transfer_s, median of steps 3..{args.steps - 1}): "
+            f"{statistics.median(r['time/param_transfer_s'] for r in records[:-1]):.4f}s")
+    print(f"  timeline of its last 2 steps (S sample, R score, U update, T param transfer; a "
+          f"row per thread):")
     last = [c for c in calls if c[0] == "U"][-2:]
     window = [c for c in calls if c[3] > last[0][2] - (s + r + u) and c[2] <= last[-1][3]]
     print("\n".join(timeline(window)))

@@ -277,6 +277,10 @@ def train() -> ConfigDict:
       # are scored on a host thread while the device samples (grpo_jax.pipeline); the loss takes
       # the sampler's log-probs as the behaviour policy (docs/loss.md, "One step behind").
       off_policy_steps=0,
+      # With off_policy_steps=1 on several devices: the first N of jax.devices() sample (a
+      # (1, N, 1) mesh) and `mesh` trains on the rest; after each update the params are copied
+      # to the sampling devices (time/param_transfer_s). 0: one mesh samples and trains.
+      sample_devices=0,
   ))
 
 

@@ -61,7 +61,8 @@ class _Loop:
     stop.events += [m.setup.interrupt for m in self.runs]
     members_lib.check_shared([m.setup for m in self.runs])
     config, s0 = self.runs[0].config, self.runs[0].setup
-    mesh = sharding.make_mesh(tuple(config.mesh))
+    # train.sample_devices: sampling on devices of its own (one step behind), else shared.
+    mesh, sample_mesh = sharding.make_meshes(tuple(config.mesh), config.train.sample_devices)
     trainer = trainer_lib.Trainer(config, s0.cfg, mesh, s0.tokenizer, s0.stop_ids,
                                   interrupt=s0.interrupt)
     members_lib.announce(self.runs, s0.cfg, mesh)
@@ -70,7 +71,7 @@ class _Loop:
     hparams = [trainer.hparams(m.config) for m in self.runs]
     shared_ref = trainer.policy_type.members_share_frozen
     # One step behind (one run): the next step's batch is sampled before this step's update.
-    self.pipe = (pipeline.Pipeline(self.runs[0], self.trainers[0], self.start)
+    self.pipe = (pipeline.Pipeline(self.runs[0], self.trainers[0], self.start, sample_mesh)
                  if config.train.off_policy_steps else None)
     # The first step's train program compiles from here on, in the background, for the first
     # rows' likely batch: beside the stacking, the step-0 eval (runs warm-started here) and the

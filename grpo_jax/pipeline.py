@@ -1,7 +1,7 @@
 """One step behind (train.off_policy_steps=1): a run's next rollouts are sampled before this
 step's update, and its rewards are scored on a host thread while the device works.
 
-    pipe = pipeline.Pipeline(run, trainer, start)     # one run (K = 1), single-turn rollouts
+    pipe = pipeline.Pipeline(run, trainer, start)     # one run (K = 1), single-turn or agent
     group, metrics_K, samples_K = pipe.step(group, step, steps)
     pipe.held                                         # the Flight a checkpoint of now includes
     pipe.close()
@@ -41,11 +41,14 @@ import time
 import jax
 import numpy as np
 
-from grpo_jax import config as config_lib, members as members_lib, rollout
+from grpo_jax import config as config_lib, members as members_lib, rollout, sharding
 
-# The sampler's per-row arrays a Flight keeps, and their dtypes.
+# The sampler's per-row arrays a Flight keeps, and their dtypes (an agent's: its trajectories,
+# agent.rollout.Agent.arrays).
 ARRAYS = {"tokens": np.int32, "lengths": np.int32, "truncated": np.bool_,
-          "logprobs": np.float32}
+          "logprobs": np.float32, "completion": np.int32, "loss_mask": np.int32,
+          "turn_ids": np.int32, "sampler_logp": np.float32}
+SAMPLED = ("tokens", "lengths", "truncated", "logprobs")  # a single-turn round's
 
 
 @dataclasses.dataclass
@@ -53,7 +56,8 @@ class Flight:
   """The first round of one step's rollouts, sampled and maybe not yet scored (B = prompts × G
   rows): arrays tokens [B, C], lengths [B], truncated [B], logprobs [B, C] (host numpy); the
   rows' dataset indices; the sampler's metrics and seconds; whether the params that sampled it
-  are older than those it updates (staleness 0 or 1)."""
+  are older than those it updates (staleness 0 or 1). An agent's (agent.enabled): its
+  trajectories' arrays (Agent.arrays), and in `extra` their answers' and trajectories' texts."""
   step: int
   staleness: int
   indices: list
@@ -62,6 +66,7 @@ class Flight:
   sample_s: float
   prompts: rollout.Prompts | None = None  # rebuilt from the rows after a resume
   scored: concurrent.futures.Future | None = None
+  extra: dict | None = None  # JSON: an agent's texts
 
   def to_json(self) -> dict:
     """What a checkpoint keeps: the arrays' bytes in base64 (exact), the rest as is."""
@@ -69,23 +74,29 @@ class Flight:
         np.ascontiguousarray(a, ARRAYS[name]).tobytes()).decode()}
               for name, a in self.arrays.items()}
     return {"step": self.step, "staleness": self.staleness, "indices": self.indices,
-            "arrays": arrays, "metrics": self.metrics, "sample_s": self.sample_s}
+            "arrays": arrays, "metrics": self.metrics, "sample_s": self.sample_s,
+            "extra": self.extra}
 
   @staticmethod
   def from_json(d: dict) -> Flight:
     arrays = {name: np.frombuffer(base64.b64decode(a["data"]), ARRAYS[name]).reshape(a["shape"])
               for name, a in d["arrays"].items()}
     return Flight(int(d["step"]), int(d["staleness"]), [int(i) for i in d["indices"]], arrays,
-                  dict(d["metrics"]), float(d["sample_s"]))
+                  dict(d["metrics"]), float(d["sample_s"]), extra=d.get("extra"))
 
 
 class Pipeline:
   """The pipelined steps of one run: the Flight in hand and the scoring thread."""
 
-  def __init__(self, run, trainer, start: int):
-    """start: the step the run resumes from (its checkpoint's batch in flight is start's)."""
+  def __init__(self, run, trainer, start: int, sample_mesh=None):
+    """start: the step the run resumes from (its checkpoint's batch in flight is start's).
+    sample_mesh (train.sample_devices): the devices a step's first round is sampled on, apart
+    from the train mesh; None: the trainer's sampler, on the train mesh."""
     self.run, self.trainer = run, trainer
     self.config = trainer.config
+    self.sample_mesh = sample_mesh
+    self.sampler = trainer.sampler if sample_mesh is None else trainer.sampler_on(sample_mesh)
+    self.transfer_s = 0.0  # this step's param copies to the sampling mesh
     self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo_jax-score")
     self.held = None  # the Flight of the next step to train (what a checkpoint includes)
     if run.in_flight is not None and int(run.in_flight["step"]) == start:
@@ -112,6 +123,8 @@ class Pipeline:
     group, ms, samples = members_lib.update([self.trainer], group, [pool], [m], [batch],
                                             [self.run.setup.rewards], t0)
     ms[0].update({"async/staleness": flight.staleness, "time/reward_wait_s": wait_s})
+    if self.sample_mesh is not None:
+      ms[0]["time/param_transfer_s"], self.transfer_s = self.transfer_s, 0.0
     self.held = ahead
     return group, ms, samples
 
@@ -137,12 +150,20 @@ class Pipeline:
       members_lib.compile_ahead([t], group, [rows], len(self.run.setup.rewards),
                                 behaviour_logp=True)
     t0 = time.perf_counter()
-    prompts = rollout.encode(c, t.tokenizer, rows)
     key = jax.random.fold_in(jax.random.key(c.seed), step)  # the sequential loop's round key
-    out = t.rollout.sampler.generate(t.policy(group.state["params"], group.ref), prompts.ids,
+    variables = t.policy(group.state["params"], group.ref)
+    if c.agent.enabled:  # whole trajectories: the tool calls run here, between the turns
+      prompts, arrays, extra, m, sample_s = t.rollout.draw(variables, rows, key, group.ref)
+      return Flight(step, staleness, indices, arrays, m, sample_s, prompts, extra=extra)
+    prompts = rollout.encode(c, t.tokenizer, rows)
+    if self.sample_mesh is not None:
+      t1 = time.perf_counter()
+      variables = move(variables, self.sample_mesh)
+      self.transfer_s += time.perf_counter() - t1
+    out = self.sampler.generate(variables, prompts.ids,
                                      num_samples=config_lib.group_size(c), key=key,
                                      prompt_ids=np.arange(len(rows)))
-    arrays = {name: np.asarray(getattr(out, name), dtype) for name, dtype in ARRAYS.items()}
+    arrays = {name: np.asarray(getattr(out, name), ARRAYS[name]) for name in SAMPLED}
     return Flight(step, staleness, indices, arrays, dict(out.metrics),
                   time.perf_counter() - t0, prompts)
 
@@ -153,6 +174,12 @@ class Pipeline:
     c, t, setup = self.config, self.trainer, self.run.setup
     rows = [setup.train_rows[i] for i in flight.indices]
     # Encoded here: the main thread's tokenizer calls never overlap the thread's encoding.
+    if c.agent.enabled:
+      prompts = flight.prompts or t.rollout.prompts(rows)
+      flight.scored = self.pool.submit(t.rollout.score_drawn, rows, prompts, flight.arrays,
+                                       flight.extra, flight.metrics, flight.sample_s,
+                                       setup.rewards)
+      return
     prompts = flight.prompts or rollout.encode(c, t.tokenizer, rows)
 
     def score():
@@ -168,6 +195,13 @@ class Pipeline:
     if self.held is not None and self.held.scored is not None and not self.held.scored.done():
       self.run.setup.interrupt.set()
     self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def move(variables, mesh):
+  """The sampled variables (on the train mesh) copied to the sampling mesh, once the copy is
+  done (the next update may donate the originals)."""
+  return jax.block_until_ready(jax.device_put(variables, sharding.moved_shardings(variables,
+                                                                                   mesh)))
 
 
 def _wait(flight: Flight):

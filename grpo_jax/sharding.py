@@ -118,3 +118,25 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
+
+
+def make_meshes(shape, sample_devices: int = 0, devices=None) -> tuple[Mesh, Mesh | None]:
+  """(the training mesh, the sampling mesh or None). sample_devices N > 0 (train.sample_devices,
+  one step behind): the first N devices sample, as a (1, N, 1) mesh, and the mesh `shape` trains
+  on the devices after them; 0: one mesh `shape` over all of them does both."""
+  devices = list(jax.devices() if devices is None else devices)
+  if not sample_devices:
+    return make_mesh(shape, devices), None
+  return (make_mesh(shape, devices[sample_devices:]),
+          make_mesh((1, sample_devices, 1), devices[:sample_devices]))
+
+
+def moved_shardings(tree, mesh: Mesh):
+  """Where the arrays of `tree` (placed on another mesh with the same axis names) go on `mesh`:
+  each dim keeps its mesh axes where their extent on `mesh` divides it, else is replicated."""
+  def one(x):
+    spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+    kept = [axes if dim % _mesh_axes_size(mesh, axes) == 0 else None
+            for dim, axes in zip(x.shape, spec)]
+    return NamedSharding(mesh, P(*kept))
+  return jax.tree.map(one, tree)

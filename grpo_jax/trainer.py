@@ -23,12 +23,8 @@ class Trainer:
   def __init__(self, config, cfg: qwen.QwenConfig, mesh, tokenizer, stop_ids, interrupt=None):
     self.config, self.cfg, self.mesh, self.tokenizer = config, cfg, mesh, tokenizer
     s, valid = config.sampling, tokenizer_lib.valid_vocab_size(tokenizer)
-    self.sampler = sampler_lib.Sampler(
-        qwen.build(cfg, dtype=config.optim.compute_dtype, param_dtype=config.optim.param_dtype),
-        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-        max_new_tokens=s.max_new_tokens, stop_ids=stop_ids,
-        buckets=tuple(config.data.prompt_buckets), valid_vocab_size=valid,
-        pad_id=tokenizer.pad_token_id, mesh=mesh, compact_rows=s.compact_rows)
+    self.stop_ids = stop_ids
+    self.sampler = self.sampler_on(mesh)
     # The one rollout interface (grpo_jax.rollout): single-turn completions, or for
     # config.agent.enabled multi-turn trajectories with tools. `interrupt` (SIGTERM) stops a
     # wait on an agent role's server.
@@ -45,6 +41,18 @@ class Trainer:
         group_size=config_lib.group_size(config), reward_weights=config.rewards.weights,
         max_turns=self.rollout.max_turns, policy=self.policy_type)
     self.accuracy = rollout.accuracy_reward(config)
+
+  def sampler_on(self, mesh) -> sampler_lib.Sampler:
+    """The run's sampler, its batch split over `mesh` (the train mesh, or train.sample_devices'
+    sampling mesh: grpo_jax.pipeline)."""
+    c, s = self.config, self.config.sampling
+    return sampler_lib.Sampler(
+        qwen.build(self.cfg, dtype=c.optim.compute_dtype, param_dtype=c.optim.param_dtype),
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+        max_new_tokens=s.max_new_tokens, stop_ids=self.stop_ids,
+        buckets=tuple(c.data.prompt_buckets),
+        valid_vocab_size=tokenizer_lib.valid_vocab_size(self.tokenizer),
+        pad_id=self.tokenizer.pad_token_id, mesh=mesh, compact_rows=s.compact_rows)
 
   def hparams(self, config):
     """A run's train-step hyperparameters (its lr, β, ε, ε_high, reward weights and LoRA

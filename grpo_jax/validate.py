@@ -99,7 +99,7 @@ def validate(config, num_devices: int) -> None:
   _check(rows % o.grad_accum_steps == 0, "optim.grad_accum_steps",
          f"{o.grad_accum_steps} does not divide the {rows} completions of a step "
          f"(train.prompts_per_step={t.prompts_per_step} × G={g})")
-  split = batch_devices(config, num_devices)
+  split = batch_devices(config, _train_devices(config, num_devices))
   micro = rows // o.grad_accum_steps
   _check(micro % split == 0, "train.prompts_per_step",
          f"a micro-batch of {micro} completions (prompts_per_step × G / grad_accum_steps) is not "
@@ -156,16 +156,33 @@ def _validate_train(config) -> None:
 
 
 def _validate_off_policy(config) -> None:
-  """train.off_policy_steps: 0, or 1 for single-turn rollouts (the pipelined loop splits a
-  rollout into the device's sampling and the host's scoring)."""
+  """train.off_policy_steps: 0, or 1 (the pipelined loop splits a rollout into the sampling and
+  the host's scoring); an agent's turns sample on the train mesh."""
   n = config.train.off_policy_steps
   _check(n in (0, 1), "train.off_policy_steps",
          f"must be 0 (on-policy) or 1 (one step behind), got {n!r}")
   if n == 0:
     return
-  _check(not config.agent.enabled, "train.off_policy_steps",
-         "1 pipelines single-turn rollouts; an agent's tool calls interleave with its sampling: "
+  _check(not (config.agent.enabled and config.train.sample_devices), "train.sample_devices",
+         "an agent's turns sample on the train mesh (its roles read the reference there): "
          "set it to 0 with agent.enabled=True")
+
+
+def _train_devices(config, num_devices: int) -> int:
+  """The devices the train mesh spans: those train.sample_devices leaves (all where it is 0)."""
+  n = config.train.sample_devices
+  _check(isinstance(n, int) and not isinstance(n, bool) and n >= 0, "train.sample_devices",
+         f"must be an int >= 0 (0 = sampling shares the train mesh), got {n!r}")
+  if n == 0:
+    return num_devices
+  _check(config.train.off_policy_steps == 1, "train.sample_devices",
+         f"{n} devices sampling apart from training needs train.off_policy_steps=1 (at 0 "
+         "sampling waits for each update anyway); set it to 0 or off_policy_steps to 1")
+  _check(n < num_devices, "train.sample_devices",
+         f"{n} leaves none of the {num_devices} devices to train on; " +
+         (f"use at most {num_devices - 1}" if num_devices > 1 else
+          "on one device leave it 0 (sampling shares it)"))
+  return num_devices - n
 
 
 def _validate_sft(config, split: int) -> None:

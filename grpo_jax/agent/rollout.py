@@ -87,6 +87,12 @@ def _reference(ref_params):
   return None if ref_params is None else {"params": ref_params}
 
 
+def texts_of(records) -> dict[str, list[str]]:
+  """{'texts': each trajectory's answer ('' where none), 'trajectories': trajectory_text}."""
+  return {"texts": [rec["answer"] or "" for rec in records],
+          "trajectories": [trajectory_text(r) for r in records]}
+
+
 def trajectory_text(record) -> str:
   """A trajectory as samples.md shows it: action, observation, ..., one block per turn."""
   lines = []
@@ -230,43 +236,72 @@ class Agent:
     return conv, [f"<tool>{tools[i]}: {inputs[i]}</tool>" if i in inputs else action
                   for i, action in zip(live, actions)]
 
-  def rollouts(self, prompts, rows, records, rewards_BR) -> rollout.Rollouts:
-    """Trajectories as rollout.Rollouts rows: completions compacted to one fixed width."""
+  def arrays(self, records) -> dict[str, np.ndarray]:
+    """Trajectories compacted to one fixed width W: completion, loss_mask, turn_ids and
+    sampler_logp [n, W] (the sampler's log-probs on the policy's action tokens, 0 elsewhere),
+    lengths and truncated (no answer) [n]."""
     n, width = len(records), self.room
     comp = np.full((n, width), self.tokenizer.pad_token_id, np.int32)
     loss_mask = np.zeros((n, width), np.int32)
     turn_ids = np.zeros((n, width), np.int32)
+    logp = np.zeros((n, width), np.float32)
     lengths = np.zeros(n, np.int32)
     for i, rec in enumerate(records):
-      at = 0
+      at, actions = 0, iter(rec["logp"])  # one entry per action piece, in order
       for ids, is_action, t in rec["pieces"]:
         comp[i, at:at + len(ids)] = ids
         loss_mask[i, at:at + len(ids)] = int(is_action)
         turn_ids[i, at:at + len(ids)] = t
+        if is_action:
+          logp[i, at:at + len(ids)] = next(actions)
         at += len(ids)
       lengths[i] = at
-    texts = [rec["answer"] or "" for rec in records]
-    return rollout.Rollouts(list(rows), prompts.texts, prompts.ids, comp, lengths,
-                            np.array([rec["answer"] is None for rec in records]), texts,
-                            rewards_BR, loss_mask_BC=loss_mask, turn_ids_BC=turn_ids,
-                            trajectories=[trajectory_text(r) for r in records])
+    return {"completion": comp, "loss_mask": loss_mask, "turn_ids": turn_ids,
+            "sampler_logp": logp, "lengths": lengths,
+            "truncated": np.array([rec["answer"] is None for rec in records])}
+
+  def rollouts(self, prompts, rows, records, rewards_BR) -> rollout.Rollouts:
+    """Trajectories as rollout.Rollouts rows: completions compacted to one fixed width."""
+    return self.rows_of(prompts, rows, self.arrays(records), texts_of(records), rewards_BR)
+
+  def rows_of(self, prompts, rows, arrays, extra, rewards_BR) -> rollout.Rollouts:
+    """Trajectories (self.arrays; texts_of: their answers' and trajectories' texts) as
+    rollout.Rollouts rows. One step behind (train.off_policy_steps=1) the sampler's log-probs
+    are the behaviour policy."""
+    behind = bool(self.config.train.off_policy_steps)
+    return rollout.Rollouts(list(rows), prompts.texts, prompts.ids, arrays["completion"],
+                            arrays["lengths"], arrays["truncated"], extra["texts"], rewards_BR,
+                            loss_mask_BC=arrays["loss_mask"], turn_ids_BC=arrays["turn_ids"],
+                            trajectories=extra["trajectories"], behind=behind,
+                            sampler_logp_BC=arrays["sampler_logp"] if behind else None)
 
   def sample(self, params, rows, rewards, key, ref_params=None, g=None):
     """rollout.SingleTurn.sample for trajectories: (Rollouts, reward metrics, agent metrics,
     (seconds sampling and stepping environments, seconds scoring)); ref_params feed a
     'reference' role."""
+    return self.score_drawn(rows, *self.draw(params, rows, key, ref_params, g), rewards, g)
+
+  def draw(self, params, rows, key, ref_params=None, g=None):
+    """sample's first half, the trajectories without their rewards: (Prompts, self.arrays,
+    {'texts': answers, 'trajectories': texts}, agent metrics, seconds sampling and stepping
+    environments). Host lists and numpy only: grpo_jax.pipeline keeps it in a checkpoint."""
     g = g or config_lib.group_size(self.config)
     prompts, records, sample_s, env_s = self.run(params, rows, g, key,
                                                  ref_vars=_reference(ref_params))
-    t1 = time.perf_counter()
-    texts = [rec["answer"] or "" for rec in records]
-    prompt_texts_B = [p for p in prompts.texts for _ in range(g)]
-    reward_BR, reward_m = score(rewards, prompt_texts_B, texts, g,
-                                rollout.reward_columns(rows, g))
-    part = self.rollouts(prompts, rows, records, reward_BR)
+    extra = texts_of(records)
     m = self.metrics(records)
     m.update(self.roles.metrics(records))
     m["time/tool_s"] = env_s
+    return prompts, self.arrays(records), extra, m, sample_s
+
+  def score_drawn(self, rows, prompts, arrays, extra, m, sample_s, rewards, g=None):
+    """sample's second half: draw's trajectories scored, sample's result."""
+    g = g or config_lib.group_size(self.config)
+    t1 = time.perf_counter()
+    prompt_texts_B = [p for p in prompts.texts for _ in range(g)]
+    reward_BR, reward_m = score(rewards, prompt_texts_B, extra["texts"], g,
+                                rollout.reward_columns(rows, g))
+    part = self.rows_of(prompts, rows, arrays, extra, reward_BR)
     return part, reward_m, m, (sample_s, time.perf_counter() - t1)
 
   def metrics(self, records) -> dict[str, float]:
