@@ -202,6 +202,16 @@ def loss() -> ConfigDict:
       use_bias_correction_kl=False,        # KL term times π_θ / π_old (TRL's default is True)
       top_entropy_quantile=1.0,            # train only the top ρ of tokens by entropy (1: all)
       entropy_coef=0.0,                    # loss −= coef · mean entropy of the trained tokens
+      # Skywork-OR1's adaptive coefficient (TRL's names): entropy_coef is the start; after each
+      # optimizer update it moves by entropy_coef_delta, up while the mean entropy is at or below
+      # entropy_target, down otherwise, within [entropy_coef_min, entropy_coef_max], and the
+      # bonus applies only while the last update's entropy was at or below the target. The
+      # coefficient is train state, in the checkpoint.
+      use_adaptive_entropy=False,
+      entropy_target=0.2,                  # nats per token, over the trained tokens
+      entropy_coef_min=0.0,
+      entropy_coef_max=1.0,
+      entropy_coef_delta=0.005,
   ))
 
 

@@ -33,6 +33,8 @@ Which paper defines what:
     2512.02556).
   * top_entropy_quantile: "Beyond the 80/20 Rule" (arXiv 2506.01939). entropy_coef: the
     entropy bonus of PPO (Schulman et al. 2017), as a mean per token (TRL's).
+  * use_adaptive_entropy (the coefficient stepped towards an entropy target): Skywork-OR1
+    (arXiv 2505.22312), TRL's controller.
 
 Every loss type is written as one weighted token sum, `sum(weight_BC * per_token_loss_BC)`, whose
 weights use normalisers of the whole optimizer step (or generation batch), so gradient
@@ -153,6 +155,7 @@ def _validate_new_losses(cfg) -> None:
   if isinstance(q, bool) or not (isinstance(q, (int, float)) and 0 <= q <= 1):
     raise ValueError(f"loss.top_entropy_quantile={q!r} must be in [0, 1] (1 keeps every token)")
   _finite(cfg, "entropy_coef")
+  _validate_adaptive_entropy(cfg)
   for name in ("rollout_is_correction", "use_bias_correction_kl"):
     if not isinstance(cfg[name], bool):
       raise ValueError(f"loss.{name}={cfg[name]!r} must be True or False")
@@ -164,6 +167,55 @@ def _validate_new_losses(cfg) -> None:
     errors.warn("loss.loss_type='vespo' forms its own sequence weight: importance_sampling_level"
                 f"={level!r} reaches only the bias-corrected KL; leave it 'token' (TRL warns "
                 "alike)")
+
+
+def _validate_adaptive_entropy(cfg) -> None:
+  """use_adaptive_entropy and its target, bounds and step."""
+  if not isinstance(cfg.use_adaptive_entropy, bool):
+    raise ValueError(f"loss.use_adaptive_entropy={cfg.use_adaptive_entropy!r} must be True or "
+                     "False")
+  for name in ("entropy_target", "entropy_coef_min", "entropy_coef_max"):
+    _finite(cfg, name)
+  _finite(cfg, "entropy_coef_delta", positive=True)
+  if not cfg.use_adaptive_entropy:
+    return
+  lo, hi = cfg.entropy_coef_min, cfg.entropy_coef_max
+  if not lo <= cfg.entropy_coef <= hi:
+    raise ValueError(f"loss.entropy_coef={cfg.entropy_coef!r} is the adaptive coefficient's "
+                     f"start: it must lie in [loss.entropy_coef_min, loss.entropy_coef_max] = "
+                     f"[{lo}, {hi}]")
+
+
+def entropy_bonus(cfg) -> bool:
+  """Whether the loss has an entropy term: a fixed coefficient != 0, or the adaptive one (on
+  even while it sits at 0, so that it can grow again)."""
+  return cfg.entropy_coef != 0 or cfg.use_adaptive_entropy
+
+
+def adaptive_entropy_start(cfg) -> dict:
+  """The controller's state before any update: {'coef': entropy_coef, 'last': +inf} (float32
+  scalars; 'last' is the previous update's mean entropy, inf: no bonus before a measurement)."""
+  return {"coef": jnp.float32(cfg.entropy_coef), "last": jnp.float32(jnp.inf)}
+
+
+def adaptive_entropy_applied(ctrl, cfg):
+  """The coefficient an update applies: ctrl['coef'] where the previous update's entropy was at
+  or below entropy_target, else 0 (Skywork-OR1; TRL's apply_coef)."""
+  return jnp.where(ctrl["last"] <= cfg.entropy_target, ctrl["coef"], 0.0)
+
+
+def adaptive_entropy_next(ctrl, entropy, cfg) -> dict:
+  """The controller after an update whose mean entropy (over the trained tokens) is `entropy`:
+  coef + delta capped at entropy_coef_max when entropy <= entropy_target, else coef − delta
+  floored at entropy_coef_min; 'last' = entropy.
+
+  Example (target 0.2, delta 0.005, bounds [0, 1]): coef 0.01, entropy 0.1 → coef 0.015.
+  """
+  up = jnp.minimum(ctrl["coef"] + cfg.entropy_coef_delta, cfg.entropy_coef_max)
+  down = jnp.maximum(ctrl["coef"] - cfg.entropy_coef_delta, cfg.entropy_coef_min)
+  entropy = jnp.asarray(entropy, jnp.float32)
+  return {"coef": jnp.where(entropy <= cfg.entropy_target, up, down).astype(jnp.float32),
+          "last": entropy}
 
 
 def needs_reference(cfg) -> bool:
@@ -514,9 +566,11 @@ def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights
   ref_logp_BC is read only when cfg.beta > 0.
   sampler_logp_BC: the sampler's log-probs of the same tokens (the rollout correction's and
   the off-policy mask's behaviour policy); required by cfg.rollout_is_correction.
+  hp['entropy_coef'] (where given) is the bonus's coefficient in place of cfg.entropy_coef: the
+  adaptive controller's (adaptive_entropy_applied).
   entropy_keep_BC: top_entropy_quantile's mask (high_entropy_keep), None for every token.
   entropy_BC, entropy_weights_BC: the per-token entropy (with its gradient) and the weights of
-  its mean over the step (mask · keep / the step's kept tokens), read when cfg.entropy_coef != 0.
+  its mean over the step (mask · keep / the step's kept tokens), read when entropy_bonus(cfg).
   The per-token policy term is multiplied, as in TRL, by the off-policy mask, the entropy mask
   and the rollout ratio (not vespo's, which folds it into its weight); the β·KL term by none.
   Returns (loss scalar, sums) where `sums` holds token-summed quantities the caller divides by
@@ -561,16 +615,17 @@ def loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC, weights
   else:
     kl_BC = kl = jnp.zeros((), jnp.float32)
   loss = policy_loss + beta * kl
-  if cfg.entropy_coef != 0:
+  if entropy_bonus(cfg):
     if entropy_BC is None or entropy_weights_BC is None:
       raise ValueError(f"loss.entropy_coef={cfg.entropy_coef} needs the per-token entropy and "
                        "its weights")
     entropy = jnp.sum(entropy_weights_BC * entropy_BC)
-    loss = loss - cfg.entropy_coef * entropy
+    coef = cfg.entropy_coef if hp is None else hp.get("entropy_coef", cfg.entropy_coef)
+    loss = loss - coef * entropy
   sums = _loss_sums(cfg, ratio_BC, adv_B1, mask_BC, (low, high, eps_high), kl_BC)
   sums.update({"loss/policy": jax.lax.stop_gradient(policy_loss),
                "loss/kl": jax.lax.stop_gradient(kl)})
-  if cfg.entropy_coef != 0:
+  if entropy_bonus(cfg):
     sums["loss/entropy"] = jax.lax.stop_gradient(entropy)
   return loss, sums
 
@@ -672,7 +727,7 @@ def grpo_loss(logp_BC, advantages_B, mask_BC, cfg, *, old_logp_BC=None, ref_logp
   num_tokens: the dapo normaliser (loss tokens of the generation batch); default: this batch's.
   turn_ids_BC, max_turns: flow_grpo's turn of each token and bound on turns (token_weights).
   sampler_logp_BC: the sampler's log-probs (rollout correction, off-policy mask).
-  entropy_BC: per-token entropies, needed by top_entropy_quantile < 1 and entropy_coef != 0.
+  entropy_BC: per-token entropies, needed by top_entropy_quantile < 1 and entropy_bonus(cfg).
   """
   mask_BC = jnp.asarray(mask_BC, jnp.float32)
   step_tokens = mask_BC.sum()
@@ -686,7 +741,7 @@ def grpo_loss(logp_BC, advantages_B, mask_BC, cfg, *, old_logp_BC=None, ref_logp
     threshold = entropy_threshold(jax.lax.stop_gradient(entropy_BC), mask_BC,
                                   cfg.top_entropy_quantile)
     keep_BC = high_entropy_keep(jax.lax.stop_gradient(entropy_BC), mask_BC, threshold)
-  if cfg.entropy_coef != 0:
+  if entropy_bonus(cfg):
     entropy_weights_BC = entropy_weights(mask_BC, keep_BC)
   loss, sums = loss_terms(logp_BC, old_logp_BC, ref_logp_BC, advantages_B, mask_BC,
                           weights_BC, cfg, sampler_logp_BC=sampler_logp_BC,

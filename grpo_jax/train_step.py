@@ -175,16 +175,27 @@ def abstract_trainable(model_cfg, optim_cfg, policy=policy_lib.FULL):
   return policy.abstract_trainable(model_cfg, jnp.dtype(optim_cfg.param_dtype))
 
 
-def abstract_state(model_cfg, optim_cfg, mesh=None, policy=policy_lib.FULL):
+def abstract_state(model_cfg, optim_cfg, mesh=None, policy=policy_lib.FULL, loss_cfg=None):
   """ShapeDtypeStructs of the train state (with shardings if a mesh is given); no allocation.
-  With LoRA the state's params are the adapters (abstract_trainable)."""
+  With LoRA the state's params are the adapters (abstract_trainable). loss_cfg: where it has
+  use_adaptive_entropy, the state also holds the entropy controller (controller_state)."""
   params = abstract_trainable(model_cfg, optim_cfg, policy)
   opt_state = jax.eval_shape(make_optimizer(optim_cfg).init, params)
-  state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params, "opt_state": opt_state}
+  state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params, "opt_state": opt_state,
+           **jax.eval_shape(lambda: controller_state(loss_cfg))}
   if mesh is None:
     return state
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
-                      state_shardings(model_cfg, optim_cfg, mesh, policy))
+                      state_shardings(model_cfg, optim_cfg, mesh, policy, loss_cfg))
+
+
+def controller_state(loss_cfg) -> dict:
+  """The train state's loss controllers beside step, params and opt_state: {'entropy_ctrl':
+  grpo.adaptive_entropy_start} with loss.use_adaptive_entropy, else {} (the state of every
+  other run keeps its shape, so their checkpoints still fit)."""
+  if loss_cfg is None or not loss_cfg.use_adaptive_entropy:
+    return {}
+  return {"entropy_ctrl": grpo.adaptive_entropy_start(loss_cfg)}
 
 
 def reference_dtype(optim_cfg):
@@ -219,22 +230,25 @@ def reference_params(params, model_cfg, optim_cfg, mesh, policy=policy_lib.FULL)
   return policy.make_frozen(params, model_cfg, reference_dtype(optim_cfg), mesh)
 
 
-def state_shardings(model_cfg, optim_cfg, mesh, policy=policy_lib.FULL):
+def state_shardings(model_cfg, optim_cfg, mesh, policy=policy_lib.FULL, loss_cfg=None):
   """NamedShardings of the state: params (or LoRA adapters) by the logical-axis rules,
-  optimizer moments alike."""
+  optimizer moments alike, the controllers (controller_state) replicated."""
   params = abstract_trainable(model_cfg, optim_cfg, policy)
   param_sh = sharding.param_shardings(policy.trainable_axes(model_cfg), params, mesh)
   optimizer = make_optimizer(optim_cfg)
   opt_sh = optax.tree_map_params(
       optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params), param_sh,
       transform_non_params=lambda _: sharding.replicated(mesh))
-  return {"step": sharding.replicated(mesh), "params": param_sh, "opt_state": opt_sh}
+  controllers = jax.tree.map(lambda _: sharding.replicated(mesh), controller_state(loss_cfg))
+  return {"step": sharding.replicated(mesh), "params": param_sh, "opt_state": opt_sh,
+          **controllers}
 
 
-def create_train_state(params, model_cfg, optim_cfg, mesh, policy=policy_lib.FULL):
+def create_train_state(params, model_cfg, optim_cfg, mesh, policy=policy_lib.FULL,
+                       loss_cfg=None):
   """The initial state from a params pytree (with LoRA: the adapters, policy.init_trainable):
-  cast to param_dtype, placed by the rules."""
-  sh = state_shardings(model_cfg, optim_cfg, mesh, policy)
+  cast to param_dtype, placed by the rules; with loss_cfg, its controllers' start."""
+  sh = state_shardings(model_cfg, optim_cfg, mesh, policy, loss_cfg)
   dtype = jnp.dtype(optim_cfg.param_dtype)
   # device_put may hand back the caller's own buffers (e.g. as one shard of a replicated leaf);
   # the jitted cast makes fresh ones, so donating the state never deletes the caller's params
@@ -242,8 +256,9 @@ def create_train_state(params, model_cfg, optim_cfg, mesh, policy=policy_lib.FUL
   params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p),
                    out_shardings=sh["params"])(jax.device_put(params, sh["params"]))
   opt_state = jax.jit(make_optimizer(optim_cfg).init, out_shardings=sh["opt_state"])(params)
+  controllers = {k: jax.device_put(v, sh[k]) for k, v in controller_state(loss_cfg).items()}
   return {"step": jax.device_put(jnp.zeros((), jnp.int32), sh["step"]), "params": params,
-          "opt_state": opt_state}
+          "opt_state": opt_state, **controllers}
 
 
 def _shape(x) -> tuple[int, ...]:
@@ -688,7 +703,7 @@ def _loss(spec, model, hp, params, ref_params, mb, norm, ref_is_policy):
   ref_is_policy: a traced bool, whether the policy computes what the reference does."""
   C = mb["completion_mask_BC"].shape[1]
   kw = _logprob_kw(spec, norm, mb)
-  bonus = spec.objective == "grpo" and spec.loss.entropy_coef != 0
+  bonus = spec.objective == "grpo" and grpo.entropy_bonus(spec.loss)
   logp_BC, entropy_BC = completion_logprobs(model, policy_vars(spec, params, ref_params, hp),
                                             mb["tokens_BS"], mb["attn_mask_BS"], C, **kw,
                                             entropy_grad=bonus)
@@ -810,6 +825,8 @@ def _grads(spec, hp, params, ref_params, batch, norm):
 def _update(spec, hp, state, ref_params, batch, norm):
   """One optimizer update; skipped (state unchanged) if the loss or gradient is not finite."""
   params = state["params"]
+  if "entropy_ctrl" in state:  # the coefficient set by the updates before this one
+    hp = dict(hp, entropy_coef=grpo.adaptive_entropy_applied(state["entropy_ctrl"], spec.loss))
   grads, sums, logp, ref = _grads(spec, hp, params, ref_params, batch, norm)
   grad_norm = optax.tree.norm(grads)
   ok = jnp.isfinite(grad_norm) & jnp.isfinite(sums["loss"])
@@ -824,7 +841,12 @@ def _update(spec, hp, state, ref_params, batch, norm):
   # memory, 26 GB more written; the 0.5b preset 3.1 GB more peak; XLA:CPU's peak is the same
   # within 0.04 GB, benchmarks/memory.py; experiments/train_traffic_2026-11-27.md).
   old = {"params": params, "opt_state": state["opt_state"]}
-  new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), apply(old), old)
+  new = apply(old)
+  if "entropy_ctrl" in state:  # a skipped update leaves the controller as it was, too
+    old["entropy_ctrl"] = state["entropy_ctrl"]
+    new["entropy_ctrl"] = grpo.adaptive_entropy_next(state["entropy_ctrl"], sums["loss/entropy"],
+                                                     spec.loss)
+  new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
   new_state["step"] = state["step"] + ok.astype(jnp.int32)
   tokens = norm["tokens"]
   metrics = {} if spec.objective == "sft" else grpo.finalize_metrics(sums, tokens)
@@ -835,14 +857,18 @@ def _update(spec, hp, state, ref_params, batch, norm):
       "lr": learning_rate_schedule(spec.optim, lr=hp["lr"])(state["step"]),
       "step/skipped": 1.0 - ok.astype(jnp.float32),
   })
+  if "entropy_ctrl" in state:  # TRL's entropy_coef: the coefficient after this update
+    metrics["entropy_coef"] = new_state["entropy_ctrl"]["coef"]
+    metrics["entropy_coef/applied"] = hp["entropy_coef"]
   return new_state, metrics, logp, ref
 
 
 def _over_updates(ms):
   """The step's metrics from the μ updates' (stacked on axis 0): the ratio's min and max over
-  all of them, every other metric their mean, so `step/skipped` is the fraction skipped."""
-  return {k: v.min(0) if k == "ratio/min" else v.max(0) if k == "ratio/max" else v.mean(0)
-          for k, v in ms.items()}
+  all of them, the adaptive entropy_coef the last one's, every other metric their mean, so
+  `step/skipped` is the fraction skipped."""
+  return {k: v.min(0) if k == "ratio/min" else v.max(0) if k == "ratio/max"
+          else v[-1] if k == "entropy_coef" else v.mean(0) for k, v in ms.items()}
 
 
 def train_step(state, batch, hparams, ref_params=None, *, spec: StepSpec):
@@ -927,7 +953,8 @@ class TrainStep:
     self.hparams = hparams(loss_cfg, optim_cfg, () if reward_weights is None else reward_weights,
                            policy)
     self.model_cfg, self.mesh = model_cfg, mesh
-    self.state_sh = state_shardings(model_cfg, self.spec.optim, mesh, policy)
+    self.state_sh = state_shardings(model_cfg, self.spec.optim, mesh, policy,
+                                    loss_cfg if objective == "grpo" else None)
     self.ref_sh = reference_shardings(model_cfg, self.spec.optim, mesh, policy)
     self.num_traces = 0  # programs traced (compiled): one per batch layout
     self._programs = {}

@@ -66,7 +66,7 @@ class Trainer:
     trainable = self.policy_type.init_trainable(params, self.cfg, self.config.seed,
                                                 jnp.dtype(self.optim.param_dtype))
     return train_step.create_train_state(trainable, self.cfg, self.optim, self.mesh,
-                                         self.policy_type)
+                                         self.policy_type, self.config.loss)
 
   def reference(self, params):
     """The frozen params: the reference (loss.beta > 0) or LoRA's base (always), in
@@ -84,7 +84,7 @@ class Trainer:
     """What a checkpoint holds: the train state, and the reference where the policy keeps it
     there (full fine-tuning with β > 0; a LoRA base is the model or BASE_DIR)."""
     abstract = {"train": train_step.abstract_state(self.cfg, self.optim, self.mesh,
-                                                   self.policy_type)}
+                                                   self.policy_type, self.config.loss)}
     if self.policy_type.frozen_in_checkpoint and self.policy_type.needs_frozen(
         grpo.needs_reference(self.config.loss)):
       abstract["ref"] = train_step.abstract_reference(self.cfg, self.optim, self.mesh,

@@ -32,7 +32,8 @@ NEW_LOSS_FIELDS = ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos"
                    "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "rollout_is_correction",
                    "rollout_is_mode", "rollout_is_clip_min", "rollout_is_clip_max",
                    "off_policy_mask_threshold", "use_bias_correction_kl", "top_entropy_quantile",
-                   "entropy_coef")
+                   "entropy_coef", "use_adaptive_entropy", "entropy_target", "entropy_coef_min",
+                   "entropy_coef_max", "entropy_coef_delta")
 EXCLUDED = ("model.lora",) + tuple(f"loss.{k}" for k in NEW_LOSS_FIELDS)
 
 

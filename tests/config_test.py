@@ -60,7 +60,8 @@ def test_the_new_loss_options_default_to_off_as_documented():
       vespo_k_neg=3.0, vespo_lambda_neg=2.0, rollout_is_correction=False,
       rollout_is_mode="sequence_mask", rollout_is_clip_min=None, rollout_is_clip_max=3.0,
       off_policy_mask_threshold=None, use_bias_correction_kl=False, top_entropy_quantile=1.0,
-      entropy_coef=0.0)
+      entropy_coef=0.0, use_adaptive_entropy=False, entropy_target=0.2, entropy_coef_min=0.0,
+      entropy_coef_max=1.0, entropy_coef_delta=0.005)
   for path, presets in config_snapshot.PRESETS.items():
     for preset in presets:
       loss = config_snapshot.load(path).get_config(preset).loss

@@ -530,3 +530,35 @@ def test_bad_loss_config_names_the_setting(name, value):
   cfg[name] = value
   with pytest.raises(ValueError, match=f"loss.{name}="):
     grpo.validate_loss_config(cfg)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(entropy_coef_max=float("inf")), "loss.entropy_coef_max=inf must be a finite number"),
+    (dict(entropy_coef_delta=0.0), "loss.entropy_coef_delta=0.0 must be a finite number > 0"),
+    (dict(entropy_target=float("nan")), "loss.entropy_target=nan must be a finite number"),
+    (dict(use_adaptive_entropy=True, entropy_coef=2.0),
+     r"loss.entropy_coef=2.0 is the adaptive coefficient's start: it must lie in "
+     r"\[loss.entropy_coef_min, loss.entropy_coef_max\] = \[0.0, 1.0\]")])
+def test_bad_adaptive_entropy_settings_name_the_field(changes, message):
+  cfg = config_lib.loss()
+  cfg.update(**changes)
+  with pytest.raises(ValueError, match=message):
+    grpo.validate_loss_config(cfg)
+
+
+def test_adaptive_entropy_controller_against_a_numpy_loop():
+  """Skywork-OR1's rule as TRL writes it (grpo_trainer.py, _compute_loss: apply_coef, then the
+  step's update), re-run in NumPy float64 on a sequence of entropies."""
+  cfg = config_lib.loss()
+  cfg.update(use_adaptive_entropy=True, entropy_coef=0.5, entropy_target=1.0,
+             entropy_coef_delta=0.25, entropy_coef_min=0.1, entropy_coef_max=1.0)
+  entropies = [0.5, 2.0, 2.0, 2.0, 0.9, 1.0, 0.2, 0.3, 3.0]
+  coef, last, ctrl = 0.5, np.inf, grpo.adaptive_entropy_start(cfg)
+  for h in entropies:
+    np.testing.assert_allclose(float(grpo.adaptive_entropy_applied(ctrl, cfg)),
+                               coef if last <= 1.0 else 0.0, rtol=1e-6)
+    coef = min(coef + 0.25, 1.0) if h <= 1.0 else max(coef - 0.25, 0.1)
+    last = h
+    ctrl = grpo.adaptive_entropy_next(ctrl, h, cfg)
+    np.testing.assert_allclose(float(ctrl["coef"]), coef, rtol=1e-6)
+    assert float(ctrl["last"]) == np.float32(h)

@@ -372,3 +372,54 @@ def test_level_mismatches_warn_as_trl_does(loss_type, level, warns, capsys):
   grpo.validate_loss_config(cfg)
   err = capsys.readouterr().err
   assert (warns in err) if warns else err == ""
+
+
+def test_adaptive_entropy_coefficient_follows_trls_controller_step_by_step():
+  """use_adaptive_entropy over eight optimizer steps: TRL's _compute_loss itself (its adaptive
+  block, one micro-batch a step, so every call ends an accumulation window) updates the
+  coefficient and the last entropy on its stand-in `self`; grpo.adaptive_entropy_next does the
+  same from the step's loss/entropy. Entropies alternate around the target and the bounds bind
+  (the coefficient climbs to entropy_coef_max, falls to entropy_coef_min). Each step's loss is
+  TRL's with the coefficient that step applies (0 while the last entropy is above the target;
+  the first step's too: no measurement yet)."""
+  cfg = loss_cfg(loss_type="grpo", use_adaptive_entropy=True, entropy_coef=0.01,
+                 entropy_target=1.5, entropy_coef_delta=0.004, entropy_coef_min=0.002,
+                 entropy_coef_max=0.02)
+  ctrl = grpo.adaptive_entropy_start(cfg)
+  trl_state = dict(entropy_coef=cfg.entropy_coef, _last_world_entropy=float("inf"))
+  scales = (0.6, 0.5, 0.7, 0.6, 0.5, 1.6, 1.8, 1.7, 1.9, 1.6)
+  applied_seen = []
+  for t, scale in enumerate(scales):
+    c = case(seed=20 + t)
+    c["entropy"] = (c["entropy"] * scale).astype(np.float32)
+    applied = float(grpo.adaptive_entropy_applied(ctrl, cfg))
+    applied_seen.append(applied)
+    fixed = loss_cfg(loss_type="grpo", entropy_coef=applied)  # our loss at that coefficient
+    value, _, metrics = ours(fixed if applied else loss_cfg(loss_type="grpo", entropy_coef=1.0),
+                             c)
+    ctrl = grpo.adaptive_entropy_next(ctrl, metrics["loss/entropy"], cfg)
+
+    s = trl_self(cfg, logp=t64(c["logp"]).requires_grad_(True),
+                 entropy=t64(c["entropy"]).requires_grad_(True))
+    s.use_adaptive_entropy, s._entropy_bonus_enabled, s._entropy_window_stats = True, True, None
+    s.__dict__.update(trl_state)
+    s.args.__dict__.update(entropy_target=cfg.entropy_target,
+                           entropy_coef_delta=cfg.entropy_coef_delta,
+                           entropy_coef_min=cfg.entropy_coef_min,
+                           entropy_coef_max=cfg.entropy_coef_max)
+    mask = t64(c["mask"])
+    B, C = mask.shape
+    inputs = {"prompt_ids": torch.zeros((B, 1), dtype=torch.long),
+              "prompt_mask": torch.ones((B, 1), dtype=torch.long),
+              "completion_ids": torch.zeros((B, C), dtype=torch.long), "completion_mask": mask,
+              "advantages": t64(c["adv"]), "num_items_in_batch": mask.sum(),
+              "ref_per_token_logps": t64(c["ref"]), "old_per_token_logps": t64(c["old"])}
+    want = float(GRPOTrainer._compute_loss(s, s.model, inputs).detach())
+    trl_state = dict(entropy_coef=s.entropy_coef, _last_world_entropy=s._last_world_entropy)
+    if applied:
+      np.testing.assert_allclose(value, want, rtol=RTOL, atol=RTOL * np.abs(c["adv"]).mean())
+    np.testing.assert_allclose(float(ctrl["coef"]), s.entropy_coef, rtol=RTOL, err_msg=str(t))
+    np.testing.assert_allclose(float(ctrl["last"]), s._last_world_entropy, rtol=RTOL)
+  # The run went through both bounds and both gates.
+  assert applied_seen[0] == 0 and np.float32(0.02) in np.float32(applied_seen)
+  assert float(ctrl["coef"]) == np.float32(0.002) and applied_seen[-1] == 0

@@ -297,7 +297,8 @@ def _one_step_each(params, batch, loss_cfg, accums):
   for accum in accums:
     optim = optim_config(grad_accum_steps=accum)
     step = train_step.make_train_step(MODEL, loss_cfg, optim, mesh)
-    state, metrics, _ = step(train_step.create_train_state(params, MODEL, optim, mesh), batch)
+    state, metrics, _ = step(train_step.create_train_state(params, MODEL, optim, mesh,
+                                                           loss_cfg=loss_cfg), batch)
     results.append((host(state), host(metrics)))
   return results
 
@@ -869,7 +870,10 @@ def _with_sampler(batch, seed=11):
          rollout_is_clip_max=1.2),
     dict(loss_type="dapo", top_entropy_quantile=0.3, entropy_coef=0.05,
          rollout_is_correction=True, rollout_is_mode="sequence_mask", rollout_is_clip_max=2.0),
-], ids=["cispo", "sapo", "luspo", "vespo", "entropy"])
+    # The first update applies no bonus (no entropy measured yet) and steps the coefficient up.
+    dict(loss_type="dapo", use_adaptive_entropy=True, entropy_coef=0.05, entropy_target=100.0,
+         top_entropy_quantile=0.5),
+], ids=["cispo", "sapo", "luspo", "vespo", "entropy", "adaptive_entropy"])
 def test_new_loss_options_one_micro_batch_equals_four(params, data, loss_kw):
   results = _one_step_each(params, _with_sampler(data[0]), loss_config(**loss_kw), (1, 4))
   assert_same_step(*results[1], *results[0])
@@ -877,6 +881,14 @@ def test_new_loss_options_one_micro_batch_equals_four(params, data, loss_kw):
   assert {"drift/logp_diff_mean", "drift/logp_diff_max", "drift/kl",
           "drift/is_clipped_frac"} <= set(m)
   assert ("loss/entropy" in m) == ("entropy_coef" in loss_kw)
+  if loss_kw.get("use_adaptive_entropy"):
+    for state, metrics in results:
+      np.testing.assert_allclose(state["entropy_ctrl"]["coef"], 0.055, rtol=1e-6)
+      np.testing.assert_allclose(metrics["entropy_coef"], 0.055, rtol=1e-6)
+      assert metrics["entropy_coef/applied"] == 0
+      # 'last': the step's mean entropy over the trained (top-half) tokens.
+      np.testing.assert_allclose(state["entropy_ctrl"]["last"], metrics["loss/entropy"],
+                                 rtol=1e-6)
   if "off_policy_mask_threshold" in loss_kw:
     assert 0 < m["drift/off_policy_masked_frac"] < 1
 

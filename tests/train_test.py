@@ -253,6 +253,35 @@ def test_preempted_runs_resume_to_the_same_params_bit_for_bit(tmp_path):
   assert sa and sa == sb
 
 
+def test_adaptive_entropy_coefficient_is_checkpointed_and_resumes_bit_for_bit(tmp_path):
+  """loss.use_adaptive_entropy: the coefficient is train state. A run stopped by SIGTERM after
+  a checkpoint and resumed logs the same coefficients, metrics and final params as one that
+  ran straight; the logged coefficient follows the controller's rule (with the target above
+  any entropy: up by delta every update, applied from the second update on)."""
+  flags = ("--config.train.steps=6", "--config.loss.use_adaptive_entropy=True",
+           "--config.loss.entropy_target=100.0", "--config.loss.entropy_coef_delta=0.01",
+           "--config.loss.entropy_coef_max=0.035")
+  straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+  _run(straight, *flags)
+  code, out = _start_and_signal(interrupted, 2, signal.SIGTERM, *flags)
+  assert code == 128 + signal.SIGTERM, out[-3000:]
+  assert "resumed from step" in _run(interrupted, *flags).stdout
+  ma = logging_io.read_jsonl(str(straight / "metrics.jsonl"))
+  mb = logging_io.read_jsonl(str(interrupted / "metrics.jsonl"))
+  timing = set(logging_io.TIMING_METRICS)
+  same = lambda r: {k: v for k, v in r.items() if k not in timing}
+  assert [same(r) for r in ma] == [same(r) for r in mb]
+  steps = [r for r in ma if "entropy_coef" in r]
+  assert [r["step"] for r in steps] == list(range(1, 7))
+  want = [min(0.01 * t, 0.035) for t in range(1, 7)]
+  np.testing.assert_allclose([r["entropy_coef"] for r in steps], want, rtol=1e-6)
+  np.testing.assert_allclose([r["entropy_coef/applied"] for r in steps], [0.0] + want[:-1],
+                             rtol=1e-6)
+  a, b = _final_params(straight), _final_params(interrupted)
+  for name in a:
+    np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
 def test_warm_start_stops_at_the_first_check_reaching_its_target(tmp_path, monkeypatch, capsys):
   config = gsm8k.get_config("tiny")
   config.data.update(synthetic_train=400, synthetic_test=40)
