@@ -3,6 +3,7 @@
     python3 benchmarks/lora_members_memory.py                     # K = 8, 1.5b_lora's shape
     python3 benchmarks/lora_members_memory.py --member_accum=8    # each member in 8 micro-batches
     python3 benchmarks/lora_members_memory.py --members=map       # the members in turn
+    python3 benchmarks/lora_members_memory.py --num_layers=2      # 2 of 28 layers: fast
 
 AOT-compiles (abstract inputs, nothing allocated, one CPU device) the train-step program of the
 `configs/gsm8k.py:1.5b_lora` preset (Qwen2.5-1.5B, bf16 frozen base, rank-16 adapters on the
@@ -70,10 +71,12 @@ def _plain(tree):
 
 
 def measure(preset: str, k: int, member_accum: int, prompt_len: int = 0,
-            one_predicate: bool = False, batched: bool = True) -> list[dict]:
+            one_predicate: bool = False, batched: bool = True,
+            num_layers: int = 0) -> list[dict]:
   """[one run, K members]: each a dict of k, accum, peak (bytes), line (its breakdown),
   analysis (compiled.memory_analysis()) and the bytes of one member's base, state, batch and
-  hparams, for the preset's micro-batch shape."""
+  hparams, for the preset's micro-batch shape (num_layers > 0: the model cut to that many
+  layers, the same widths)."""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, ROOT)
   memory = _memory_module()  # its import sets the fake device count; the backend starts below
@@ -96,6 +99,9 @@ def measure(preset: str, k: int, member_accum: int, prompt_len: int = 0,
     raise SystemExit(f"lora_members_memory.py: {preset}'s micro-batch of {rows} rows is not "
                      f"whole groups of {g}")
   cfg, valid = memory.model_config(config)
+  if num_layers:
+    import dataclasses  # pylint: disable=import-outside-toplevel
+    cfg = dataclasses.replace(cfg, num_layers=num_layers)
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   p = prompt_len or max(config.data.prompt_buckets)
   c = config.sampling.max_new_tokens
@@ -140,6 +146,9 @@ def main():
                       help="micro-batches each member's rows are split into (K program only)")
   parser.add_argument("--prompt_len", type=int, default=0,
                       help="prompt width; 0 = the largest of data.prompt_buckets")
+  parser.add_argument("--num_layers", type=int, default=0,
+                      help="cut the model to this many layers (same widths; compiles in under "
+                           "a minute on a CPU); 0 = the preset's")
   parser.add_argument("--members", default="vmap", choices=("vmap", "map"),
                       help="the K program's train.members: batched, or each member in turn")
   parser.add_argument("--one_predicate", action="store_true",
@@ -152,8 +161,8 @@ def main():
   if not a.hoist_converts:
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_disable_hlo_passes={LICM}"
   one, many = measure(a.preset, a.k, a.member_accum, a.prompt_len, a.one_predicate,
-                      a.members == "vmap")
-  print(f"{a.preset}, K={a.k} LoRA members ({a.members}) on one base against one run "
+                      a.members == "vmap", a.num_layers)
+  print(f"{a.preset}{f' cut to {a.num_layers} layers' if a.num_layers else ''}, K={a.k} LoRA members ({a.members}) on one base against one run "
         f"({'with' if a.hoist_converts else 'without'} XLA:CPU's {LICM}"
         f"{'; one constant reference predicate' if a.one_predicate else ''}):")
   print(one["line"] + "\n" + many["line"])
