@@ -97,7 +97,9 @@ def main(argv):
     return optax.apply_updates(adapters, updates), opt_state, loss
 
   n_base = sum(x.size for x in jax.tree.leaves(params))
-  base_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  # uint4 (NF4 codes) has itemsize 1 but takes half a byte on the device, as the compiler counts it
+  base_bytes = sum(x.size * jnp.iinfo(x.dtype).bits / 8 if x.dtype == jnp.uint4
+                   else x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   n_lora = lora.num_trainable(adapters)
   t0 = time.time()
   compiled = jax.jit(step, donate_argnums=(0, 1)).lower(adapters, opt_state, params,
@@ -106,7 +108,7 @@ def main(argv):
   peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
           + m.temp_size_in_bytes)
   kv = 2 * cfg.num_layers * _SAMPLE_ROWS.value * cfg.num_kv_heads * t * cfg.head_dim * 2
-  print(f"{_MODEL.value}: base {n_base / 1e9:.3f}B params {pdtype.name}{' + int8 projections' if _QUANTIZE.value == 'int8' else ''} ({base_bytes / GB:.2f} GB), "
+  print(f"{_MODEL.value}: base {n_base / 1e9:.3f}B params {pdtype.name}{f' + {_QUANTIZE.value} projections' if _QUANTIZE.value != 'none' else ''} ({base_bytes / GB:.2f} GB), "
         f"LoRA rank {lcfg.rank} on {len(lcfg.targets)} targets: {n_lora / 1e6:.2f}M params "
         f"(+ AdamW: {3 * 4 * n_lora / GB:.3f} GB); {rows} rows × ({p} + {c}) tokens, "
         f"beta={beta}; compiled in {time.time() - t0:.0f} s")
