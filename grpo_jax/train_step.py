@@ -822,10 +822,16 @@ def _grads(spec, hp, params, ref_params, batch, norm):
   return grads, sums, _join_micro(logp, unit), None if ref is None else _join_micro(ref, unit)
 
 
+def _adaptive_entropy(spec) -> bool:
+  """Whether this step steps the entropy controller: a GRPO step with loss.use_adaptive_entropy,
+  whose state create_train_state gave an 'entropy_ctrl' (the warm start's has none)."""
+  return spec.objective == "grpo" and spec.loss.use_adaptive_entropy
+
+
 def _update(spec, hp, state, ref_params, batch, norm):
   """One optimizer update; skipped (state unchanged) if the loss or gradient is not finite."""
   params = state["params"]
-  if "entropy_ctrl" in state:  # the coefficient set by the updates before this one
+  if _adaptive_entropy(spec):  # the coefficient set by the updates before this one
     hp = dict(hp, entropy_coef=grpo.adaptive_entropy_applied(state["entropy_ctrl"], spec.loss))
   grads, sums, logp, ref = _grads(spec, hp, params, ref_params, batch, norm)
   grad_norm = optax.tree.norm(grads)
@@ -842,7 +848,7 @@ def _update(spec, hp, state, ref_params, batch, norm):
   # within 0.04 GB, benchmarks/memory.py; experiments/train_traffic_2026-11-27.md).
   old = {"params": params, "opt_state": state["opt_state"]}
   new = apply(old)
-  if "entropy_ctrl" in state:  # a skipped update leaves the controller as it was, too
+  if _adaptive_entropy(spec):  # a skipped update leaves the controller as it was, too
     old["entropy_ctrl"] = state["entropy_ctrl"]
     new["entropy_ctrl"] = grpo.adaptive_entropy_next(state["entropy_ctrl"], sums["loss/entropy"],
                                                      spec.loss)
@@ -857,7 +863,7 @@ def _update(spec, hp, state, ref_params, batch, norm):
       "lr": learning_rate_schedule(spec.optim, lr=hp["lr"])(state["step"]),
       "step/skipped": 1.0 - ok.astype(jnp.float32),
   })
-  if "entropy_ctrl" in state:  # TRL's entropy_coef: the coefficient after this update
+  if _adaptive_entropy(spec):  # TRL's entropy_coef: the coefficient after this update
     metrics["entropy_coef"] = new_state["entropy_ctrl"]["coef"]
     metrics["entropy_coef/applied"] = hp["entropy_coef"]
   return new_state, metrics, logp, ref
