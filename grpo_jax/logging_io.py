@@ -43,7 +43,8 @@ TENSORBOARD_DIR = "tensorboard"
 # Metrics that measure the machine, not the run: they differ between any two runs.
 TIMING_METRICS = ("time/sample_s", "time/reward_s", "time/train_s", "time/step_s",
                   "sampler/tokens_per_s", "sampler/seconds", "sampler/prefill_seconds",
-                  "time/reward_wait_s", "time/param_transfer_s")
+                  "time/reward_wait_s", "time/param_transfer_s", "time/tool_s",
+                  "time/generator_s", "time/executor_s", "time/verifier_s")
 
 
 def _scalar(key: str, value: Any) -> float | int | bool | str | None:
