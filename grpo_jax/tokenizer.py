@@ -41,9 +41,19 @@ TINY_CHAT_TEMPLATE = (
 
 def load_tokenizer(name_or_path: str,
                    field: str = "config.model.tokenizer") -> transformers.PreTrainedTokenizerBase:
-  """Loads a tokenizer from a local directory or a hub id (see grpo_jax.hub for the rule)."""
+  """Loads a tokenizer from a local directory or a hub id (see grpo_jax.hub for the rule).
+
+  A local directory with a tokenizer.json (every Qwen checkpoint has one) is read by
+  transformers' tokenizers backend (PreTrainedTokenizerFast) as the file defines it: the same
+  ids, special tokens and chat template as the Qwen2Tokenizer that AutoTokenizer builds from the
+  same files (tests/tokenizer_test.py). AutoTokenizer imports transformers' model registry, and
+  with it PyTorch where that is installed (about 2 s of every run's start-up); it is kept for a
+  directory without tokenizer.json and for hub ids, where it downloads what it needs.
+  """
   local = hub.local_path(name_or_path, field)
   if local is not None:
+    if os.path.isfile(os.path.join(local, "tokenizer.json")):
+      return transformers.PreTrainedTokenizerFast.from_pretrained(local)
     return transformers.AutoTokenizer.from_pretrained(local)
   hub.prepare()
   try:

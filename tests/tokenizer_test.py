@@ -51,6 +51,36 @@ def test_stop_ids_fall_back_to_tokenizer_eos(qwen, tmp_path):
     tokenizer_lib.stop_ids(qwen, str(tmp_path))
 
 
+def test_qwen_tokenizers_load_as_autotokenizers_qwen2tokenizer_does(qwen, tmp_path):
+  """load_tokenizer reads tokenizer.json with transformers' tokenizers backend; AutoTokenizer,
+  for a Qwen checkpoint's tokenizer_config.json (tokenizer_class Qwen2Tokenizer, as on the hub),
+  builds Qwen2Tokenizer. Both give the same ids, texts, special tokens and chat template on
+  every GSM8K test problem and answer."""
+  import shutil
+  import transformers
+  hub_like = tmp_path / "qwen"
+  shutil.copytree(QWEN_DIR, hub_like)
+  config = json.loads((hub_like / "tokenizer_config.json").read_text())
+  config["tokenizer_class"] = "Qwen2Tokenizer"
+  (hub_like / "tokenizer_config.json").write_text(json.dumps(config))
+  auto = transformers.AutoTokenizer.from_pretrained(str(hub_like))
+  ours = tokenizer_lib.load_tokenizer(str(hub_like))
+  assert type(auto).__name__ == "Qwen2Tokenizer" and type(ours) is not type(auto)
+  assert type(qwen) is type(ours)
+  assert len(ours) == len(auto) and ours.all_special_ids == auto.all_special_ids
+  assert (ours.eos_token_id, ours.pad_token_id) == (auto.eos_token_id, auto.pad_token_id)
+  rows = [json.loads(line) for line in (SHARED / "gsm8k" / "test.jsonl").open()]
+  texts = [r["question"] for r in rows] + [r["answer"] for r in rows]
+  texts += ["<think>2 + 2</think>\n<answer>4</answer>", "  x\r\n\tÉ\u0301 日本語 🙂"]
+  assert ours(texts).input_ids == auto(texts).input_ids
+  ids = ours(texts).input_ids
+  assert ours.batch_decode(ids, skip_special_tokens=True) == auto.batch_decode(
+      ids, skip_special_tokens=True)
+  chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": texts[0]}]
+  assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == (
+      auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+
+
 def test_missing_tokenizer_errors_name_it(tmp_path):
   with pytest.raises(UserError, match="no_such_tok' does not exist"):
     tokenizer_lib.load_tokenizer(str(tmp_path / "no_such_tok"))
