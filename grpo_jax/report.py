@@ -20,6 +20,9 @@ Columns of the first table, each mean ± sample std (ddof 1) over those runs:
     wall                  minutes the run's processes ran, over all attempts (sweep_run.json);
                           a run started from a shared warm start does not count that warm start;
                           a --vmap member is charged its group's process time / K (K members)
+    half                  steps to half the gain: the first held-out evaluation (metrics.jsonl's
+                          eval/accuracy) at or above start + (final − start) / 2, so its
+                          resolution is train.eval_every; none for a run that gained nothing
 
 Intervals over seeds: the 95% Student-t interval of the mean (stats.mean_ci: mean ± t·s/√n)
 of start, final and gain, and the seeds per setting a
@@ -60,7 +63,7 @@ TAIL_STEPS = 50
 TAIL_KEYS = (("reward", "reward/total/mean"), ("KL", "kl"),
              ("length", "completion/mean_length"))
 EFFECT_POINTS = 5.0     # --effect: the difference in points the seed counts are for
-INTERVAL_KEYS = ("start", "final", "gain")
+INTERVAL_KEYS = ("start", "final", "gain", "half")
 
 
 @dataclasses.dataclass
@@ -104,6 +107,23 @@ def tail_mean(records: Sequence[dict], key: str, tail: int = TAIL_STEPS) -> floa
   xs = [r[key] for r in records if r.get("step", 0) > 0 and isinstance(r.get(key), (int, float))
         and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
   return sum(xs[-tail:]) / len(xs[-tail:]) if xs else math.nan
+
+
+def half_gain_step(records: Sequence[dict]) -> float:
+  """The first step whose held-out accuracy has reached half of the run's gain: the first
+  eval/accuracy at or above start + (final − start) / 2, start and final being the first and
+  the last evaluation. nan without two evaluations, or for a gain <= 0.
+
+  >>> half_gain_step([{"step": 0, "eval/accuracy": .2}, {"step": 50, "eval/accuracy": .3},
+  ...                 {"step": 100, "eval/accuracy": .5}, {"step": 150, "eval/accuracy": .6}])
+  100
+  """
+  evals = [(r["step"], r["eval/accuracy"]) for r in records
+           if isinstance(r.get("eval/accuracy"), (int, float)) and math.isfinite(r["eval/accuracy"])]
+  if len(evals) < 2 or evals[-1][1] <= evals[0][1]:
+    return math.nan
+  half = evals[0][1] + (evals[-1][1] - evals[0][1]) / 2
+  return next(step for step, accuracy in evals if accuracy >= half)
 
 
 def load_runs(sweep_dir: str) -> list[RunResult]:
@@ -155,6 +175,7 @@ def run_values(r: RunResult) -> dict[str, float]:
          "gain": s["eval_accuracy_gain_points"]}
   out.update({name: tail_mean(r.records, key) for name, key in TAIL_KEYS})
   out["wall"] = math.nan if r.wall_s is None else r.wall_s / 60
+  out["half"] = half_gain_step(r.records)
   return out
 
 
@@ -187,7 +208,7 @@ def accuracy_interval(accuracy: float, n: int | None) -> tuple[float, float]:
 
 COLUMNS = (("start", "start acc %", 1), ("final", "final acc %", 1), ("gain", "gain (points)", 1),
            ("reward", "reward", 3), ("KL", "KL", 4), ("length", "length", 1),
-           ("wall", "wall (min)", 1))
+           ("wall", "wall (min)", 1), ("half", "steps to half gain", 0))
 
 
 def _cell(mean, std, digits) -> str:
@@ -216,7 +237,7 @@ def interval_rows(runs: Sequence[RunResult], effect: float = EFFECT_POINTS) -> l
     values = [run_values(r) for r in members if r.summary is not None]
     row = {"setting": setting, "n": len(values)}
     for key in INTERVAL_KEYS:
-      xs = [v[key] for v in values]
+      xs = [v[key] for v in values if math.isfinite(v[key])]
       mean, std, _ = mean_std(xs)
       row[key] = (mean, std, *stats.mean_ci(xs))
     row["seeds_needed"] = stats.seeds_needed(effect, row["gain"][1], paired=False)
@@ -230,8 +251,9 @@ def paired_rows(runs: Sequence[RunResult], metric: str = "gain",
   common: {'a', 'b', 'paired': stats.Paired of B − A, 'seeds_needed': paired seeds for effect}."""
   per_setting = {}
   for setting, members in by_setting(runs).items():
-    per_setting[setting] = {r.seed: run_values(r)[metric] for r in members
-                            if r.summary is not None and r.seed is not None}
+    values = {r.seed: run_values(r)[metric] for r in members
+              if r.summary is not None and r.seed is not None}
+    per_setting[setting] = {seed: v for seed, v in values.items() if math.isfinite(v)}
   names, out = list(per_setting), []
   for i, a in enumerate(names):
     for b in names[i + 1:]:
@@ -352,13 +374,14 @@ def render(sweep_dir, runs, plotted, effect=EFFECT_POINTS, metric="gain") -> str
             f"{effect:g} points with {stats.POWER:.0%} power at the 5% level (two-sided), at "
             "this setting's std (normal approximation with Guenther's correction).", ""]
   header = ["setting", "n", "start acc %", "final acc %", "gain (points)",
-            f"seeds for {effect:g} points"]
+            "steps to half gain", f"seeds for {effect:g} points"]
   lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
   for row in interval_rows(runs, effect):
     cells = [f"`{row['setting']}`", str(row["n"])]
     for key in INTERVAL_KEYS:
       mean, _, lo, hi = row[key]
-      cells.append("—" if math.isnan(mean) else f"{mean:.1f} {_interval(lo, hi)}")
+      digits = 0 if key == "half" else 1
+      cells.append("—" if math.isnan(mean) else f"{mean:.{digits}f} {_interval(lo, hi, digits)}")
     cells.append(_seeds(row["seeds_needed"]))
     lines.append("| " + " | ".join(cells) + " |")
 

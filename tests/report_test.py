@@ -84,6 +84,37 @@ def test_table_against_hand_computation(sweep_dir):
   assert b["final"] == pytest.approx((42.5, math.sqrt(12.5), 2))
 
 
+def test_steps_to_half_the_gain_against_numpy(tmp_path):
+  """half: the first evaluation at or above half of each run's gain, as NumPy finds it on the
+  same curves; none for a run that did not gain, left out of its setting's mean and interval."""
+  rng = np.random.default_rng(0)
+  steps = np.arange(0, 401, 50)
+  curves = {seed: np.concatenate([[0.2], 0.2 + np.sort(rng.uniform(0, 0.4, len(steps) - 1))])
+            for seed in range(4)}
+  curves[4] = np.full(len(steps), 0.3)  # no gain
+  for seed, acc in curves.items():
+    d = tmp_path / f"seed={seed}"
+    d.mkdir()
+    records = [{"step": int(s), "eval/accuracy": float(a), "reward/total/mean": 0.0}
+               for s, a in zip(steps, acc)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (d / "summary.json").write_text(json.dumps({
+        "eval_accuracy_start": acc[0], "eval_accuracy_end": acc[-1], "start_step": 0,
+        "end_step": 400, "eval_accuracy_gain_points": 100 * (acc[-1] - acc[0])}))
+    (d / "sweep_run.json").write_text(json.dumps({"kind": "run", "overrides": {"seed": seed},
+                                                  "status": "done", "wall_s": 1.0}))
+  expected = [steps[np.argmax(a - a[0] >= (a[-1] - a[0]) / 2)] for a in curves.values()][:4]
+  runs = report.load_runs(str(tmp_path))
+  got = [report.run_values(r)["half"] for r in runs]
+  assert got[:4] == expected and math.isnan(got[4])
+  (row,) = report.interval_rows(runs)
+  mean, std, lo, hi = row["half"]
+  assert mean == pytest.approx(np.mean(expected)) and std == pytest.approx(np.std(expected, ddof=1))
+  assert (lo, hi) == pytest.approx(stats.t_mean_ci(expected))
+  text = report.render(str(tmp_path), runs, [])
+  assert f"{np.mean(expected):.0f} [{lo:.0f}, {hi:.0f}]" in text
+
+
 def test_report_md_and_plots(sweep_dir):
   path = report.write_report(str(sweep_dir))
   text = open(path).read()
@@ -146,7 +177,8 @@ def test_intervals_paired_differences_and_seed_counts(sweep_dir):
 
   text = report.render(str(sweep_dir), runs, [], effect=5.0)
   lo, hi = _t([30.0, 34.0, 41.0])
-  assert f"| 35.0 [{lo:.1f}, {hi:.1f}] | {a['seeds_needed']} |" in text
+  # Every run evaluates at steps 0 and 60 only: each reaches half its gain at step 60.
+  assert f"| 35.0 [{lo:.1f}, {hi:.1f}] | 60 [60, 60] | {a['seeds_needed']} |" in text
   lo, hi = p.ci
   assert (f"| `optim.lr=0.002` | `optim.lr=0.001` | 2 | -12.0 | 2.8 | [{lo:.1f}, {hi:.1f}] | "
           f"no | {pair['seeds_needed']} |") in text
