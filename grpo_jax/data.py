@@ -69,23 +69,25 @@ def _local_files(source: str, split: str, field: str) -> list[str] | None:
   return found[:1]
 
 
-def _first_bad_json_line(files: Sequence[str]) -> str | None:
-  """'file:line: reason' for the first line of a JSON-lines file that is not a JSON object."""
+def _read_jsonl(files: Sequence[str], field: str) -> tuple[list[dict], list[str]]:
+  """The JSON objects of JSON-lines files, in order, and their columns (every key, first seen
+  first). A line that is not a JSON object is a UserError naming the file and the line."""
+  rows, columns = [], {}
   for path in files:
-    if not path.endswith(".jsonl"):
-      continue
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, "rb") as f:
       for number, line in enumerate(f, 1):
-        line = line.strip()
-        if not line:
+        if not line.strip():
           continue
         try:
           row = json.loads(line)
-        except json.JSONDecodeError as e:
-          return f"{path}:{number}: not valid JSON ({e})"
+        except ValueError as e:  # not JSON, or not UTF-8
+          raise UserError(f"{field}: cannot read {path}:{number}: not valid JSON ({e})") from None
         if not isinstance(row, dict):
-          return f"{path}:{number}: expected a JSON object, got {type(row).__name__}"
-  return None
+          raise UserError(f"{field}: cannot read {path}:{number}: expected a JSON object, got "
+                          f"{type(row).__name__}")
+        rows.append(row)
+        columns.update(dict.fromkeys(row))
+  return rows, list(columns)
 
 
 @contextlib.contextmanager
@@ -115,6 +117,29 @@ def _blank(path: str) -> bool:
   return True
 
 
+def _read_with_datasets(source: str, files: Sequence[str] | None, split: str,
+                        config_name: str | None, cache_dir: str | None,
+                        field: str) -> tuple[list[dict], list[str]]:
+  """A .json or .parquet file's rows (files), or a hub data set's split (files None), read by
+  datasets, and their columns."""
+  import datasets  # Heavy import, only needed here.
+
+  if files is not None:
+    try:
+      with _quiet(datasets):
+        ds = datasets.load_dataset(_LOCAL_BUILDERS[os.path.splitext(files[0])[1]],
+                                   data_files=list(files), split="train", cache_dir=cache_dir)
+    except datasets.exceptions.DatasetGenerationError as e:
+      raise UserError(f"{field}: cannot read {', '.join(files)}: {e.__cause__ or e}") from e
+  else:
+    hub.prepare()
+    try:
+      ds = datasets.load_dataset(source, config_name, split=split, cache_dir=cache_dir)
+    except (ConnectionError, FileNotFoundError, ValueError) as e:
+      raise hub.unavailable(source, field, "data set", e) from e
+  return ds.to_list(), list(ds.column_names)
+
+
 def load_rows(source: str, split: str = "train", *, config_name: str | None = None,
               question_field: str = "question", answer_field: str = "answer",
               cache_dir: str | None = None,
@@ -125,8 +150,6 @@ def load_rows(source: str, split: str = "train", *, config_name: str | None = No
   id such as "openai/gsm8k" (with config_name="main"). Every answer must end in '#### N'.
   Bad data raises UserError naming the file and line or row; `field` names the setting.
   """
-  import datasets  # Heavy import, only needed here.
-
   files = _local_files(source, split, field)
   if files is not None:
     ext = os.path.splitext(files[0])[1]
@@ -134,30 +157,19 @@ def load_rows(source: str, split: str = "train", *, config_name: str | None = No
       raise UserError(f"{field}: data file {files[0]!r}: expected .json, .jsonl or .parquet")
     if all(_blank(path) for path in files):  # datasets would raise a bare StopIteration
       raise UserError(f"{field}: {', '.join(files)}: no rows (the file is empty)")
-    bad = _first_bad_json_line(files)  # before datasets, whose JSON builder logs its error
-    if bad:
-      raise UserError(f"{field}: cannot read {bad}")
-    try:
-      with _quiet(datasets):
-        ds = datasets.load_dataset(_LOCAL_BUILDERS[ext], data_files=files, split="train",
-                                   cache_dir=cache_dir)
-    except datasets.exceptions.DatasetGenerationError as e:
-      where = _first_bad_json_line(files) or f"{', '.join(files)}: {e.__cause__ or e}"
-      raise UserError(f"{field}: cannot read {where}") from e
+  if files is not None and all(path.endswith(".jsonl") for path in files):
+    # Read here: datasets would parse them into an Arrow cache on disk first, which with its
+    # import costs every run's start-up about 2 s for the same rows.
+    table, columns = _read_jsonl(files, field)
   else:
-    hub.prepare()
-    try:
-      ds = datasets.load_dataset(source, config_name, split=split, cache_dir=cache_dir)
-    except (ConnectionError, FileNotFoundError, ValueError) as e:
-      raise hub.unavailable(source, field, "data set", e) from e
-
+    table, columns = _read_with_datasets(source, files, split, config_name, cache_dir, field)
   where = ", ".join(files) if files is not None else f"{source} [{split}]"
   for name in (question_field, answer_field):
-    if name not in ds.column_names:
-      raise UserError(f"{where}: field {name!r} is missing (columns: {ds.column_names}); set "
+    if name not in columns:
+      raise UserError(f"{where}: field {name!r} is missing (columns: {columns}); set "
                       "config.data.question_field / answer_field to match the data")
-  rows = [{"question": q, "answer": a}
-          for q, a in zip(ds[question_field], ds[answer_field], strict=True)]
+  rows = [{"question": row.get(question_field), "answer": row.get(answer_field)}
+          for row in table]
   if not rows:
     raise UserError(f"{field}: {where}: no rows")
   for i, row in enumerate(rows):

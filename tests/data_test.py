@@ -37,6 +37,29 @@ def test_real_gsm8k_loads_whole_and_every_gold_answer_parses(split, num_rows, ca
     assert float(gold) == float(expected)
 
 
+def test_jsonl_files_read_as_datasets_json_builder_reads_them(tmp_path, cache_dir):
+  """JSON-lines files are read without datasets: the same rows, in the same order, as its
+  json builder gives, for the real splits, a glob of two files, and a file where some rows
+  have a key the others lack (None there, as an Arrow column holds it)."""
+  import datasets
+  lines = (GSM8K / "test.jsonl").read_text().splitlines()[:30]
+  (tmp_path / "a.jsonl").write_text("\n".join(lines[:20]) + "\n\n")
+  (tmp_path / "b.jsonl").write_text("\n".join(lines[20:]) + "\n")
+  mixed = [dict(json.loads(line), **({"source": "mine"} if i % 3 else {}))
+           for i, line in enumerate(lines)]
+  (tmp_path / "mixed").mkdir()
+  (tmp_path / "mixed" / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mixed))
+  for files in ([str(GSM8K / "train.jsonl")], [str(GSM8K / "test.jsonl")],
+                [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")],
+                [str(tmp_path / "mixed" / "c.jsonl")]):
+    ours, columns = data._read_jsonl(files, "config.data.source")
+    theirs = datasets.load_dataset("json", data_files=files, split="train", cache_dir=cache_dir)
+    assert columns == theirs.column_names
+    assert [{k: r.get(k) for k in columns} for r in ours] == theirs.to_list()
+  assert data.load_rows(str(tmp_path / "*.jsonl"), cache_dir=cache_dir) == [
+      {"question": r["question"], "answer": r["answer"]} for r in map(json.loads, lines)]
+
+
 def test_gold_answer_examples_and_error():
   assert data.gold_answer("48+24 = <<48+24=72>>72 clips.\n#### 72") == "72"
   assert data.gold_answer("so\n#### 1,080") == "1080"
