@@ -59,8 +59,9 @@ at every one of its action tokens.
 
 TRL's bnpo normalises by the tokens of each micro-batch on each process; here it is the step's
 batch, so that it is invariant to micro-batching. One generation batch is one optimizer step's
-batch here, so bnpo and dapo give the same loss; both names are kept so configs written for TRL
-mean what they say. `grpo_loss(num_tokens=...)` takes a larger dapo normaliser for maths tests.
+batch here (loss.steps_per_generation = 1), so bnpo and dapo give the same loss; both names are
+kept so configs written for TRL mean what they say. With S > 1 slices, an update's batch is a
+slice: B_step and tokens_step are the slice's, tokens_generation / S is dapo's normaliser. `grpo_loss(num_tokens=...)` takes a larger dapo normaliser for maths tests.
 """
 from __future__ import annotations
 

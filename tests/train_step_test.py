@@ -1053,3 +1053,32 @@ def test_a_reference_synced_past_the_run_leaves_the_step_as_a_frozen_one(params,
     np.testing.assert_array_equal(x, y)
   for x, y in zip(jax.tree.leaves(ref_b), jax.tree.leaves(ref)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_members_each_sync_their_own_reference(params, data):
+  """A vmapped group with loss.sync_ref_model (in turn, jax.lax.map): each member's reference is
+  in its own stacked state, and members.train leaves each member's reference and params where
+  its own step does (their β differ, so do their updates)."""
+  batch = _shared_prompts(data[0])
+  rng = np.random.default_rng(12)
+  optim = optim_config(grad_accum_steps=1)
+  mesh, p = _on_one_device(params, optim)
+  lcs = [loss_config(sync_ref_model=True, ref_model_sync_steps=1, beta=b) for b in (0.05, 0.2)]
+  step = train_step.make_train_step(MODEL, lcs[0], optim, mesh, group_size=G,
+                                    reward_weights=(1.0, 0.5))
+  rolls = [_rollout_from(batch, rng.normal(size=(B, 2)).astype(np.float32)) for _ in lcs]
+  hps = [train_step.hparams(lc, optim, (1.0, 0.5)) for lc in lcs]
+  fresh = lambda: train_step.create_train_state(p, MODEL, optim, mesh, loss_cfg=lcs[0])
+  want = [step(fresh(), r, None, h)[0] for r, h in zip(rolls, hps)]
+  got, _, _ = members.train(step, train_step_stack([fresh(), fresh()]), rolls,
+                            train_step_stack(hps), None, batched=False)
+  for k, w in enumerate(want):
+    for part in ("ref", "params"):
+      for a, b in zip(jax.tree.leaves(jax.tree.map(lambda x: x[k], got[part])),
+                      jax.tree.leaves(w[part])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+  moved = [max(np.abs(np.asarray(x) - np.asarray(y)).max()
+               for x, y in zip(jax.tree.leaves(w["ref"]), jax.tree.leaves(p))) for w in want]
+  assert min(moved) > 1e-4
+  assert max(np.abs(np.asarray(x) - np.asarray(y)).max()
+             for x, y in zip(jax.tree.leaves(want[0]["ref"]), jax.tree.leaves(want[1]["ref"]))) > 0
