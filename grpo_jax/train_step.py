@@ -16,7 +16,10 @@ One call is a whole GRPO update: `make_batch` (advantages, masks), the reference
 first update's forward gives the old log-probs for the later ones (its params are the params
 before any update), so no separate forward is run for them; with μ = 1 the ratio is exactly 1.
 The reference forward runs inside the first update's micro-batch loop; while the params
-equal the reference's (a run's first step), the policy's log-probs are taken for it.
+equal the reference's (a run's first step), the policy's log-probs are taken for it. With
+loss.steps_per_generation = S > 1 each of the μ passes is S updates, one per slice of whole
+groups, whose old and reference log-probs one forward of every slice takes first
+(_sliced_updates).
 
 A call takes one of two batch layouts (B = rows = prompts × G, group-major; P, C the batch's
 padded prompt and completion widths, S = P + C):
@@ -69,8 +72,9 @@ result, a 3-token answer ending in EOS):
 `objective="sft"` makes the same step a supervised one (the warm start): the train layout
 without advantages, loss = mean negative log-likelihood of the completion tokens.
 
-The state is a plain dict {'step': int32 scalar, 'params': ..., 'opt_state': ...}, so
-checkpoint.py saves it as is. Each update runs grad_accum_steps micro-batches in a scan,
+The state is a plain dict {'step': int32 scalar, 'params': ..., 'opt_state': ...} (with
+loss.use_adaptive_entropy also 'entropy_ctrl'; with loss.sync_ref_model also 'ref', the
+reference the updates mix the policy into), so checkpoint.py saves it as is. Each update runs grad_accum_steps micro-batches in a scan,
 summing gradients of losses that are already normalised over the whole batch (grpo.py), so
 the result does not depend on the micro-batching. An update whose loss or gradient is not
 finite leaves the state unchanged and is skipped. With loss.num_iterations = μ > 1 the step's
@@ -863,6 +867,12 @@ def _adaptive_entropy(spec) -> bool:
   return spec.objective == "grpo" and spec.loss.use_adaptive_entropy
 
 
+def _synced_reference(spec) -> bool:
+  """Whether this step's reference follows the policy: a GRPO step with loss.sync_ref_model
+  (β > 0), whose state create_train_state gave a 'ref' (the warm start's has none)."""
+  return spec.objective == "grpo" and grpo.syncs_reference(spec.loss)
+
+
 def _update(spec, hp, state, ref_params, batch, norm):
   """One optimizer update; skipped (state unchanged) if the loss or gradient is not finite."""
   params = state["params"]
@@ -889,7 +899,7 @@ def _update(spec, hp, state, ref_params, batch, norm):
                                                      spec.loss)
   new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
   new_state["step"] = state["step"] + ok.astype(jnp.int32)
-  if "ref" in state:  # loss.sync_ref_model: after every ref_model_sync_steps-th applied update
+  if _synced_reference(spec):  # after every ref_model_sync_steps-th applied update
     due = ok & grpo.reference_sync_due(new_state["step"], spec.loss)
     mixed = grpo.mix_reference(state["ref"], new_state["params"], spec.loss.ref_model_mixup_alpha)
     new_state["ref"] = jax.tree.map(lambda m, r: jnp.where(due, m, r), mixed, state["ref"])
@@ -1018,7 +1028,7 @@ def train_step(state, batch, hparams, ref_params=None, *, spec: StepSpec):
              else batch["completion_mask_BC"].astype(jnp.float32))
   batch = dict(batch, mask_BC=mask_BC)
   B = mask_BC.shape[0]
-  if "ref" in state:  # the reference that follows the policy: its value before this step
+  if _synced_reference(spec):  # the reference that follows the policy: its value before the step
     ref_params = state["ref"]
   updates = _sliced_updates if _slices(spec) > 1 else _mu_updates
   state, m, logp_BC = updates(spec, hp, state, ref_params, batch, layout)
@@ -1098,9 +1108,8 @@ class TrainStep:
     s = self.spec
     if s.policy.applies_frozen and not has_ref_params:
       raise ValueError("a LoRA train step needs the frozen base params (ref_params)")
-    in_state = s.objective == "grpo" and grpo.syncs_reference(s.loss)  # the state's 'ref'
     check_batch(batch, s.loss, s.optim, s.mesh, s.objective,
-                has_ref_params=has_ref_params or in_state,
+                has_ref_params=has_ref_params or _synced_reference(s),  # the state's 'ref'
                 group_size=s.group_size, num_rewards=s.num_rewards, max_turns=s.max_turns,
                 valid=s.valid)
 
