@@ -180,6 +180,10 @@ def loss() -> ConfigDict:
       delta=placeholder(float),      # None, or cap of the unclipped ratio (> 1 + eps_high)
       importance_sampling_level="token",     # 'token' or 'sequence' (GSPO)
       num_iterations=1,              # μ: optimizer steps per generation batch
+      # S: each of the μ passes over a generation batch is S optimizer updates, update s on its
+      # s-th slice of whole groups (TRL's steps_per_generation counts micro-batches: S ×
+      # optim.grad_accum_steps there); the old log-probs are those at the sampling params.
+      steps_per_generation=1,
       scale_rewards="group",         # one of grpo.SCALE_REWARDS
       reward_aggregation="sum_then_normalize",  # one of grpo.REWARD_AGGREGATIONS
       mask_truncated_completions=False,  # drop completions that hit max length from the loss
@@ -212,6 +216,13 @@ def loss() -> ConfigDict:
       entropy_coef_min=0.0,
       entropy_coef_max=1.0,
       entropy_coef_delta=0.005,
+      # TR-DPO's reference that follows the policy (TRL's names, defaults and
+      # SyncRefModelCallback): after every ref_model_sync_steps-th optimizer update,
+      # ref <- alpha * policy + (1 - alpha) * ref. Needs beta > 0 and full fine-tuning; the
+      # reference is then train state, in the checkpoint.
+      sync_ref_model=False,
+      ref_model_mixup_alpha=0.6,
+      ref_model_sync_steps=512,
   ))
 
 
@@ -238,7 +249,7 @@ def optim() -> ConfigDict:
 
 def train() -> ConfigDict:
   return ConfigDict(dict(
-      steps=500,                    # GRPO steps (each: sample, reward, num_iterations updates)
+      steps=500,                    # GRPO steps (each: sample, reward, μ × S updates)
       prompts_per_step=96,          # prompts per step; the batch is prompts_per_step × G rows
       eval_every=50,                # greedy pass@1 on the eval split; 0 = only at start and end
       eval_examples=0,              # the eval split's first N problems; 0 = all of it
@@ -385,6 +396,17 @@ def rows_per_step(config) -> int:
   return config.train.prompts_per_step * group_size(config)
 
 
+def updates_per_step(config) -> int:
+  """The optimizer updates of one GRPO step: μ passes over its batch (loss.num_iterations), each
+  loss.steps_per_generation updates (one per slice)."""
+  return config.loss.num_iterations * config.loss.steps_per_generation
+
+
+def updates_per_run(config) -> int:
+  """The run's optimizer updates: train.steps × updates_per_step."""
+  return config.train.steps * updates_per_step(config)
+
+
 def cosine_total_steps(optim_cfg, updates: int) -> int:
   """What optim.total_steps = 0 means for the cosine schedule: the run's optimizer updates T, so
   the rate reaches 0 at update count T, one after the last. The last update (count T − 1) runs
@@ -398,10 +420,11 @@ def cosine_total_steps(optim_cfg, updates: int) -> int:
 
 def optim_settings(config) -> ConfigDict:
   """The run's optimizer settings: a copy of config.optim with the derived values filled in
-  (cosine's total_steps counts optimizer updates, μ per GRPO step). config is never rewritten."""
+  (cosine's total_steps counts optimizer updates, updates_per_step per GRPO step). config is
+  never rewritten."""
   out = config.optim.copy_and_resolve_references()
   if out.schedule == "cosine" and not out.total_steps:
-    out.total_steps = cosine_total_steps(out, config.train.steps * config.loss.num_iterations)
+    out.total_steps = cosine_total_steps(out, updates_per_run(config))
   return out
 
 

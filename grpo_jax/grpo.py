@@ -59,8 +59,9 @@ at every one of its action tokens.
 
 TRL's bnpo normalises by the tokens of each micro-batch on each process; here it is the step's
 batch, so that it is invariant to micro-batching. One generation batch is one optimizer step's
-batch here, so bnpo and dapo give the same loss; both names are kept so configs written for TRL
-mean what they say. `grpo_loss(num_tokens=...)` takes a larger dapo normaliser for maths tests.
+batch here (loss.steps_per_generation = 1), so bnpo and dapo give the same loss; both names are
+kept so configs written for TRL mean what they say. With S > 1 slices, an update's batch is a
+slice: B_step and tokens_step are the slice's, tokens_generation / S is dapo's normaliser. `grpo_loss(num_tokens=...)` takes a larger dapo normaliser for maths tests.
 """
 from __future__ import annotations
 
@@ -75,6 +76,9 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "flow_grpo", "cispo", "sapo", "
 # Rollout importance sampling (TRL's vllm_importance_sampling_mode): the ratio per token or one
 # per sequence; a ratio outside [clip_min, clip_max] truncated to it or masked to 0.
 ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# Loss types normalised by the loss tokens of the whole generation batch (TRL's num_items_in_batch;
+# with loss.steps_per_generation S > 1 an update's weight is mask / (those tokens / S)).
+GENERATION_NORMALISED = ("dapo", "cispo", "vespo")
 # Loss types whose per-token term is -weight · A · log π with the weight under stop-gradient
 # (no ratio in the gradient path, so no PPO clip metrics of their own).
 _LOGP_WEIGHTED = ("cispo", "vespo")
@@ -112,6 +116,7 @@ def validate_loss_config(cfg) -> None:
   if not (isinstance(cfg.num_iterations, int) and cfg.num_iterations >= 1):
     raise ValueError(f"loss.num_iterations={cfg.num_iterations!r} must be an int >= 1")
   _validate_new_losses(cfg)
+  _validate_reference_sync(cfg)
   if cfg.kl_estimator == "k1" and cfg.beta > 0:
     errors.warn(f"loss.kl_estimator='k1' with beta={cfg.beta}: as a loss term its gradient is 0 "
                 "in expectation (docs/loss.md, 'The KL term'), so it holds nothing near the "
@@ -169,6 +174,24 @@ def _validate_new_losses(cfg) -> None:
                 "alike)")
 
 
+def _validate_reference_sync(cfg) -> None:
+  """steps_per_generation, and sync_ref_model with its alpha and period."""
+  for name in ("steps_per_generation", "ref_model_sync_steps"):
+    value = cfg[name]
+    if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
+      raise ValueError(f"loss.{name}={value!r} must be an int >= 1")
+  if not isinstance(cfg.sync_ref_model, bool):
+    raise ValueError(f"loss.sync_ref_model={cfg.sync_ref_model!r} must be True or False")
+  alpha = cfg.ref_model_mixup_alpha
+  if isinstance(alpha, bool) or not (isinstance(alpha, (int, float)) and 0 < alpha <= 1):
+    raise ValueError(f"loss.ref_model_mixup_alpha={alpha!r} must be in (0, 1] (the policy's "
+                     "share of the synced reference; 1 copies the policy)")
+  if cfg.sync_ref_model and not needs_reference(cfg):
+    raise ValueError("loss.sync_ref_model=True with loss.beta=0: no reference is held (beta = 0 "
+                     "skips it), so none can follow the policy; set loss.beta > 0, or "
+                     "sync_ref_model=False")
+
+
 def _validate_adaptive_entropy(cfg) -> None:
   """use_adaptive_entropy and its target, bounds and step."""
   if not isinstance(cfg.use_adaptive_entropy, bool):
@@ -221,6 +244,37 @@ def adaptive_entropy_next(ctrl, entropy, cfg) -> dict:
 def needs_reference(cfg) -> bool:
   """Whether the loop must compute reference log-probs at all (β = 0 skips that forward)."""
   return cfg.beta != 0
+
+
+def syncs_reference(cfg) -> bool:
+  """Whether the reference follows the policy (loss.sync_ref_model with β > 0): it is then
+  train state (the state's 'ref'), updated by the step and saved with it."""
+  return needs_reference(cfg) and cfg.sync_ref_model
+
+
+def frozen_reference(cfg) -> bool:
+  """Whether a frozen reference is held beside the train state: β > 0 without sync_ref_model."""
+  return needs_reference(cfg) and not cfg.sync_ref_model
+
+
+def reference_sync_due(updates, cfg):
+  """Whether the update that brings the count of applied updates to `updates` (traced int)
+  syncs the reference: every ref_model_sync_steps-th, as TRL's SyncRefModelCallback at
+  on_step_end (global_step % ref_model_sync_steps == 0, global_step counting the updates)."""
+  return updates % cfg.ref_model_sync_steps == 0
+
+
+def mix_reference(ref, params, alpha):
+  """ref ← α · params + (1 − α) · ref, leaf by leaf (TR-DPO, Gorbatovski et al. 2024; TRL's
+  SyncRefModelCallback._sync_target_model, ref · (1 − α) + α · params), computed in float32
+  and stored in each ref leaf's own dtype (train_step.reference_dtype).
+
+  Example (α = 0.6): ref [1.0, 0.0], params [2.0, 1.0] → [1.6, 0.6].
+  """
+  a, b = jnp.float32(alpha), jnp.float32(1.0 - alpha)
+  return jax.tree.map(
+      lambda r, p: (r.astype(jnp.float32) * b + p.astype(jnp.float32) * a).astype(r.dtype),
+      ref, params)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -61,6 +61,9 @@ DEAD_FIELDS = (
      "the config has a loss.loss_type other than 'sapo', and only sapo reads {field}"),
     ("loss.vespo_", (), lambda c: c.loss.loss_type != "vespo",
      "the config has a loss.loss_type other than 'vespo', and only vespo reads {field}"),
+    ("loss.ref_model_", (), lambda c: not c.loss.sync_ref_model,
+     "the config has loss.sync_ref_model=False (the reference stays frozen), which never reads "
+     "{field}"),
 )
 
 

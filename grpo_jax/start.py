@@ -60,7 +60,7 @@ def _fresh(m, trainer, stop):
           weights.save_checkpoint(host_params, s.cfg, out, tokenizer=s.tokenizer)
       del host_params
   state = trainer.init_state(params)
-  ref = trainer.reference(params) if policy.needs_frozen(grpo.needs_reference(c.loss)) else None
+  ref = trainer.reference(params) if policy.needs_frozen(grpo.frozen_reference(c.loss)) else None
   m.it = data.PromptIterator(len(s.train_rows), c.train.prompts_per_step, c.seed)
   m.fresh = True
   return state, ref

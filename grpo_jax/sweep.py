@@ -57,7 +57,7 @@ from grpo_jax.sweep_runner import (PREFIX_DIR, Runner, SweepError, cli_value,  #
 #    their values (tested in sweep_test). Not max_grad_norm: 0 removes the clipping stage, so
 #    the checkpoint's optimizer state would not fit.
 #  - loss.* except beta: the warm start validates them only; beta > 0 adds the reference params
-#    to the checkpoint.
+#    to the checkpoint, sync_ref_model puts them in the train state instead.
 #  - train.*: the GRPO loop's length and cadence; at step 0 the data position is the start of
 #    epoch 0 whatever prompts_per_step is. Not eval_examples/eval_batch_size (the step-0 eval)
 #    nor pad_multiple (the warm start's batches).
@@ -76,7 +76,8 @@ POST_WARM_START = frozenset({
     "loss.vespo_lambda_pos", "loss.vespo_k_neg", "loss.vespo_lambda_neg",
     "loss.rollout_is_correction", "loss.rollout_is_mode", "loss.rollout_is_clip_min",
     "loss.rollout_is_clip_max", "loss.off_policy_mask_threshold", "loss.use_bias_correction_kl",
-    "loss.top_entropy_quantile", "loss.entropy_coef",
+    "loss.top_entropy_quantile", "loss.entropy_coef", "loss.steps_per_generation",
+    "loss.ref_model_mixup_alpha", "loss.ref_model_sync_steps",
     "train.steps", "train.prompts_per_step", "train.eval_every", "train.checkpoint_every",
     "train.keep_checkpoints", "train.samples_per_step", "train.max_bad_steps",
     "train.dynamic_sampling", "train.max_sampling_rounds", "train.max_missing_reward_steps",

@@ -16,7 +16,10 @@ One call is a whole GRPO update: `make_batch` (advantages, masks), the reference
 first update's forward gives the old log-probs for the later ones (its params are the params
 before any update), so no separate forward is run for them; with μ = 1 the ratio is exactly 1.
 The reference forward runs inside the first update's micro-batch loop; while the params
-equal the reference's (a run's first step), the policy's log-probs are taken for it.
+equal the reference's (a run's first step), the policy's log-probs are taken for it. With
+loss.steps_per_generation = S > 1 each of the μ passes is S updates, one per slice of whole
+groups, whose old and reference log-probs one forward of every slice takes first
+(_sliced_updates).
 
 A call takes one of two batch layouts (B = rows = prompts × G, group-major; P, C the batch's
 padded prompt and completion widths, S = P + C):
@@ -69,8 +72,9 @@ result, a 3-token answer ending in EOS):
 `objective="sft"` makes the same step a supervised one (the warm start): the train layout
 without advantages, loss = mean negative log-likelihood of the completion tokens.
 
-The state is a plain dict {'step': int32 scalar, 'params': ..., 'opt_state': ...}, so
-checkpoint.py saves it as is. Each update runs grad_accum_steps micro-batches in a scan,
+The state is a plain dict {'step': int32 scalar, 'params': ..., 'opt_state': ...} (with
+loss.use_adaptive_entropy also 'entropy_ctrl'; with loss.sync_ref_model also 'ref', the
+reference the updates mix the policy into), so checkpoint.py saves it as is. Each update runs grad_accum_steps micro-batches in a scan,
 summing gradients of losses that are already normalised over the whole batch (grpo.py), so
 the result does not depend on the micro-batching. An update whose loss or gradient is not
 finite leaves the state unchanged and is skipped. With loss.num_iterations = μ > 1 the step's
@@ -178,11 +182,14 @@ def abstract_trainable(model_cfg, optim_cfg, policy=policy_lib.FULL):
 def abstract_state(model_cfg, optim_cfg, mesh=None, policy=policy_lib.FULL, loss_cfg=None):
   """ShapeDtypeStructs of the train state (with shardings if a mesh is given); no allocation.
   With LoRA the state's params are the adapters (abstract_trainable). loss_cfg: where it has
-  use_adaptive_entropy, the state also holds the entropy controller (controller_state)."""
+  use_adaptive_entropy, the state also holds the entropy controller (controller_state); where
+  the reference follows the policy (grpo.syncs_reference), the reference, as 'ref'."""
   params = abstract_trainable(model_cfg, optim_cfg, policy)
   opt_state = jax.eval_shape(make_optimizer(optim_cfg).init, params)
   state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params, "opt_state": opt_state,
            **jax.eval_shape(lambda: controller_state(loss_cfg))}
+  if _state_holds_reference(loss_cfg):
+    state["ref"] = abstract_reference(model_cfg, optim_cfg, None, policy)
   if mesh is None:
     return state
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
@@ -196,6 +203,12 @@ def controller_state(loss_cfg) -> dict:
   if loss_cfg is None or not loss_cfg.use_adaptive_entropy:
     return {}
   return {"entropy_ctrl": grpo.adaptive_entropy_start(loss_cfg)}
+
+
+def _state_holds_reference(loss_cfg) -> bool:
+  """Whether the train state holds the reference ('ref', abstract_reference's): with
+  loss.sync_ref_model the step updates it, so it is state like the optimizer's moments."""
+  return loss_cfg is not None and grpo.syncs_reference(loss_cfg)
 
 
 def reference_dtype(optim_cfg):
@@ -232,7 +245,8 @@ def reference_params(params, model_cfg, optim_cfg, mesh, policy=policy_lib.FULL)
 
 def state_shardings(model_cfg, optim_cfg, mesh, policy=policy_lib.FULL, loss_cfg=None):
   """NamedShardings of the state: params (or LoRA adapters) by the logical-axis rules,
-  optimizer moments alike, the controllers (controller_state) replicated."""
+  optimizer moments alike, the controllers (controller_state) replicated, a reference that
+  follows the policy as the frozen one's (reference_shardings)."""
   params = abstract_trainable(model_cfg, optim_cfg, policy)
   param_sh = sharding.param_shardings(policy.trainable_axes(model_cfg), params, mesh)
   optimizer = make_optimizer(optim_cfg)
@@ -240,6 +254,8 @@ def state_shardings(model_cfg, optim_cfg, mesh, policy=policy_lib.FULL, loss_cfg
       optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params), param_sh,
       transform_non_params=lambda _: sharding.replicated(mesh))
   controllers = jax.tree.map(lambda _: sharding.replicated(mesh), controller_state(loss_cfg))
+  if _state_holds_reference(loss_cfg):
+    controllers["ref"] = reference_shardings(model_cfg, optim_cfg, mesh, policy)
   return {"step": sharding.replicated(mesh), "params": param_sh, "opt_state": opt_sh,
           **controllers}
 
@@ -247,7 +263,8 @@ def state_shardings(model_cfg, optim_cfg, mesh, policy=policy_lib.FULL, loss_cfg
 def create_train_state(params, model_cfg, optim_cfg, mesh, policy=policy_lib.FULL,
                        loss_cfg=None):
   """The initial state from a params pytree (with LoRA: the adapters, policy.init_trainable):
-  cast to param_dtype, placed by the rules; with loss_cfg, its controllers' start."""
+  cast to param_dtype, placed by the rules; with loss_cfg, its controllers' start and, where the
+  reference follows the policy, the reference (a copy of params in reference_dtype)."""
   sh = state_shardings(model_cfg, optim_cfg, mesh, policy, loss_cfg)
   dtype = jnp.dtype(optim_cfg.param_dtype)
   # device_put may hand back the caller's own buffers (e.g. as one shard of a replicated leaf);
@@ -257,6 +274,8 @@ def create_train_state(params, model_cfg, optim_cfg, mesh, policy=policy_lib.FUL
                    out_shardings=sh["params"])(jax.device_put(params, sh["params"]))
   opt_state = jax.jit(make_optimizer(optim_cfg).init, out_shardings=sh["opt_state"])(params)
   controllers = {k: jax.device_put(v, sh[k]) for k, v in controller_state(loss_cfg).items()}
+  if _state_holds_reference(loss_cfg):  # the reference starts as the starting params
+    controllers["ref"] = reference_params(params, model_cfg, optim_cfg, mesh, policy)
   return {"step": jax.device_put(jnp.zeros((), jnp.int32), sh["step"]), "params": params,
           "opt_state": opt_state, **controllers}
 
@@ -366,8 +385,13 @@ def check_batch(batch, loss_cfg, optim_cfg, mesh, objective="grpo", *, has_ref_p
     _check_token_ids(batch, rollout, valid)
   n_batch_dev = int(np.prod([mesh.shape[a] for a in sharding.BATCH_AXES]))
   accum = optim_cfg.grad_accum_steps
-  if B % accum or (B // accum) % n_batch_dev:
-    raise ValueError(f"batch of {B} rows must split into optim.grad_accum_steps={accum} "
+  S = loss_cfg.steps_per_generation if objective == "grpo" else 1
+  if B % (S * (group_size or 1)):
+    raise ValueError(f"batch of {B} rows must split into loss.steps_per_generation={S} slices "
+                     f"of whole groups of G={group_size or 1} rows")
+  rows, what = B // S, f"batch of {B} rows" if S == 1 else f"slice of {B // S} rows"
+  if rows % accum or (rows // accum) % n_batch_dev:
+    raise ValueError(f"{what} must split into optim.grad_accum_steps={accum} "
                      f"micro-batches each divisible by the data×fsdp={n_batch_dev} devices")
 
 
@@ -615,6 +639,9 @@ class StepSpec:
     if objective not in OBJECTIVES:
       raise ValueError(f"objective={objective!r} is not one of {OBJECTIVES}")
     grpo.validate_loss_config(loss_cfg)
+    if objective == "grpo" and grpo.syncs_reference(loss_cfg) and policy.applies_frozen:
+      raise ValueError("loss.sync_ref_model=True: a LoRA run's reference is its frozen base "
+                       "(the adapters off), which nothing may change; use full fine-tuning")
     validate_optim_config(optim_cfg)
     logprobs.check_temperature(temperature)
     if objective == "grpo" and loss_cfg.loss_type == "flow_grpo" and not (
@@ -724,7 +751,8 @@ def _loss(spec, model, hp, params, ref_params, mb, norm, ref_is_policy):
           model, {"params": ref_params}, mb["tokens_BS"], mb["attn_mask_BS"], C, **kw)[0])
       ref_BC = spec.cond(ref_is_policy, policy, reference)
     weights_BC = grpo.token_weights(mask_BC, spec.loss.loss_type,
-                                    num_sequences=norm["sequences"], num_tokens=norm["tokens"],
+                                    num_sequences=norm["sequences"],
+                                    num_tokens=norm.get("weight_tokens", norm["tokens"]),
                                     max_completion_length=norm["max_completion_length"],
                                     turn_ids_BC=mb.get("turn_ids_BC"), max_turns=spec.max_turns)
     keep_BC, kept = _entropy_keep(spec.loss, mb, mask_BC, entropy_BC, norm)
@@ -777,18 +805,16 @@ def _whole_batch_keep(spec, model, hp, params, ref_params, micro, norm):
   return keep_ABC, keep_ABC.sum()
 
 
-def _grads(spec, hp, params, ref_params, batch, norm):
-  """Gradients summed over grad_accum_steps micro-batches, metric sums, [B, C] log-probs and
-  reference log-probs (None unless computed)."""
-  model = build_model(spec.model, spec.optim, spec.mesh)
-  ref_is_policy = (False if ref_params is None or not grpo.needs_reference(spec.loss)
-                   or spec.objective != "grpo"
-                   else _policy_is_reference(spec, params, ref_params, model.dtype))
-  accum, mesh = spec.optim.grad_accum_steps, spec.mesh
-  keys = ("tokens_BS", "attn_mask_BS", "advantages_B", "old_logp_BC", "ref_logp_BC", "mask_BC",
-          "completion_mask_BC", "turn_ids_BC", "sampler_logp_BC")
-  unit = norm["unit"]
-  micro = {k: _split_micro(batch[k], accum, mesh, unit) for k in keys if k in batch}
+_ROW_KEYS = ("tokens_BS", "attn_mask_BS", "advantages_B", "old_logp_BC", "ref_logp_BC", "mask_BC",
+             "completion_mask_BC", "turn_ids_BC", "sampler_logp_BC")
+
+
+def _micro_batches(spec, batch, norm, accum=None):
+  """The batch's row arrays as [accum, B / accum, ...] micro-batches (_split_micro, in runs of
+  norm['unit'] rows; accum default grad_accum_steps), with the packed forward's prompts of each
+  where norm['group'] > 1."""
+  accum, mesh, unit = accum or spec.optim.grad_accum_steps, spec.mesh, norm["unit"]
+  micro = {k: _split_micro(batch[k], accum, mesh, unit) for k in _ROW_KEYS if k in batch}
   if norm["group"] > 1 and "prompt_NP" in batch:  # the packed forward's prompts, once per group
     for k in _PROMPTS:
       if unit > 1:  # whole groups: micro-batch a holds groups a, a + accum, …, so their prompts
@@ -797,6 +823,19 @@ def _grads(spec, hp, params, ref_params, batch, norm):
         micro[k] = jax.lax.with_sharding_constraint(
             jnp.broadcast_to(batch[k], (accum,) + batch[k].shape),
             NamedSharding(mesh, P(None, sharding.BATCH_AXES)))
+  return micro
+
+
+def _grads(spec, hp, params, ref_params, batch, norm):
+  """Gradients summed over grad_accum_steps micro-batches, metric sums, [B, C] log-probs and
+  reference log-probs (None unless computed)."""
+  model = build_model(spec.model, spec.optim, spec.mesh)
+  ref_is_policy = (False if ref_params is None or not grpo.needs_reference(spec.loss)
+                   or spec.objective != "grpo"
+                   else _policy_is_reference(spec, params, ref_params, model.dtype))
+  accum, mesh = spec.optim.grad_accum_steps, spec.mesh
+  unit = norm["unit"]
+  micro = _micro_batches(spec, batch, norm)
   if spec.objective == "grpo" and spec.loss.top_entropy_quantile < 1 and accum > 1:
     micro["entropy_keep_BC"], kept = _whole_batch_keep(spec, model, hp, params, ref_params,
                                                        micro, norm)
@@ -828,6 +867,12 @@ def _adaptive_entropy(spec) -> bool:
   return spec.objective == "grpo" and spec.loss.use_adaptive_entropy
 
 
+def _synced_reference(spec) -> bool:
+  """Whether this step's reference follows the policy: a GRPO step with loss.sync_ref_model
+  (β > 0), whose state create_train_state gave a 'ref' (the warm start's has none)."""
+  return spec.objective == "grpo" and grpo.syncs_reference(spec.loss)
+
+
 def _update(spec, hp, state, ref_params, batch, norm):
   """One optimizer update; skipped (state unchanged) if the loss or gradient is not finite."""
   params = state["params"]
@@ -854,6 +899,10 @@ def _update(spec, hp, state, ref_params, batch, norm):
                                                      spec.loss)
   new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
   new_state["step"] = state["step"] + ok.astype(jnp.int32)
+  if _synced_reference(spec):  # after every ref_model_sync_steps-th applied update
+    due = ok & grpo.reference_sync_due(new_state["step"], spec.loss)
+    mixed = grpo.mix_reference(state["ref"], new_state["params"], spec.loss.ref_model_mixup_alpha)
+    new_state["ref"] = jax.tree.map(lambda m, r: jnp.where(due, m, r), mixed, state["ref"])
   tokens = norm["tokens"]
   metrics = {} if spec.objective == "sft" else grpo.finalize_metrics(sums, tokens)
   metrics.update({
@@ -877,6 +926,91 @@ def _over_updates(ms):
           else v[-1] if k == "entropy_coef" else v.mean(0) for k, v in ms.items()}
 
 
+def _slices(spec) -> int:
+  """S, the updates of one pass over a generation batch (loss.steps_per_generation; the warm
+  start's batches are one update each)."""
+  return spec.loss.steps_per_generation if spec.objective == "grpo" else 1
+
+
+def _mu_updates(spec, hp, state, ref_params, batch, layout):
+  """The μ = loss.num_iterations updates on the whole batch (S = 1): (state, metrics, the first
+  update's [B, C] log-probs). The first update's forward gives the old log-probs of updates
+  2..μ (its params are the ones that sampled) and their reference log-probs."""
+  norm = _normalisers(spec, batch["mask_BC"], *layout)
+  state, m, logp_BC, ref_BC = _update(spec, hp, state, ref_params, batch, norm)
+  if spec.objective == "grpo" and spec.loss.num_iterations > 1:
+    later = dict(batch, old_logp_BC=batch.get("old_logp_BC", logp_BC))
+    if ref_BC is not None:
+      later["ref_logp_BC"] = ref_BC
+
+    def body(st, _):
+      # The reference log-probs are the first update's; LoRA's policy still needs its base.
+      st, m_it, _, _ = _update(spec, hp, st, ref_params if spec.policy.applies_frozen else None,
+                               later, norm)
+      return st, m_it
+    state, ms = jax.lax.scan(body, state, None, length=spec.loss.num_iterations - 1)
+    m = _over_updates(jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), m, ms))
+  return state, m, logp_BC
+
+
+def _slice_batch(spec, batch):
+  """The batch as S = loss.steps_per_generation slices, [S, B / S, ...] per row array: slice s
+  holds runs s, s + S, … of G rows (whole groups; G = 1 without group_size), and its groups'
+  prompts once each. Example (B = 8, G = 2, S = 2): slice 0 rows 0, 1, 4, 5; slice 1 rows 2,
+  3, 6, 7."""
+  S, mesh, unit = _slices(spec), spec.mesh, spec.group_size or 1
+  sliced = {k: _split_micro(batch[k], S, mesh, unit) for k in _ROW_KEYS if k in batch}
+  sliced.update({k: _split_micro(batch[k], S, mesh, 1) for k in _PROMPTS if k in batch})
+  return sliced
+
+
+def _start_logprobs(spec, variables, sliced, layout):
+  """[S, b, C] log-probs of every slice of model.apply's `variables` (forward only, in
+  grad_accum_steps micro-batches): S > 1 slices' old and reference log-probs, taken before the
+  first update."""
+  model = build_model(spec.model, spec.optim, spec.mesh)
+
+  def one(sl):
+    norm = _normalisers(spec, sl["mask_BC"], *layout)
+    C = sl["mask_BC"].shape[1]
+    logp = jax.lax.map(lambda mb: completion_logprobs(
+        model, variables, mb["tokens_BS"], mb["attn_mask_BS"], C,
+        **_logprob_kw(spec, norm, mb))[0], _micro_batches(spec, sl, norm))
+    return _join_micro(logp, layout[0])
+  return jax.lax.stop_gradient(jax.lax.map(one, sliced))
+
+
+def _sliced_updates(spec, hp, state, ref_params, batch, layout):
+  """loss.steps_per_generation S > 1: μ passes over the S slices (_slice_batch), one update per
+  slice, in TRL's order (slice 0, 1, …, S − 1, then again for each further pass). Every update's
+  old log-probs are the params' before the first update (or the batch's old_logp_BC), its
+  reference log-probs those of the reference before it, both taken for every slice first.
+  Returns (state, metrics over the μ·S updates, the [B, C] log-probs at the start params)."""
+  S, lc = _slices(spec), spec.loss
+  sliced = _slice_batch(spec, batch)
+  params = state["params"]
+  start_SbC = _start_logprobs(spec, policy_vars(spec, params, ref_params, hp), sliced, layout)
+  sliced.setdefault("old_logp_BC", start_SbC)
+  if grpo.needs_reference(lc) and "ref_logp_BC" not in sliced:
+    # As in _loss: while the policy is the reference, its log-probs are the reference's.
+    dtype = jnp.dtype(spec.optim.compute_dtype)
+    sliced["ref_logp_BC"] = spec.cond(
+        _policy_is_reference(spec, params, ref_params, dtype), lambda: start_SbC,
+        lambda: _start_logprobs(spec, {"params": ref_params}, sliced, layout))
+  generation_tokens = batch["mask_BC"].sum()
+  frozen = ref_params if spec.policy.applies_frozen else None
+
+  def body(st, s):
+    sl = jax.tree.map(lambda x: x[s], sliced)
+    norm = _normalisers(spec, sl["mask_BC"], *layout)
+    if lc.loss_type in grpo.GENERATION_NORMALISED:  # TRL: the generation batch's tokens / S
+      norm["weight_tokens"] = generation_tokens / S
+    st, m_it, _, _ = _update(spec, hp, st, frozen, sl, norm)
+    return st, m_it
+  state, ms = jax.lax.scan(body, state, jnp.arange(lc.num_iterations * S) % S)
+  return state, _over_updates(ms), _join_micro(start_SbC, spec.group_size or 1)
+
+
 def train_step(state, batch, hparams, ref_params=None, *, spec: StepSpec):
   """One whole GRPO update, pure: (state, batch, hparams, ref_params) → (state, metrics,
   advantages_B). `spec` is static; `hparams` (see `hparams`) are arrays. See the module
@@ -887,34 +1021,23 @@ def train_step(state, batch, hparams, ref_params=None, *, spec: StepSpec):
     batch, stats = make_batch(batch, spec.loss, group_size=spec.group_size,
                               reward_weights=hp["reward_weights"])
     metrics.update({f"advantages/{k}": v for k, v in stats.items()})
-    layout = micro_layout(spec, batch["tokens_BS"].shape[0])
+    layout = micro_layout(spec, batch["tokens_BS"].shape[0] // _slices(spec))
   lc = spec.loss
   mask_BC = (grpo.loss_mask(batch["completion_mask_BC"], batch.get("truncated_B"),
                             lc.mask_truncated_completions) if spec.objective == "grpo"
              else batch["completion_mask_BC"].astype(jnp.float32))
   batch = dict(batch, mask_BC=mask_BC)
   B = mask_BC.shape[0]
-  norm = _normalisers(spec, mask_BC, *layout)
-  state, m, logp_BC, ref_BC = _update(spec, hp, state, ref_params, batch, norm)
+  if _synced_reference(spec):  # the reference that follows the policy: its value before the step
+    ref_params = state["ref"]
+  updates = _sliced_updates if _slices(spec) > 1 else _mu_updates
+  state, m, logp_BC = updates(spec, hp, state, ref_params, batch, layout)
   if spec.objective == "grpo" and "sampler_logp_BC" in batch:
-    # The first update's log-probs are the train step's at the params that sampled.
+    # The train step's log-probs at the params that sampled (the first update's forward).
     metrics.update(grpo.drift_metrics(logp_BC, batch["sampler_logp_BC"], mask_BC,
                                       batch["advantages_B"], lc))
-  if spec.objective == "grpo" and lc.num_iterations > 1:
-    # Updates 2..μ: old log-probs are the first update's (the params before any update).
-    later = dict(batch, old_logp_BC=batch.get("old_logp_BC", logp_BC))
-    if ref_BC is not None:
-      later["ref_logp_BC"] = ref_BC
-
-    def body(st, _):
-      # The reference log-probs are the first update's; LoRA's policy still needs its base.
-      st, m_it, _, _ = _update(spec, hp, st, ref_params if spec.policy.applies_frozen else None,
-                               later, norm)
-      return st, m_it
-    state, ms = jax.lax.scan(body, state, None, length=lc.num_iterations - 1)
-    m = _over_updates(jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), m, ms))
   metrics.update(m)
-  tokens = norm["tokens"]
+  tokens = mask_BC.sum()
   metrics.update({"tokens/completion": tokens, "tokens/completion_per_seq": tokens / B,
                   "tokens/total": batch["attn_mask_BS"].astype(jnp.float32).sum()})
   adv_B = batch.get("advantages_B", jnp.zeros((B,), jnp.float32)).astype(jnp.float32)
@@ -975,16 +1098,18 @@ class TrainStep:
     return len(self._programs)
 
   def needs_ref(self, batch) -> bool:
-    """Whether the program takes the frozen params: always with LoRA (its base)."""
+    """Whether the program takes the frozen params: always with LoRA (its base); never when
+    the reference follows the policy (it is in the state)."""
     return self.spec.policy.needs_frozen(
-        self.spec.objective == "grpo" and grpo.needs_reference(self.spec.loss)
+        self.spec.objective == "grpo" and grpo.frozen_reference(self.spec.loss)
         and "ref_logp_BC" not in batch)
 
   def check(self, batch, has_ref_params: bool) -> None:
     s = self.spec
     if s.policy.applies_frozen and not has_ref_params:
       raise ValueError("a LoRA train step needs the frozen base params (ref_params)")
-    check_batch(batch, s.loss, s.optim, s.mesh, s.objective, has_ref_params=has_ref_params,
+    check_batch(batch, s.loss, s.optim, s.mesh, s.objective,
+                has_ref_params=has_ref_params or _synced_reference(s),  # the state's 'ref'
                 group_size=s.group_size, num_rewards=s.num_rewards, max_turns=s.max_turns,
                 valid=s.valid)
 

@@ -82,11 +82,12 @@ class Trainer:
 
   def abstract_checkpoint(self):
     """What a checkpoint holds: the train state, and the reference where the policy keeps it
-    there (full fine-tuning with β > 0; a LoRA base is the model or BASE_DIR)."""
+    there (full fine-tuning with β > 0; a LoRA base is the model or BASE_DIR). A reference that
+    follows the policy (loss.sync_ref_model) is in the train state."""
     abstract = {"train": train_step.abstract_state(self.cfg, self.optim, self.mesh,
                                                    self.policy_type, self.config.loss)}
     if self.policy_type.frozen_in_checkpoint and self.policy_type.needs_frozen(
-        grpo.needs_reference(self.config.loss)):
+        grpo.frozen_reference(self.config.loss)):
       abstract["ref"] = train_step.abstract_reference(self.cfg, self.optim, self.mesh,
                                                       self.policy_type)
     return abstract

@@ -84,26 +84,32 @@ def validate(config, num_devices: int) -> None:
   _named(lora.LoraConfig.from_config, config.model.get("lora"))
   _named(reward_options.weighted_names, config.rewards)
 
-  updates = t.steps * lc.num_iterations
+  updates = config_lib.updates_per_run(config)
   # total_steps 0 with the cosine schedule means the run's updates: check the schedule the
   # trainer will run.
   _named(train_step.validate_optim_config, config_lib.optim_settings(config))
   _check(o.schedule != "cosine" or o.total_steps in (0, updates), "optim.total_steps",
          f"leave it 0: the cosine schedule spans the run's {updates} optimizer updates "
-         "(train.steps × loss.num_iterations)")
+         "(train.steps × loss.num_iterations × loss.steps_per_generation)")
   _check(isinstance(t.pad_multiple, int) and t.pad_multiple >= 1, "train.pad_multiple",
          f"must be an int >= 1, got {t.pad_multiple!r}")
 
-  rows = config_lib.rows_per_step(config)
   _check(t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
+  slices = lc.steps_per_generation
+  _check(t.prompts_per_step % slices == 0, "loss.steps_per_generation",
+         f"{slices} updates per generation batch each take whole groups: it must divide "
+         f"train.prompts_per_step={t.prompts_per_step}")
+  rows = config_lib.rows_per_step(config) // slices  # an update's
   _check(rows % o.grad_accum_steps == 0, "optim.grad_accum_steps",
-         f"{o.grad_accum_steps} does not divide the {rows} completions of a step "
-         f"(train.prompts_per_step={t.prompts_per_step} × G={g})")
+         f"{o.grad_accum_steps} does not divide the {rows} completions of an update "
+         f"(train.prompts_per_step={t.prompts_per_step} × G={g} / "
+         f"loss.steps_per_generation={slices})")
   split = batch_devices(config, _train_devices(config, num_devices))
   micro = rows // o.grad_accum_steps
   _check(micro % split == 0, "train.prompts_per_step",
-         f"a micro-batch of {micro} completions (prompts_per_step × G / grad_accum_steps) is not "
-         f"divisible by the {split} devices the mesh {tuple(config.mesh)} splits the batch over")
+         f"a micro-batch of {micro} completions (prompts_per_step × G / steps_per_generation / "
+         f"grad_accum_steps) is not divisible by the {split} devices the mesh "
+         f"{tuple(config.mesh)} splits the batch over")
   _check(not (s.compact_rows and split > 1), "sampling.compact_rows",
          f"True needs the batch on one device, but the mesh {tuple(config.mesh)} splits it "
          f"{split} ways (rows move within one device's cache): leave it unset (None)")
@@ -125,6 +131,10 @@ def validate(config, num_devices: int) -> None:
   _check(not (lc.rollout_is_correction and config.agent.enabled), "loss.rollout_is_correction",
          "multi-turn agent rollouts do not carry the sampler's log-probs it corrects with; set "
          "it False or agent.enabled=False")
+  _check(not (lc.sync_ref_model and config.model.lora.rank), "loss.sync_ref_model",
+         f"True with LoRA (model.lora.rank={config.model.lora.rank}): its reference is the "
+         "frozen base (the adapters off), which nothing may change; set it False, or "
+         "model.lora.rank=0 (full fine-tuning)")
 
 
 
@@ -246,6 +256,9 @@ def _validate_roles(config) -> None:
            f"'reference' needs the reference params, which exist only when loss.beta > 0 (got "
            f"{config.loss.beta}); set loss.beta > 0, or use 'frozen_policy' (the policy under "
            f"stop-gradient) or 'server'")
+    _check(a[role] != "reference" or not config.loss.sync_ref_model, f"agent.{role}",
+           "'reference' plays the frozen reference, and loss.sync_ref_model=True makes it follow "
+           "the policy: set sync_ref_model False, or use 'frozen_policy' or 'server'")
   _check(a.verifier == "none" or a.generator != "policy", "agent.verifier",
          f"{a.verifier!r} ends trajectories so that a frozen generator answers; with "
          "agent.generator='policy' no one would: set agent.generator to 'frozen_policy', "

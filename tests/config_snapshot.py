@@ -33,7 +33,8 @@ NEW_LOSS_FIELDS = ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos"
                    "rollout_is_mode", "rollout_is_clip_min", "rollout_is_clip_max",
                    "off_policy_mask_threshold", "use_bias_correction_kl", "top_entropy_quantile",
                    "entropy_coef", "use_adaptive_entropy", "entropy_target", "entropy_coef_min",
-                   "entropy_coef_max", "entropy_coef_delta")
+                   "entropy_coef_max", "entropy_coef_delta", "steps_per_generation",
+                   "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")
 EXCLUDED = ("model.lora",) + tuple(f"loss.{k}" for k in NEW_LOSS_FIELDS)
 
 

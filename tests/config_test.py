@@ -61,7 +61,8 @@ def test_the_new_loss_options_default_to_off_as_documented():
       rollout_is_mode="sequence_mask", rollout_is_clip_min=None, rollout_is_clip_max=3.0,
       off_policy_mask_threshold=None, use_bias_correction_kl=False, top_entropy_quantile=1.0,
       entropy_coef=0.0, use_adaptive_entropy=False, entropy_target=0.2, entropy_coef_min=0.0,
-      entropy_coef_max=1.0, entropy_coef_delta=0.005)
+      entropy_coef_max=1.0, entropy_coef_delta=0.005, steps_per_generation=1,
+      sync_ref_model=False, ref_model_mixup_alpha=0.6, ref_model_sync_steps=512)
   for path, presets in config_snapshot.PRESETS.items():
     for preset in presets:
       loss = config_snapshot.load(path).get_config(preset).loss
@@ -134,7 +135,9 @@ def test_derived_values_are_new_values():
   assert optim.total_steps == 400 and config.optim.total_steps == 0
   config.loss.num_iterations = 2
   assert config_lib.optim_settings(config).total_steps == 800
-  config.loss.num_iterations = 1
+  config.loss.steps_per_generation = 4  # μ × S updates a step
+  assert config_lib.optim_settings(config).total_steps == 3200
+  config.loss.update(num_iterations=1, steps_per_generation=1)
   assert config.to_dict() == before
   assert config_lib.group_size(config) == 8 and config_lib.rows_per_step(config) == 16 * 8
 

@@ -423,3 +423,72 @@ def test_adaptive_entropy_coefficient_follows_trls_controller_step_by_step():
   # The run went through both bounds and both gates.
   assert applied_seen[0] == 0 and np.float32(0.02) in np.float32(applied_seen)
   assert float(ctrl["coef"]) == np.float32(0.002) and applied_seen[-1] == 0
+
+
+# --- loss.sync_ref_model: TRL's SyncRefModelCallback --------------------------------------------
+
+
+def _torch_modules(arrays, dtype):
+  """A torch module whose parameters are `arrays` (a list), in dtype."""
+  module = torch.nn.Module()
+  for i, a in enumerate(arrays):
+    module.register_parameter(f"p{i}", torch.nn.Parameter(torch.tensor(a).to(dtype)))
+  return module
+
+
+def test_synced_reference_matches_trls_callback_step_for_step(monkeypatch):
+  """grpo.mix_reference and grpo.reference_sync_due against TRL's SyncRefModelCallback.on_step_end,
+  run as the Trainer calls it (state.global_step = the updates made so far), over six updates
+  with the policy moving between them: float32, ≤ 1e-6 relative at every step. (One process
+  without DeepSpeed: accelerate's state, which asks for an Accelerator, says just that.)"""
+  from trl.trainer import callbacks  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(callbacks, "AcceleratorState",
+                      lambda: types.SimpleNamespace(deepspeed_plugin=None))
+  rng = np.random.default_rng(0)
+  shapes = [(5, 3), (7,), (2, 4, 3)]
+  ref = [rng.normal(size=s).astype(np.float32) for s in shapes]
+  cfg = loss_cfg(beta=0.04, sync_ref_model=True, ref_model_sync_steps=2,
+                 ref_model_mixup_alpha=0.6)
+  trl_ref = _torch_modules(ref, torch.float32)
+  callback = callbacks.SyncRefModelCallback(ref_model=trl_ref, accelerator=None)
+  args = types.SimpleNamespace(ref_model_sync_steps=cfg.ref_model_sync_steps,
+                               ref_model_mixup_alpha=cfg.ref_model_mixup_alpha)
+  ours, synced = [jnp.asarray(r) for r in ref], []
+  for step in range(1, 7):
+    policy = [rng.normal(size=s).astype(np.float32) for s in shapes]
+    callback.on_step_end(args, types.SimpleNamespace(global_step=step), None,
+                         model=_torch_modules(policy, torch.float32))
+    if bool(grpo.reference_sync_due(jnp.int32(step), cfg)):
+      ours = grpo.mix_reference(ours, [jnp.asarray(p) for p in policy], cfg.ref_model_mixup_alpha)
+      synced.append(step)
+    for a, b in zip(ours, trl_ref.parameters()):
+      np.testing.assert_allclose(np.asarray(a), b.detach().numpy(), rtol=RTOL, atol=1e-7,
+                                 err_msg=f"after update {step}")
+  assert synced == [2, 4, 6]
+
+
+def test_synced_reference_in_bfloat16_is_the_float32_mix_rounded_once():
+  """A bf16 reference (train_step.reference_dtype) is mixed in float32 and rounded once; TRL's
+  in-place mul_/add_ on bf16 parameters round twice. Pinned: ours is the exact mix rounded to
+  bf16 on every element where that rounding is unambiguous, never farther from the exact mix
+  than TRL's, and strictly nearer on some."""
+  import ml_dtypes  # pylint: disable=import-outside-toplevel
+  from trl.trainer import callbacks  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(1)
+  ref = rng.normal(size=(4096,)).astype(ml_dtypes.bfloat16)
+  policy = rng.normal(size=(4096,)).astype(np.float32)
+  alpha = 0.6
+  got = np.asarray(grpo.mix_reference(jnp.asarray(ref), jnp.asarray(policy), alpha)).astype(
+      np.float64)
+  assert grpo.mix_reference(jnp.asarray(ref), jnp.asarray(policy), alpha).dtype == jnp.bfloat16
+  trl_ref = _torch_modules([np.asarray(ref, np.float32)], torch.bfloat16)
+  callbacks.SyncRefModelCallback._sync_target_model(  # pylint: disable=protected-access
+      _torch_modules([policy], torch.bfloat16), trl_ref, alpha)
+  trl = next(trl_ref.parameters()).detach().to(torch.float64).numpy()
+  exact = np.asarray(ref, np.float64) * (1 - alpha) + policy.astype(np.float64) * alpha
+  rounded = exact.astype(ml_dtypes.bfloat16).astype(np.float64)
+  clear = np.abs(exact - rounded) < 0.45 * np.spacing(rounded.astype(ml_dtypes.bfloat16)
+                                                       ).astype(np.float64)
+  np.testing.assert_array_equal(got[clear], rounded[clear])
+  assert np.all(np.abs(got - exact) <= np.abs(trl - exact) + 1e-12)
+  assert np.any(np.abs(got - exact) < np.abs(trl - exact))

@@ -161,6 +161,8 @@ def _fields_error(config, *keys):
                                   "loss.sapo_temperature_neg"),
     ("loss.vespo_k_pos", "a loss.loss_type other than 'vespo', and only vespo reads "
                          "loss.vespo_k_pos"),
+    ("loss.ref_model_sync_steps", "loss.sync_ref_model=False (the reference stays frozen), "
+                                  "which never reads loss.ref_model_sync_steps"),
 ])
 def test_a_set_field_the_tiny_preset_never_reads_is_refused(key, why):
   config = gsm8k.get_config("tiny")
@@ -185,6 +187,9 @@ def test_fields_the_config_reads_pass():
   full.loss.loss_type = "sapo"
   assert _fields_error(full, "loss.sapo_temperature_pos", "loss.loss_type") is None
   assert "only vespo reads loss.vespo_lambda_neg" in _fields_error(full, "loss.vespo_lambda_neg")
+  full.loss.sync_ref_model = True
+  assert _fields_error(full, "loss.ref_model_mixup_alpha", "loss.ref_model_sync_steps",
+                       "loss.sync_ref_model") is None
 
 
 def test_an_overrides_file_key_is_named_as_such(tmp_path):

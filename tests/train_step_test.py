@@ -913,3 +913,203 @@ def test_drift_metrics_are_the_first_updates_log_probs_against_the_samplers(para
   want = (dropped_B[:, None] & on).sum() / on.sum()
   assert 0 < want < 1
   np.testing.assert_allclose(float(m["drift/is_clipped_frac"]), want, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# loss.steps_per_generation (S updates per generation batch) and loss.sync_ref_model.
+
+
+def _slice_rows(s, S):
+  """The rows of slice s of S (train_step._slice_batch): runs s, s + S, … of G rows."""
+  rows = np.arange(B)
+  return rows[(rows // G) % S == s]
+
+
+@pytest.mark.parametrize("given_old", [True, False])
+def test_steps_per_generation_is_one_update_per_slice_with_the_start_log_probs(params, data,
+                                                                                given_old):
+  """S = 2, μ = 2 in one call == four single updates in TRL's order (slice 0, 1, 0, 1), each on
+  its slice's rows, with the batch's old log-probs or (none given) those of the params before
+  the first update, and the reference's from its params (a forward in the step)."""
+  batch, _ = data
+  optim = optim_config(grad_accum_steps=1)
+  mesh, p = _on_one_device(params, optim)
+  ref = jax.tree.map(lambda x: x * 0.9, p)
+  logprob_fn = train_step.make_logprob_fn(MODEL, optim, mesh)
+  ref_logp = np.asarray(logprob_fn(ref, batch["tokens_BS"], batch["attn_mask_BS"], C))
+  old = (batch["old_logp_BC"] if given_old else
+         np.asarray(logprob_fn(p, batch["tokens_BS"], batch["attn_mask_BS"], C)))
+  drop = ("ref_logp_BC",) if given_old else ("ref_logp_BC", "old_logp_BC")
+  plain = {k: v for k, v in batch.items() if k not in drop}
+  lc = loss_config(loss_type="grpo", num_iterations=2, steps_per_generation=2)
+  step = train_step.make_train_step(MODEL, lc, optim, mesh, group_size=G)
+  got, got_m, _ = step(train_step.create_train_state(p, MODEL, optim, mesh), plain, ref)
+  one = train_step.make_train_step(MODEL, loss_config(loss_type="grpo"), optim, mesh)
+  want, want_ms = train_step.create_train_state(p, MODEL, optim, mesh), []
+  for s in (0, 1, 0, 1):
+    rows = _slice_rows(s, 2)
+    part = {k: v[rows] for k, v in plain.items()}
+    want, m, _ = one(want, dict(part, old_logp_BC=old[rows], ref_logp_BC=ref_logp[rows]))
+    want_ms.append({k: float(v) for k, v in m.items()})
+  assert int(got["step"]) == int(want["step"]) == 4  # the schedule counts every update
+  for x, y in zip(jax.tree.leaves(host(got)), jax.tree.leaves(host(want))):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-8)
+  for k in ("loss", "loss/kl", "grad_norm", "ratio/mean", "lr"):
+    np.testing.assert_allclose(float(got_m[k]), np.mean([m[k] for m in want_ms]), rtol=1e-6,
+                               err_msg=k)
+  assert float(got_m["ratio/max"]) == pytest.approx(max(m["ratio/max"] for m in want_ms), 1e-6)
+  assert float(got_m["loss/kl"]) > 0
+
+
+def test_steps_per_generation_normalises_dapo_over_the_generation_batch_and_micro_batches(
+    params, data):
+  """dapo with S = 2 divides each update's token sum by the generation batch's loss tokens / S
+  (TRL's normaliser), so at a rate too small to move any parameter its two updates' mean loss
+  is the whole batch's (S = 1) loss; bnpo (each update's own tokens) is not. And with S = 2
+  four micro-batches per update (a rollout batch: prompts once per group) give one's result."""
+  batch = {k: v for k, v in _shared_prompts(data[0]).items() if k != "ref_logp_BC"}
+  optim = optim_config(grad_accum_steps=1, lr=1e-30, weight_decay=0.0)
+  mesh, p = _on_one_device(params, optim)
+  losses = {}
+  for loss_type, S in itertools.product(("dapo", "bnpo"), (1, 2)):
+    lc = loss_config(loss_type=loss_type, beta=0.0, steps_per_generation=S)
+    step = train_step.make_train_step(MODEL, lc, optim, mesh, group_size=G)
+    state, m, _ = step(train_step.create_train_state(p, MODEL, optim, mesh), batch)
+    for x, y in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(p)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # nothing moved
+    losses[loss_type, S] = float(m["loss"])
+  np.testing.assert_allclose(losses["dapo", 2], losses["dapo", 1], rtol=1e-6)
+  assert abs(losses["bnpo", 2] - losses["bnpo", 1]) > 1e-3 * abs(losses["bnpo", 1])
+  rollout = _rollout_from(_shared_prompts(data[0]), np.random.default_rng(3).normal(
+      size=(B, 1)).astype(np.float32))
+  results = []
+  for accum in (1, 4):
+    optim = optim_config(grad_accum_steps=accum)
+    lc = loss_config(steps_per_generation=2, num_iterations=2)
+    step = train_step.make_train_step(MODEL, lc, optim, mesh, group_size=G, reward_weights=(1.0,))
+    assert step.micro_layout(B // 2) == (G, G)  # whole groups, their prompts run once
+    state, m, _ = step(train_step.create_train_state(p, MODEL, optim, mesh), rollout,
+                       jax.tree.map(lambda x: x * 0.9, p))
+    results.append((host(state), host(m)))
+  for k, v in results[0][1].items():
+    np.testing.assert_allclose(results[1][1][k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+  for x, y in zip(jax.tree.leaves(results[1][0]), jax.tree.leaves(results[0][0])):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
+def test_synced_reference_mixes_in_the_policy_every_n_updates(params, data):
+  """loss.sync_ref_model: the reference is train state, starting as the params; after every
+  ref_model_sync_steps-th update it is α·params + (1 − α)·ref (NumPy, float32), between them it
+  is unchanged, and the KL is taken against it (exactly 0 while it is the policy)."""
+  batch = {k: v for k, v in data[0].items() if k != "ref_logp_BC"}
+  optim = optim_config(grad_accum_steps=1)
+  mesh, p = _on_one_device(params, optim)
+  lc = loss_config(sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.6)
+  step = train_step.make_train_step(MODEL, lc, optim, mesh)
+  state = train_step.create_train_state(p, MODEL, optim, mesh, loss_cfg=lc)
+  assert not step.needs_ref(batch)  # no frozen reference beside the state
+  want = jax.tree.map(np.asarray, state["ref"])
+  for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(p)):
+    np.testing.assert_array_equal(x, np.asarray(y))
+  for n in range(1, 5):
+    state, m, _ = step(state, batch)
+    if n == 1:
+      assert float(m["loss/kl"]) == 0.0
+    else:
+      assert float(m["loss/kl"]) > 0
+    if n % 2 == 0:
+      want = jax.tree.map(lambda r, x: r * np.float32(0.4) + np.asarray(x) * np.float32(0.6),
+                          want, state["params"])
+    for x, y in zip(jax.tree.leaves(state["ref"]), jax.tree.leaves(want)):
+      np.testing.assert_allclose(np.asarray(x), y, rtol=1e-6, atol=1e-9)
+  moved = max(np.abs(np.asarray(x) - np.asarray(y)).max()
+              for x, y in zip(jax.tree.leaves(state["ref"]), jax.tree.leaves(p)))
+  assert moved > 1e-3  # the reference did follow the policy
+  # In the compute dtype (bf16 here) the reference is stored as the frozen one is.
+  bf16 = optim_config(compute_dtype="bfloat16")
+  ref = train_step.create_train_state(p, MODEL, bf16, mesh, loss_cfg=lc)["ref"]
+  assert {x.dtype for x in jax.tree.leaves(ref)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_a_reference_synced_past_the_run_leaves_the_step_as_a_frozen_one(params, data):
+  """sync_ref_model with a period no run reaches == the frozen reference (sync_ref_model=False,
+  the default) bit for bit: the reference as train state changes nothing else."""
+  batch = {k: v for k, v in data[0].items() if k != "ref_logp_BC"}
+  optim = optim_config(grad_accum_steps=2)
+  mesh, p = _on_one_device(params, optim)
+  frozen_lc, synced_lc = loss_config(), loss_config(sync_ref_model=True,
+                                                    ref_model_sync_steps=10**6)
+  frozen = train_step.make_train_step(MODEL, frozen_lc, optim, mesh)
+  synced = train_step.make_train_step(MODEL, synced_lc, optim, mesh)
+  ref = train_step.reference_params(p, MODEL, optim, mesh)
+  a = train_step.create_train_state(p, MODEL, optim, mesh, loss_cfg=frozen_lc)
+  b = train_step.create_train_state(p, MODEL, optim, mesh, loss_cfg=synced_lc)
+  for _ in range(2):
+    a, ma, _ = frozen(a, batch, ref)
+    b, mb, _ = synced(b, batch)
+    assert {k: float(v) for k, v in ma.items()} == {k: float(v) for k, v in mb.items()}
+  ref_b = b.pop("ref")
+  for x, y in zip(jax.tree.leaves(host(a)), jax.tree.leaves(host(b))):
+    np.testing.assert_array_equal(x, y)
+  for x, y in zip(jax.tree.leaves(ref_b), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_members_each_sync_their_own_reference(params, data):
+  """A vmapped group with loss.sync_ref_model (in turn, jax.lax.map): each member's reference is
+  in its own stacked state, and members.train leaves each member's reference and params where
+  its own step does (their β differ, so do their updates)."""
+  batch = _shared_prompts(data[0])
+  rng = np.random.default_rng(12)
+  optim = optim_config(grad_accum_steps=1)
+  mesh, p = _on_one_device(params, optim)
+  lcs = [loss_config(sync_ref_model=True, ref_model_sync_steps=1, beta=b) for b in (0.05, 0.2)]
+  step = train_step.make_train_step(MODEL, lcs[0], optim, mesh, group_size=G,
+                                    reward_weights=(1.0, 0.5))
+  rolls = [_rollout_from(batch, rng.normal(size=(B, 2)).astype(np.float32)) for _ in lcs]
+  hps = [train_step.hparams(lc, optim, (1.0, 0.5)) for lc in lcs]
+  fresh = lambda: train_step.create_train_state(p, MODEL, optim, mesh, loss_cfg=lcs[0])
+  want = [step(fresh(), r, None, h)[0] for r, h in zip(rolls, hps)]
+  got, _, _ = members.train(step, train_step_stack([fresh(), fresh()]), rolls,
+                            train_step_stack(hps), None, batched=False)
+  for k, w in enumerate(want):
+    for part in ("ref", "params"):
+      for a, b in zip(jax.tree.leaves(jax.tree.map(lambda x: x[k], got[part])),
+                      jax.tree.leaves(w[part])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+  moved = [max(np.abs(np.asarray(x) - np.asarray(y)).max()
+               for x, y in zip(jax.tree.leaves(w["ref"]), jax.tree.leaves(p))) for w in want]
+  assert min(moved) > 1e-4
+  assert max(np.abs(np.asarray(x) - np.asarray(y)).max()
+             for x, y in zip(jax.tree.leaves(want[0]["ref"]), jax.tree.leaves(want[1]["ref"]))) > 0
+
+
+def test_steps_per_generation_with_lora_slices_the_adapters_updates(params, data):
+  """S = 2 with LoRA (fresh adapters, b = 0: the policy is the base, the reference): two single
+  updates of the adapters, one per slice, whose old and reference log-probs are both the base's
+  (one forward before the first update). The baseline's come from the plain forward, the step's
+  from the base with zero adapters, another program: within 1e-5, as the μ test above."""
+  from grpo_jax import policy as policy_lib  # pylint: disable=import-outside-toplevel
+  from grpo_jax.models import lora as lora_lib  # pylint: disable=import-outside-toplevel
+  batch = {k: v for k, v in data[0].items() if k not in ("old_logp_BC", "ref_logp_BC")}
+  optim = optim_config(grad_accum_steps=1)
+  mesh, p = _on_one_device(params, optim)
+  lora = policy_lib.Lora(lora_lib.LoraConfig(rank=4, alpha=8.0))
+  base = train_step.reference_params(p, MODEL, optim, mesh, lora)
+  fresh = lambda: train_step.create_train_state(
+      lora.init_trainable(p, MODEL, 0, jnp.float32), MODEL, optim, mesh, lora)
+  sliced = train_step.make_train_step(MODEL, loss_config(loss_type="grpo", steps_per_generation=2),
+                                      optim, mesh, group_size=G, policy=lora)
+  got, _, _ = sliced(fresh(), batch, base)
+  logp = np.asarray(train_step.make_logprob_fn(MODEL, optim, mesh)(p, batch["tokens_BS"],
+                                                                   batch["attn_mask_BS"], C))
+  one = train_step.make_train_step(MODEL, loss_config(loss_type="grpo"), optim, mesh, policy=lora)
+  want = fresh()
+  for s in (0, 1):
+    rows = _slice_rows(s, 2)
+    want, _, _ = one(want, dict({k: v[rows] for k, v in batch.items()}, old_logp_BC=logp[rows],
+                                ref_logp_BC=logp[rows]), base)
+  assert int(got["step"]) == 2
+  for x, y in zip(jax.tree.leaves(host(got)), jax.tree.leaves(host(want))):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+  assert max(np.abs(b).max() for b in lora_lib.b_factors(host(got["params"]))) > 0

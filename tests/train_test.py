@@ -253,14 +253,26 @@ def test_preempted_runs_resume_to_the_same_params_bit_for_bit(tmp_path):
   assert sa and sa == sb
 
 
-def test_adaptive_entropy_coefficient_is_checkpointed_and_resumes_bit_for_bit(tmp_path):
-  """loss.use_adaptive_entropy: the coefficient is train state. A run stopped by SIGTERM after
-  a checkpoint and resumed logs the same coefficients, metrics and final params as one that
-  ran straight; the logged coefficient follows the controller's rule (with the target above
-  any entropy: up by delta every update, applied from the second update on)."""
+def _checkpoint_train_state(workdir, step):
+  """The train state a run's checkpoint of `step` holds, as NumPy arrays (read as orbax wrote
+  it, without the run's code)."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  state = ocp.PyTreeCheckpointer().restore(str(Path(workdir) / "checkpoints" / str(step) / "state"))
+  return jax.tree.map(np.asarray, state["train"])
+
+
+def test_train_state_controllers_are_checkpointed_and_resume_bit_for_bit(tmp_path):
+  """loss.use_adaptive_entropy: the coefficient is train state; so is the reference with
+  loss.sync_ref_model (β > 0). A run stopped by SIGTERM after a checkpoint and resumed logs the
+  same coefficients, metrics and final params as one that ran straight; the logged coefficient
+  follows the controller's rule (with the target above any entropy: up by delta every update,
+  applied from the second update on), and each checkpoint's reference is α·params + (1 − α)·
+  the previous one's (synced every 2 updates: at each checkpoint)."""
   flags = ("--config.train.steps=6", "--config.loss.use_adaptive_entropy=True",
            "--config.loss.entropy_target=100.0", "--config.loss.entropy_coef_delta=0.01",
-           "--config.loss.entropy_coef_max=0.035")
+           "--config.loss.entropy_coef_max=0.035", "--config.loss.beta=0.01",
+           "--config.loss.sync_ref_model=True", "--config.loss.ref_model_sync_steps=2",
+           "--config.loss.ref_model_mixup_alpha=0.6")
   straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
   _run(straight, *flags)
   code, out = _start_and_signal(interrupted, 2, signal.SIGTERM, *flags)
@@ -280,6 +292,18 @@ def test_adaptive_entropy_coefficient_is_checkpointed_and_resumes_bit_for_bit(tm
   a, b = _final_params(straight), _final_params(interrupted)
   for name in a:
     np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+  # The KL is taken against the reference: 0 while the policy is it (the warm-up's first update
+  # runs at lr 0), then > 0.
+  assert [r["kl"] for r in steps[:2]] == [0.0, 0.0] and all(r["kl"] > 0 for r in steps[2:])
+  states = {n: _checkpoint_train_state(straight, n) for n in (2, 4, 6)}
+  for n in (4, 6):
+    want = jax.tree.map(lambda r, p: r * np.float32(0.4) + p * np.float32(0.6),
+                        states[n - 2]["ref"], states[n]["params"])
+    for x, y in zip(jax.tree.leaves(states[n]["ref"]), jax.tree.leaves(want)):
+      np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-9)
+    for x, y in zip(jax.tree.leaves(states[n]["ref"]),
+                    jax.tree.leaves(_checkpoint_train_state(interrupted, n)["ref"])):
+      np.testing.assert_array_equal(x, y)
 
 
 def test_warm_start_stops_at_the_first_check_reaching_its_target(tmp_path, monkeypatch, capsys):

@@ -54,6 +54,16 @@ def test_presets_are_valid(preset):
     ("train.members", "map", None),
     ("loss.rollout_is_mode", "token", r"config\.loss\.rollout_is_mode='token' is not one of"),
     ("loss.top_entropy_quantile", 0.2, None),
+    ("loss.sync_ref_model", True, None),  # the preset's beta is 0.001
+    ("loss.ref_model_mixup_alpha", 0.0, r"^config\.loss\.ref_model_mixup_alpha=0\.0 must be in "
+     r"\(0, 1\]"),
+    ("loss.ref_model_mixup_alpha", 1.0, None),
+    ("loss.ref_model_sync_steps", 0, r"^config\.loss\.ref_model_sync_steps=0 must be an int >= 1"),
+    ("loss.steps_per_generation", 0, r"^config\.loss\.steps_per_generation=0 must be an int >= 1"),
+    ("loss.steps_per_generation", 5, r"^config\.loss\.steps_per_generation: 5 updates per "
+     r"generation batch each take whole groups: it must divide train\.prompts_per_step=96$"),
+    ("loss.steps_per_generation", 4, None),  # 24 prompts an update: 4 micro-batches of 6 × 8
+    ("loss.steps_per_generation", 32, r"^config\.train\.prompts_per_step: a micro-batch of 6 "),
 ])
 def test_bad_settings_are_named(field, value, message):
   config = gsm8k.get_config("default")
@@ -177,6 +187,30 @@ def test_values_an_override_carries_are_checked_against_the_schema(args, message
 def test_every_preset_validates_on_the_devices_it_declares(path, preset):
   config = (gsm8k_agent if "agent" in path else gsm8k).get_config(preset)
   validate.validate(config, num_devices=config.hardware.devices)
+
+
+def test_a_reference_that_follows_the_policy_is_refused_where_it_cannot_mean_anything():
+  """loss.sync_ref_model: LoRA's reference is its frozen base; an agent's 'reference' role plays
+  the frozen reference. Each is one line naming the setting."""
+  config = gsm8k.get_config("tiny")  # beta 0: no reference is held
+  config.loss.sync_ref_model = True
+  with pytest.raises(validate.ConfigError, match=r"^config\.loss\.sync_ref_model=True with "
+                     r"loss\.beta=0: no reference is held \(beta = 0 skips it\)"):
+    validate.validate(config, num_devices=1)
+  config = gsm8k.get_config("tiny_lora")  # beta 0.01 against the base
+  config.loss.sync_ref_model = True
+  with pytest.raises(validate.ConfigError, match=r"^config\.loss\.sync_ref_model: True with "
+                     r"LoRA \(model\.lora\.rank=8\): its reference is the frozen base"):
+    validate.validate(config, num_devices=1)
+  config.model.lora.rank = 0
+  validate.validate(config, num_devices=1)
+  agent = gsm8k_agent.get_config("tiny")
+  agent.loss.update(beta=0.01, sync_ref_model=True)
+  validate.validate(agent, num_devices=1)
+  agent.agent.generator = "reference"
+  with pytest.raises(validate.ConfigError, match=r"^config\.agent\.generator: 'reference' plays "
+                     r"the frozen reference, and loss\.sync_ref_model=True"):
+    validate.validate(agent, num_devices=1)
 
 
 def test_settings_have_one_home_and_the_cosine_schedule_counts_mu():
