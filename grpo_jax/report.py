@@ -342,6 +342,29 @@ def _seeds(n) -> str:
   return "—" if n is None else str(n)
 
 
+def _interval_lines(runs, effect) -> list[str]:
+  """The report's "Intervals over seeds" section."""
+  lines = ["", "## Intervals over seeds", "",
+           "Mean [95% interval of the mean over seeds]: Student's t, mean ± t(0.975, n − 1) "
+           "· s / √n with s the sample std; none for one seed. It assumes roughly normal seed "
+           "outcomes, and from 2-3 seeds it is wide: that is how little they say. Seeds "
+           "needed: per setting, for a two-sample comparison of gain to detect "
+           f"{effect:g} points with {stats.POWER:.0%} power at the 5% level (two-sided), at "
+           "this setting's std (normal approximation with Guenther's correction).", ""]
+  header = ["setting", "n", "start acc %", "final acc %", "gain (points)",
+            "steps to half gain", f"seeds for {effect:g} points"]
+  lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+  for row in interval_rows(runs, effect):
+    cells = [f"`{row['setting']}`", str(row["n"])]
+    for key in INTERVAL_KEYS:
+      mean, _, lo, hi = row[key]
+      digits = 0 if key == "half" else 1
+      cells.append("—" if math.isnan(mean) else f"{mean:.{digits}f} {_interval(lo, hi, digits)}")
+    cells.append(_seeds(row["seeds_needed"]))
+    lines.append("| " + " | ".join(cells) + " |")
+  return lines
+
+
 def render(sweep_dir, runs, plotted, effect=EFFECT_POINTS, metric="gain") -> str:
   index = sweep_runner.read_json(os.path.join(sweep_dir, sweep_runner.SWEEP_FILE)) or {}
   lines = [f"# Sweep {os.path.basename(os.path.abspath(sweep_dir))}", ""]
@@ -366,24 +389,7 @@ def render(sweep_dir, runs, plotted, effect=EFFECT_POINTS, metric="gain") -> str
                   f"`{r['dir']}` ({r['status']}, {(r.get('wall_s') or 0) / 60:.1f} min)"
                   for r in prefixes) + "."]
 
-  lines += ["", "## Intervals over seeds", "",
-            "Mean [95% interval of the mean over seeds]: Student's t, mean ± t(0.975, n − 1) "
-            "· s / √n with s the sample std; none for one seed. It assumes roughly normal seed "
-            "outcomes, and from 2-3 seeds it is wide: that is how little they say. Seeds "
-            "needed: per setting, for a two-sample comparison of gain to detect "
-            f"{effect:g} points with {stats.POWER:.0%} power at the 5% level (two-sided), at "
-            "this setting's std (normal approximation with Guenther's correction).", ""]
-  header = ["setting", "n", "start acc %", "final acc %", "gain (points)",
-            "steps to half gain", f"seeds for {effect:g} points"]
-  lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-  for row in interval_rows(runs, effect):
-    cells = [f"`{row['setting']}`", str(row["n"])]
-    for key in INTERVAL_KEYS:
-      mean, _, lo, hi = row[key]
-      digits = 0 if key == "half" else 1
-      cells.append("—" if math.isnan(mean) else f"{mean:.{digits}f} {_interval(lo, hi, digits)}")
-    cells.append(_seeds(row["seeds_needed"]))
-    lines.append("| " + " | ".join(cells) + " |")
+  lines += _interval_lines(runs, effect)
 
   pairs = paired_rows(runs, metric, effect)
   if pairs:
