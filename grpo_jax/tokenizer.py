@@ -10,6 +10,7 @@ The tiny tokenizer is byte-level with no merges, so every UTF-8 string round-tri
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from typing import Iterable, Sequence
@@ -43,23 +44,42 @@ def load_tokenizer(name_or_path: str,
                    field: str = "config.model.tokenizer") -> transformers.PreTrainedTokenizerBase:
   """Loads a tokenizer from a local directory or a hub id (see grpo_jax.hub for the rule).
 
-  A local directory with a tokenizer.json (every Qwen checkpoint has one) is read by
-  transformers' tokenizers backend (PreTrainedTokenizerFast) as the file defines it: the same
-  ids, special tokens and chat template as the Qwen2Tokenizer that AutoTokenizer builds from the
-  same files (tests/tokenizer_test.py). AutoTokenizer imports transformers' model registry, and
-  with it PyTorch where that is installed (about 2 s of every run's start-up); it is kept for a
-  directory without tokenizer.json and for hub ids, where it downloads what it needs.
+  A local directory whose tokenizer_config.json names a class of _DIRECT (every Qwen
+  checkpoint's Qwen2Tokenizer, or the tokenizers backend a tiny tokenizer is saved as) is loaded
+  with that class itself: the class AutoTokenizer would pick, so the same tokenizer, and the same
+  tokenizer_class in an exported checkpoint. AutoTokenizer imports transformers' model registry,
+  and with it PyTorch where that is installed (about 2 s of every run's start-up); it loads any
+  other directory, and hub ids, where it downloads what it needs.
   """
   local = hub.local_path(name_or_path, field)
   if local is not None:
-    if os.path.isfile(os.path.join(local, "tokenizer.json")):
-      return transformers.PreTrainedTokenizerFast.from_pretrained(local)
-    return transformers.AutoTokenizer.from_pretrained(local)
+    return _tokenizer_class(local).from_pretrained(local)
   hub.prepare()
   try:
     return transformers.AutoTokenizer.from_pretrained(name_or_path)
   except OSError as e:
     raise hub.unavailable(name_or_path, field, "tokenizer", e) from e
+
+
+# tokenizer_config.json's tokenizer_class -> (module, class) to load it with, for directories
+# that hold a tokenizer.json.
+_DIRECT = {"Qwen2Tokenizer": ("transformers.models.qwen2.tokenization_qwen2", "Qwen2Tokenizer"),
+           "TokenizersBackend": ("transformers", "PreTrainedTokenizerFast"),
+           "PreTrainedTokenizerFast": ("transformers", "PreTrainedTokenizerFast")}
+
+
+def _tokenizer_class(local: str):
+  """The class that loads the tokenizer directory `local`: its tokenizer_class's, where _DIRECT
+  names it and a tokenizer.json is there, else AutoTokenizer."""
+  try:
+    with open(os.path.join(local, "tokenizer_config.json")) as f:
+      name = json.load(f).get("tokenizer_class")
+  except (OSError, ValueError, AttributeError):
+    name = None
+  if name not in _DIRECT or not os.path.isfile(os.path.join(local, "tokenizer.json")):
+    return transformers.AutoTokenizer
+  module, attr = _DIRECT[name]
+  return getattr(importlib.import_module(module), attr)
 
 
 def _generation_config_path(name_or_path: str) -> str | None:

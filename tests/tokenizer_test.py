@@ -51,22 +51,27 @@ def test_stop_ids_fall_back_to_tokenizer_eos(qwen, tmp_path):
     tokenizer_lib.stop_ids(qwen, str(tmp_path))
 
 
-def test_qwen_tokenizers_load_as_autotokenizers_qwen2tokenizer_does(qwen, tmp_path):
-  """load_tokenizer reads tokenizer.json with transformers' tokenizers backend; AutoTokenizer,
-  for a Qwen checkpoint's tokenizer_config.json (tokenizer_class Qwen2Tokenizer, as on the hub),
-  builds Qwen2Tokenizer. Both give the same ids, texts, special tokens and chat template on
-  every GSM8K test problem and answer."""
+@pytest.mark.parametrize("tokenizer_class", ["Qwen2Tokenizer", "TokenizersBackend"])
+def test_qwen_tokenizers_load_as_autotokenizer_loads_them(tokenizer_class, tmp_path):
+  """load_tokenizer loads the class tokenizer_config.json names without AutoTokenizer (a Qwen
+  checkpoint's Qwen2Tokenizer, as on the hub, or the tokenizers backend ../shared's was saved
+  with): the class AutoTokenizer picks, the same ids, texts, special tokens and chat template on
+  every GSM8K test problem and answer, and the same tokenizer_config.json when saved (as an
+  exported final_model/ holds it)."""
   import shutil
   import transformers
   hub_like = tmp_path / "qwen"
   shutil.copytree(QWEN_DIR, hub_like)
   config = json.loads((hub_like / "tokenizer_config.json").read_text())
-  config["tokenizer_class"] = "Qwen2Tokenizer"
+  config["tokenizer_class"] = tokenizer_class
   (hub_like / "tokenizer_config.json").write_text(json.dumps(config))
   auto = transformers.AutoTokenizer.from_pretrained(str(hub_like))
   ours = tokenizer_lib.load_tokenizer(str(hub_like))
-  assert type(auto).__name__ == "Qwen2Tokenizer" and type(ours) is not type(auto)
-  assert type(qwen) is type(ours)
+  assert type(ours) is type(auto) and type(auto).__name__ == tokenizer_class
+  for tok, where in ((ours, tmp_path / "ours"), (auto, tmp_path / "auto")):
+    tok.save_pretrained(where)
+  assert json.loads((tmp_path / "ours" / "tokenizer_config.json").read_text()) == json.loads(
+      (tmp_path / "auto" / "tokenizer_config.json").read_text())
   assert len(ours) == len(auto) and ours.all_special_ids == auto.all_special_ids
   assert (ours.eos_token_id, ours.pad_token_id) == (auto.eos_token_id, auto.pad_token_id)
   rows = [json.loads(line) for line in (SHARED / "gsm8k" / "test.jsonl").open()]
