@@ -5,6 +5,10 @@ choice of one token per row from last hidden states, with the [B, V] logits neve
     head = token_choice.prepare_head(head_VD, valid_vocab_size, vocab_chunk)
     tok_B, logp_B, extra_rounds, fell_back_B = token_choice.next_token(
         sp, head, h_BD, step_keys_B, valid_vocab_size, top_p_draws)
+    # One program for every setting with the same cuts on (tests: a compile per kind of setting):
+    shape, nums = token_choice.traced(sp)
+    ... = token_choice.next_token(shape, head, h_BD, step_keys_B, valid_vocab_size,
+                                  top_p_draws, nums)
 
 Settings: `greedy` (or temperature=0: the first argmax), `temperature`, `top_k`, `top_p`,
 `min_p`, applied as transformers' generate applies its warpers (Temperature-, TopK-, TopP- and
@@ -92,6 +96,34 @@ class SamplingParams:
   @property
   def cuts(self) -> bool:
     return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+
+class Numbers(NamedTuple):
+  """The numbers of a SamplingParams as `next_token` computes with them. From `numbers_of(sp)`
+  they are Python floats, constants of the compiled program (as the sampler runs it); as
+  float32 scalars (`traced`) they are arguments, and one program serves every setting of one
+  shape. The two compute the same: a Python float enters the program as the float32 it rounds
+  to."""
+  inv_temp: float | Array   # 1 / temperature
+  top_p: float | Array
+  log_min_p: float | Array  # log(min_p); unread when min_p is off
+
+
+def numbers_of(sp: SamplingParams) -> Numbers:
+  return Numbers(1.0 / sp.temperature, sp.top_p, math.log(sp.min_p) if sp.min_p > 0.0 else 0.0)
+
+
+def traced(sp: SamplingParams) -> tuple[SamplingParams, Numbers]:
+  """(the shape of sp's program, its numbers as float32 scalars) for
+  `next_token(shape, ..., nums=...)`: the tokens of `next_token(sp, ...)`, from one compile for
+  every SamplingParams with the same greedy, top_k and cuts switched on.
+
+  >>> traced(parse_settings(temperature=0.7, top_p=0.9))[0]
+  SamplingParams(greedy=False, temperature=1.0, top_k=0, top_p=0.5, min_p=0.0)
+  """
+  shape = SamplingParams(sp.greedy, 1.0, sp.top_k, 0.5 if sp.top_p < 1.0 else 1.0,
+                         0.5 if sp.min_p > 0.0 else 0.0)
+  return shape, Numbers(*(np.float32(x) for x in numbers_of(sp)))
 
 
 def parse_settings(greedy=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> SamplingParams:
@@ -377,7 +409,7 @@ def _mass_above_pass(head, h_BD, inv_temp, v_BS, tau_B, ref_B, tok_BS=None):
 # One token per row.
 
 
-def _cut_threshold(sp: SamplingParams, m_B, lse_B, vals_BK, valid: int):
+def _cut_threshold(sp: SamplingParams, num: Numbers, m_B, lse_B, vals_BK, valid: int):
   """From the top-K candidates (K = top_k + 1): (threshold tau, top-k floor, covered) per row.
 
   covered: every token with logit >= tau is among the candidates and tau is exact, so the draw
@@ -390,17 +422,17 @@ def _cut_threshold(sp: SamplingParams, m_B, lse_B, vals_BK, valid: int):
   tau = tau_k
   if sp.top_p < 1.0:  # measured on the top-k set; min-p comes after
     p_BK = jnp.exp(vals_BK - m_B[:, None]) * (vals_BK >= tau_k[:, None])
-    reach_BK = jnp.cumsum(p_BK, -1) >= sp.top_p * jnp.sum(p_BK, -1, keepdims=True)
+    reach_BK = jnp.cumsum(p_BK, -1) >= num.top_p * jnp.sum(p_BK, -1, keepdims=True)
     tau = jnp.maximum(tau, jnp.take_along_axis(vals_BK, jnp.argmax(reach_BK, -1)[:, None], 1)[:, 0])
   if sp.min_p > 0.0:
-    tau = jnp.maximum(tau, m_B + math.log(sp.min_p))
+    tau = jnp.maximum(tau, m_B + num.log_min_p)
   return tau, tau_k, covered
 
 
 MAX_EXTRA_ROUNDS = 64  # top-p redraws per step before a row falls back to its top token
 
 
-def _nucleus_draw(sp: SamplingParams, head, h_BD, inv_temp, uniforms, num_draws, valid,
+def _nucleus_draw(sp: SamplingParams, num: Numbers, head, h_BD, uniforms, num_draws, valid,
                   tau_B=None, nucleus_lse_B=None):
   """A draw ∝ exp(logit) over {logit >= tau} (None: every token) and the top-p nucleus.
 
@@ -419,6 +451,7 @@ def _nucleus_draw(sp: SamplingParams, head, h_BD, inv_temp, uniforms, num_draws,
   """
   n = uniforms.num_chunks
   s = num_draws if sp.top_p < 1.0 else 1
+  inv_temp = num.inv_temp
 
   def draw(round_, top_block=False):
     u_NBS3 = uniforms(round_, (n, s, 3)).transpose(1, 0, 2, 3)
@@ -435,7 +468,7 @@ def _nucleus_draw(sp: SamplingParams, head, h_BD, inv_temp, uniforms, num_draws,
 
   def judge(tok_BS, logit_BS):
     above_BS = _mass_above_pass(head, h_BD, inv_temp, logit_BS, floor, m, tok_BS)
-    ok_BS = above_BS < sp.top_p * total[:, None]
+    ok_BS = above_BS < num.top_p * total[:, None]
     j = _first_true(ok_BS, ok_BS)[:, None]
     return (jnp.take_along_axis(tok_BS, j, 1)[:, 0], jnp.take_along_axis(logit_BS, j, 1)[:, 0],
             jnp.any(ok_BS, -1))
@@ -474,36 +507,40 @@ class _Uniforms:
     return jax.vmap(lambda k: flat(k).reshape(shape))(self.keys_B)
 
 
-def next_token(sp: SamplingParams, head: _Head, h_BD, keys_B, valid: int, num_draws: int):
+def next_token(sp: SamplingParams, head: _Head, h_BD, keys_B, valid: int, num_draws: int,
+               nums: Numbers | None = None):
   """One token per row from hidden states h_BD and per-row step keys.
+
+  sp decides the program; its numbers are `nums` where given (`traced`), else sp's own.
 
   Returns (token, log-prob before the cuts, extra rounds: top-p redraws, or 1 where a tie at
   the k-th value sent top-k down the streaming path, and per row whether its top-p redraws ran
   out and it took its top token instead: False unless top_p is tiny and the distribution flat).
   """
-  inv_temp = 1.0 / sp.temperature
+  num = numbers_of(sp) if nums is None else nums
+  inv_temp = num.inv_temp
   none_B = jnp.zeros(h_BD.shape[:1], bool)
   if sp.greedy:
     tok, logit, lse = _greedy_pass(head, h_BD, inv_temp, valid)
     return tok, logit - lse, jnp.int32(0), none_B
   uniforms = _Uniforms(keys_B, _num_chunks(valid, _head_chunk(head)))
   if not sp.cuts:
-    tok, logit, lse, _, _ = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms, 1, valid)
+    tok, logit, lse, _, _ = _nucleus_draw(sp, num, head, h_BD, uniforms, 1, valid)
     return tok, logit - lse, jnp.int32(0), none_B
-  min_p_cut = (lambda m: m + math.log(sp.min_p)) if sp.min_p > 0.0 else (lambda m: -jnp.inf)
+  min_p_cut = (lambda m: m + num.log_min_p) if sp.min_p > 0.0 else (lambda m: -jnp.inf)
 
   if not 0 < sp.top_k < valid:  # top-p and/or min-p only
     lse, tau = None, None
     if sp.min_p > 0.0:  # lse: also the mass top-p is measured on, the whole vocabulary's
       _, m, lse = _greedy_pass(head, h_BD, inv_temp, valid, argmax=False)
       tau = min_p_cut(m)
-    tok, logit, kept_lse, rounds, fell_back = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms,
+    tok, logit, kept_lse, rounds, fell_back = _nucleus_draw(sp, num, head, h_BD, uniforms,
                                                             num_draws, valid, tau, lse)
     return tok, logit - (kept_lse if lse is None else lse), rounds, fell_back
 
   # top-k: the k + 1 best candidates decide everything unless the k-th value is tied beyond them.
   m, lse, vals, ids = _candidates_pass(head, h_BD, inv_temp, sp.top_k + 1)
-  tau, tau_k, covered = _cut_threshold(sp, m, lse, vals, valid)
+  tau, tau_k, covered = _cut_threshold(sp, num, m, lse, vals, valid)
   pick = _inverse_cdf(jnp.exp(vals - m[:, None]) * (vals >= tau[:, None]), uniforms(0, (1,)))
   tok = jnp.take_along_axis(ids, pick, 1)[:, 0]
   logit = jnp.take_along_axis(vals, pick, 1)[:, 0]
@@ -514,7 +551,7 @@ def next_token(sp: SamplingParams, head: _Head, h_BD, keys_B, valid: int, num_dr
     if sp.min_p > 0.0 and sp.top_p < 1.0:  # top-p is measured on the top-k set, before min-p
       every_B1 = jnp.full((m.shape[0], 1), -jnp.inf)
       top_k_lse = m + jnp.log(_mass_above_pass(head, h_BD, inv_temp, every_B1, tau_k, m)[:, 0])
-    t, l, _, rounds, fell_back = _nucleus_draw(sp, head, h_BD, inv_temp, uniforms, num_draws,
+    t, l, _, rounds, fell_back = _nucleus_draw(sp, num, head, h_BD, uniforms, num_draws,
                                                valid, floor, top_k_lse)
     return t, l, rounds + 1, fell_back
   f_tok, f_logit, extra, fell_back = jax.lax.cond(

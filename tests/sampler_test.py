@@ -193,8 +193,15 @@ def test_sharded_batch_matches_unsharded(greedy_cases):
                              atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def samples():
+  """_same_samples' outputs by (model config, mesh shape), shared by the tests that compare
+  with the same one: each is sampled (and compiled) once."""
+  return {}
+
+
 @pytest.mark.parametrize("kind", ["qwen2_tied", "qwen3"])
-def test_unrolled_decode_equals_transformers_and_the_layer_scan(greedy_cases, kind):
+def test_unrolled_decode_equals_transformers_and_the_layer_scan(greedy_cases, samples, kind):
   """cfg.run.unroll_decode (the layers written out in the decode step, on per-layer copies of
   their weights): greedy tokens equal transformers' generate, and sampled tokens and log-probs
   equal the layer scan's on a (2, 2, 2) mesh as well as on one device."""
@@ -210,7 +217,7 @@ def test_unrolled_decode_equals_transformers_and_the_layer_scan(greedy_cases, ki
                              atol=1e-6)
   mesh = sharding.make_mesh((2, 2, 2))
   for params, m in ((case["params"], None), (_sharded(case, mesh), mesh)):
-    _same_samples(case, settings, case["cfg"], unrolled, params, m, atol=1e-6)
+    _same_samples(samples, case, settings, case["cfg"], unrolled, params, m, atol=1e-6)
 
 
 def _sharded(case, mesh):
@@ -218,18 +225,23 @@ def _sharded(case, mesh):
       qwen.logical_axes(case["cfg"]), qwen.abstract_params(case["cfg"]), mesh))
 
 
-def _same_samples(case, settings, cfg, other, params, mesh, atol):
-  """Sampling with model config `other` gives cfg's tokens, and its log-probs within atol."""
-  outs = [sampler_lib.Sampler(c, temperature=0.9, mesh=mesh, **settings)(
-              {"params": params}, case["prompts"], num_samples=4, key=jax.random.key(3))
-          for c in (cfg, other)]
+def _same_samples(samples, case, settings, cfg, other, params, mesh, atol):
+  """Sampling with model config `other` gives cfg's tokens, and its log-probs within atol
+  (`samples`: the fixture; settings and prompts are the case's own, the same in every test)."""
+  def sample(c):
+    key = (c, None if mesh is None else mesh.devices.shape)
+    if key not in samples:
+      samples[key] = sampler_lib.Sampler(c, temperature=0.9, mesh=mesh, **settings)(
+          {"params": params}, case["prompts"], num_samples=4, key=jax.random.key(3))
+    return samples[key]
+  outs = [sample(c) for c in (cfg, other)]
   np.testing.assert_array_equal(np.asarray(outs[1].tokens), np.asarray(outs[0].tokens))
   np.testing.assert_allclose(np.asarray(outs[1].logprobs), np.asarray(outs[0].logprobs),
                              atol=atol)
   assert len({tuple(t) for t in np.asarray(outs[0].tokens)}) > 4  # really sampled
 
 
-def test_pallas_decode_attention_equals_transformers_and_the_einsum(greedy_cases):
+def test_pallas_decode_attention_equals_transformers_and_the_einsum(greedy_cases, samples):
   """cfg.run.decode_attention='pallas' (one fused kernel per layer, run here by Pallas's
   interpreter): greedy tokens equal transformers' generate, and sampled tokens and log-probs
   equal the einsum attention's, with the layers scanned and written out, on one device and on
@@ -245,7 +257,7 @@ def test_pallas_decode_attention_equals_transformers_and_the_einsum(greedy_cases
   mesh = sharding.make_mesh((2, 2, 2))
   for params, m, unroll in ((case["params"], None, False), (case["params"], None, True),
                             (_sharded(case, mesh), mesh, False)):
-    _same_samples(case, settings, case["cfg"].with_run(unroll_decode=unroll),
+    _same_samples(samples, case, settings, case["cfg"].with_run(unroll_decode=unroll),
                   fused.with_run(unroll_decode=unroll), params, m, atol=1e-5)
 
 

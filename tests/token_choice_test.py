@@ -7,6 +7,11 @@ renormalised probabilities. Then the streaming draws of `next_token` (the real c
 and tie-fallback paths, on a head that is the identity so the hidden states are the logits)
 against `cut_probs`: every drawn token is kept, every likely kept token is drawn, and the draw
 counts pass a chi-square goodness-of-fit test (p = 1e-4, fixed seeds).
+
+Compiles are the cost here: the draws run `next_token` on `token_choice.traced` settings (the
+numbers as arguments), at the sampler's XLA options, and always on R_DRAWN rows of DRAWS copies,
+so that every setting with the same cuts switched on shares one program: 21 compiles in all
+(one of them for the settings as constants), where one per setting took 45.
 """
 
 import itertools
@@ -20,7 +25,7 @@ from transformers.generation import (MinPLogitsWarper, TemperatureLogitsWarper, 
                                      TopPLogitsWarper)
 
 import chi2
-from grpo_jax import token_choice
+from grpo_jax import compile_cache, token_choice
 
 V = 200
 CHUNK = 64  # 3 chunks of 64 + a rest of 8: the streaming code's two kinds of chunk both run
@@ -28,7 +33,9 @@ CHUNK = 64  # 3 chunks of 64 + a rest of 8: the streaming code's two kinds of ch
 # on a GPU, sampler.Sampler's default there).
 CHUNKS = {"chunked": CHUNK, "one_chunk": V}
 DRAWS = 4096  # per row
-K, P, M = 20, 0.8, 0.05
+R_DRAWN = 4  # rows per draw: a test of fewer rows draws them padded with copies of its first
+# K = 5: the top-k of the tie tests (_tied_at_k), so that their draws share these programs.
+K, P, M = 5, 0.8, 0.05
 
 
 def _rows():
@@ -95,18 +102,40 @@ def test_cut_probs_equal_transformers_warpers(settings):
     assert ((probs > 0).sum(1) < V).any()  # the cuts bite
 
 
-_next_token = jax.jit(token_choice.next_token, static_argnums=(0, 4, 5))
+def _jit_next_token(fn=token_choice.next_token):
+  """fn = next_token(sp's program, head, h_BD, keys_B, valid, num_draws, numbers), compiled as
+  the sampler compiles it."""
+  return jax.jit(fn, static_argnums=(0, 4, 5), compiler_options=compile_cache.compiler_options())
+
+
+_next_token = _jit_next_token()
+
+
+def _next_token_traced(next_token, head, h_BD, keys_B, valid, top_p_draws, **settings):
+  shape, nums = token_choice.traced(token_choice.parse_settings(**settings))
+  return next_token(shape, head, h_BD, keys_B, valid, top_p_draws, nums)
+
+
+def _padded(rows_RV):
+  """[R_DRAWN, V]: the rows, then copies of the first (one program for every test's draws)."""
+  return np.concatenate([rows_RV, np.repeat(rows_RV[:1], R_DRAWN - len(rows_RV), 0)])
+
+
+def _draws_of(rows_RV, draws, seed):
+  """(h_BD: `draws` copies of each of the R_DRAWN padded rows, row-major; keys_B)."""
+  h_BD = jnp.repeat(jnp.asarray(_padded(rows_RV)), draws, 0)
+  return h_BD, jax.random.split(jax.random.key(seed), R_DRAWN * draws)
 
 
 def _draw(logits_RV, draws=DRAWS, seed=0, top_p_draws=4, chunk=CHUNK, **settings):
   """next_token for `draws` copies of each row: (tokens [R, draws], log-probs [R, draws])."""
   r = logits_RV.shape[0]
   head = token_choice.prepare_head(jnp.eye(V), V, chunk)  # logits = the hidden state
-  h_BD = jnp.repeat(jnp.asarray(logits_RV), draws, 0)
-  keys_B = jax.random.split(jax.random.key(seed), r * draws)
-  tok, logp, _, _ = _next_token(token_choice.parse_settings(**settings), head, h_BD, keys_B, V,
-                                top_p_draws)
-  return np.asarray(tok).reshape(r, draws), np.asarray(logp).reshape(r, draws)
+  h_BD, keys_B = _draws_of(logits_RV, draws, seed)
+  tok, logp, _, _ = _next_token_traced(_next_token, head, h_BD, keys_B, V, top_p_draws,
+                                       **settings)
+  return (np.asarray(tok).reshape(R_DRAWN, draws)[:r],
+          np.asarray(logp).reshape(R_DRAWN, draws)[:r])
 
 
 def _check_draws(tokens_RN, probs_RV):
@@ -178,10 +207,9 @@ def test_rows_whose_top_p_redraws_run_out_take_a_kept_token(top_p):
   kept = np.flatnonzero(_transformers_probs(row[None], top_p=top_p)[0])
   assert 1 <= len(kept) <= 8
   head = token_choice.prepare_head(jnp.eye(v), v, 128)
-  sp = token_choice.parse_settings(top_p=top_p)
-  next_token = jax.jit(lambda h, k: token_choice.next_token(sp, head, h, k, v, 4))
-  tok, _, rounds, fell_back = next_token(jnp.repeat(jnp.asarray(row)[None], n, 0),
-                                         jax.random.split(jax.random.key(0), n))
+  tok, _, rounds, fell_back = _next_token_traced(
+      _next_token, head, jnp.repeat(jnp.asarray(row)[None], n, 0),
+      jax.random.split(jax.random.key(0), n), v, 4, top_p=top_p)
   tok, fell_back = np.asarray(tok), np.asarray(fell_back)
   assert np.isin(tok, kept).all(), np.setdiff1d(tok, kept)
   assert int(rounds) == token_choice.MAX_EXTRA_ROUNDS
@@ -189,9 +217,16 @@ def test_rows_whose_top_p_redraws_run_out_take_a_kept_token(top_p):
   assert (tok[fell_back] == row.argmax()).all()  # the top token
 
 
+# Traced only with _one_ulp_up_in_the_judging_pass in force: the patch is read when a program is
+# traced, and jit keeps the program. A function of its own: JAX keeps traces by function, and
+# a jit of next_token itself would run _next_token's unpatched ones.
+_next_token_one_ulp_up = _jit_next_token(lambda *args: token_choice.next_token(*args))
+
+
 def _one_ulp_up_in_the_judging_pass(monkeypatch):
   """Makes the pass that measures the mass above each candidate round every logit one ulp up from
-  the value the draw pass recorded, as two differently compiled matmuls may."""
+  the value the draw pass recorded, as two differently compiled matmuls may. Draw with
+  _next_token_one_ulp_up."""
   scan = token_choice._vocab_scan
 
   def vocab_scan(head, h_BD, inv_temp, body, carry, per_chunk=None):
@@ -211,28 +246,23 @@ def test_a_candidate_never_counts_its_own_mass_as_above_it(settings, monkeypatch
   _one_ulp_up_in_the_judging_pass(monkeypatch)
   rows = ROWS if settings["top_p"] == P else _two_leaders(np.random.default_rng(1))[None]
   rows = rows.astype(np.float32)
+  _check_patched_draws(rows, settings)
+
+
+def _check_patched_draws(rows_RV, settings):
+  """next_token's draws under the patch: few rounds, and they fit the cut probabilities."""
   head = token_choice.prepare_head(jnp.eye(V), V, CHUNK)
-  sp = token_choice.parse_settings(**settings)
-  r, n = rows.shape[0], DRAWS
-  next_token = jax.jit(lambda h, k: token_choice.next_token(sp, head, h, k, V, 4))
-  tok, _, rounds, _ = next_token(jnp.repeat(jnp.asarray(rows), n, 0),
-                                 jax.random.split(jax.random.key(0), r * n))
+  r, n = rows_RV.shape[0], DRAWS
+  tok, _, rounds, _ = _next_token_traced(_next_token_one_ulp_up, head, *_draws_of(rows_RV, n, 0),
+                                         V, 4, **settings)
   assert int(rounds) < 4  # without the exclusion: every round rejects the top token
-  _check_draws(np.asarray(tok).reshape(r, n), _cut_probs(rows, **settings))
+  _check_draws(np.asarray(tok).reshape(R_DRAWN, n)[:r], _cut_probs(rows_RV, **settings))
 
 
 def test_top_k_tie_path_never_counts_a_candidates_own_mass(monkeypatch):
   """The same on the exact path a tie at the k-th value takes (its floor is top-k's)."""
   _one_ulp_up_in_the_judging_pass(monkeypatch)
-  row = _tied_at_k(5)
-  settings = dict(top_k=5, top_p=0.7, min_p=0.1)
-  head = token_choice.prepare_head(jnp.eye(V), V, CHUNK)
-  sp = token_choice.parse_settings(**settings)
-  next_token = jax.jit(lambda h, k: token_choice.next_token(sp, head, h, k, V, 4))
-  tok, _, rounds, _ = next_token(jnp.repeat(jnp.asarray(row), DRAWS, 0),
-                                 jax.random.split(jax.random.key(0), DRAWS))
-  assert int(rounds) < 4
-  _check_draws(np.asarray(tok)[None], _cut_probs(row, **settings))
+  _check_patched_draws(_tied_at_k(5), dict(top_k=5, top_p=0.7, min_p=0.1))
 
 
 def _tied_at_k(k):
@@ -288,3 +318,22 @@ def test_uniforms_are_jax_random_uniform_of_each_row_key():
     want = np.stack([np.asarray(jax.random.uniform(jax.random.fold_in(k, round_), shape))
                      for k in keys])
     np.testing.assert_array_equal(np.asarray(uniforms(round_, shape)), want)
+
+
+def test_traced_settings_draw_what_the_settings_as_constants_draw():
+  """The draws above run `token_choice.traced` settings (one program per kind of setting); the
+  sampler compiles its settings in as constants. Both give the same tokens, log-probs, rounds
+  and fallbacks, to the bit (every cut on, on the rows of the tie and top-p tests too)."""
+  settings = dict(temperature=0.7, top_k=K, top_p=P, min_p=M)
+  sp = token_choice.parse_settings(**settings)
+  head = token_choice.prepare_head(jnp.eye(V), V, CHUNK)
+  const = jax.jit(lambda h, k: token_choice.next_token(sp, head, h, k, V, 4),
+                  compiler_options=compile_cache.compiler_options())
+  tied = _tied_at_k(K)
+  for rows in (ROWS, tied, _two_leaders(np.random.default_rng(1))[None].astype(np.float32)):
+    h_BD, keys_B = _draws_of(rows, DRAWS, 0)
+    want = const(h_BD, keys_B)
+    got = _next_token_traced(_next_token, head, h_BD, keys_B, V, 4, **settings)
+    assert (int(want[2]) > 0) == (rows is tied)  # the tie takes the exact path: a round
+    for name, x, y in zip(("tokens", "log-probs", "rounds", "fell back"), got, want):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)

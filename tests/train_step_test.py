@@ -685,13 +685,9 @@ def test_cosine_schedule_counts_every_update_of_mu(params, data):
   assert int(state["step"]) == steps * mu and float(m["lr"]) > 0
 
 
-@pytest.mark.parametrize("accum,shape,layout", [
-    (1, (1, 1, 1), (G, G)), (2, (2, 2, 2), (G, G)), (4, (1, 1, 1), (G, G)),  # whole groups
-    (2, (1, 8, 1), (1, G // 2)),  # 8 prompts do not split into 2 × 8: G / accum rows per group
-    (4, (2, 2, 2), (1, 1))])      # ... and accum = G leaves one: the full forward
-def test_prompt_run_once_per_group_equals_running_every_row(params, data, accum, shape, layout):
-  """The shared-prompt forward (whole groups per micro-batch, or G / accum rows of each) gives
-  the step of the full forward over every row."""
+def _prompt_once_step(params, data, accum, shape):
+  """(step, its rollout-layout result (state, metrics, advantages), params, ref) for accum and
+  a mesh shape: the shared-prompt forward, from the baseline batch's prompts."""
   batch = _shared_prompts(data[0])
   rewards = np.random.default_rng(4).normal(size=(B, 1)).astype(np.float32)
   optim = optim_config(grad_accum_steps=accum)
@@ -699,16 +695,42 @@ def test_prompt_run_once_per_group_equals_running_every_row(params, data, accum,
   p = jax.device_put(params, train_step.state_shardings(MODEL, optim, mesh)["params"])
   step = train_step.make_train_step(MODEL, loss_config(), optim, mesh, group_size=G,
                                     reward_weights=(1.0,))
-  assert step.micro_layout(B) == layout
   ref = jax.tree.map(lambda x: x * 0.9, p)
-  got, got_m, adv = step(train_step.create_train_state(p, MODEL, optim, mesh),
-                         _rollout_from(batch, rewards), ref)
-  train = {k: v for k, v in batch.items() if k not in ("old_logp_BC", "ref_logp_BC")}
-  want, want_m, _ = step(train_step.create_train_state(p, MODEL, optim, mesh),
+  out = step(train_step.create_train_state(p, MODEL, optim, mesh),
+             _rollout_from(batch, rewards), ref)
+  return step, out, p, ref
+
+
+@pytest.fixture(scope="module")
+def full_forward_step(params, data):
+  """The full forward over every row (the train layout), on one device, in one micro-batch,
+  with the advantages the rollout layout made there: host (state, metrics)."""
+  step, (_, _, adv), p, ref = _prompt_once_step(params, data, 1, (1, 1, 1))
+  train = {k: v for k, v in _shared_prompts(data[0]).items()
+           if k not in ("old_logp_BC", "ref_logp_BC")}
+  optim = optim_config(grad_accum_steps=1)
+  want, want_m, _ = step(train_step.create_train_state(p, MODEL, optim, single_mesh()),
                          dict(train, advantages_B=np.asarray(adv)), ref)
+  return host(want), host(want_m)
+
+
+# Each layout against the one full forward (one program, not one per layout): the step's own
+# micro-batching and mesh give the one-device step (test_sharded_step_matches_single_device,
+# test_dapo_one_micro_batch_equals_four), so what is compared here is the layout.
+@pytest.mark.parametrize("accum,shape,layout", [
+    (1, (1, 1, 1), (G, G)), (2, (2, 2, 2), (G, G)), (4, (1, 1, 1), (G, G)),  # whole groups
+    (2, (1, 8, 1), (1, G // 2)),  # 8 prompts do not split into 2 × 8: G / accum rows per group
+    (4, (2, 2, 2), (1, 1))])      # ... and accum = G leaves one: the full forward
+def test_prompt_run_once_per_group_equals_running_every_row(params, data, full_forward_step,
+                                                            accum, shape, layout):
+  """The shared-prompt forward (whole groups per micro-batch, or G / accum rows of each) gives
+  the step of the full forward over every row."""
+  step, (got, got_m, _), _, _ = _prompt_once_step(params, data, accum, shape)
+  assert step.micro_layout(B) == layout
+  want, want_m = full_forward_step
   for k in ("loss", "loss/kl", "entropy", "grad_norm"):
     np.testing.assert_allclose(float(got_m[k]), float(want_m[k]), rtol=1e-5, err_msg=k)
-  assert_same_step(host(got), host(got_m), host(want), host(want_m))
+  assert_same_step(host(got), host(got_m), want, want_m)
 
 
 
