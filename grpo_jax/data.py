@@ -118,10 +118,10 @@ def _blank(path: str) -> bool:
 
 
 def _read_with_datasets(source: str, files: Sequence[str] | None, split: str,
-                        config_name: str | None, cache_dir: str | None,
-                        field: str) -> tuple[list[dict], list[str]]:
+                        config_name: str | None, cache_dir: str | None, field: str,
+                        keep: Sequence[str]) -> tuple[list[dict], list[str]]:
   """A .json or .parquet file's rows (files), or a hub data set's split (files None), read by
-  datasets, and their columns."""
+  datasets, with only the columns of `keep` it has; and all its columns."""
   import datasets  # Heavy import, only needed here.
 
   if files is not None:
@@ -137,7 +137,8 @@ def _read_with_datasets(source: str, files: Sequence[str] | None, split: str,
       ds = datasets.load_dataset(source, config_name, split=split, cache_dir=cache_dir)
     except (ConnectionError, FileNotFoundError, ValueError) as e:
       raise hub.unavailable(source, field, "data set", e) from e
-  return ds.to_list(), list(ds.column_names)
+  columns = list(ds.column_names)
+  return ds.select_columns([c for c in dict.fromkeys(keep) if c in columns]).to_list(), columns
 
 
 def load_rows(source: str, split: str = "train", *, config_name: str | None = None,
@@ -162,7 +163,8 @@ def load_rows(source: str, split: str = "train", *, config_name: str | None = No
     # import costs every run's start-up about 2 s for the same rows.
     table, columns = _read_jsonl(files, field)
   else:
-    table, columns = _read_with_datasets(source, files, split, config_name, cache_dir, field)
+    table, columns = _read_with_datasets(source, files, split, config_name, cache_dir, field,
+                                         (question_field, answer_field))
   where = ", ".join(files) if files is not None else f"{source} [{split}]"
   for name in (question_field, answer_field):
     if name not in columns:
